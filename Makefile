@@ -1,0 +1,46 @@
+# hpcpar — the two set-up commands are `make demo` and `make test` (README.md).
+# Both create .venv when missing and install what they need (MPI from PyPI included).
+
+PYTHON  ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+MPIEXEC := $(VENV)/bin/mpiexec
+NATIVE  := build/libhpcpar_native.so
+# Every MPI run is under a timeout: a hang fails the run instead of stalling it.
+TIMEOUT := timeout -k 15
+PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
+
+.PHONY: setup native demo test test-serial test-mpi bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[mpich,test]'
+	touch $@
+
+native: $(NATIVE)
+
+$(NATIVE): setup CMakeLists.txt $(wildcard native/*.c native/*.h)
+	cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMPI_C_COMPILER=$(abspath $(VENV))/bin/mpicc -DHPCPAR_PYTHON=$(abspath $(PY)) > build.log 2>&1 || (cat build.log; exit 1)
+	cmake --build build -j 2 >> build.log 2>&1 || (cat build.log; exit 1)
+
+demo: setup
+	$(TIMEOUT) 900 $(MPIEXEC) -n 4 $(VENV)/bin/hpcpar train jobs/demo.toml
+
+test: setup native test-serial test-mpi
+
+test-serial:
+	$(TIMEOUT) 600 $(PYTEST) tests
+
+test-mpi:
+	$(TIMEOUT) 120 $(MPIEXEC) -n 1 $(PYTEST) --with-mpi -m mpi tests
+	$(TIMEOUT) 300 $(MPIEXEC) -n 2 $(PYTEST) --with-mpi -m mpi tests
+	$(TIMEOUT) 400 $(MPIEXEC) -n 4 $(PYTEST) --with-mpi -m mpi tests
+
+bench: setup native
+	$(TIMEOUT) 600 $(MPIEXEC) -n 4 $(VENV)/bin/hpcpar bench allreduce
+
+clean:
+	rm -rf build build.log

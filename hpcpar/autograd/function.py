@@ -1,0 +1,75 @@
+"""The base of every differentiable op.
+
+An op is a small ``Function`` subclass: ``forward`` works on raw arrays and saves on
+``self`` only what ``backward`` needs; ``backward`` takes the gradient of the output and
+returns one gradient (or None) per tensor input. ``apply`` wires it into the graph.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from ..backend import get_array_module
+
+_grad_enabled = True
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Inside this block ops record no graph (evaluation, optimizer updates)."""
+    global _grad_enabled
+    previous, _grad_enabled = _grad_enabled, False
+    try:
+        yield
+    finally:
+        _grad_enabled = previous
+
+
+def is_grad_enabled() -> bool:
+    return _grad_enabled
+
+
+def unbroadcast(grad, shape):
+    """Sum ``grad`` back to ``shape``, undoing NumPy broadcasting (the one place it is undone)."""
+    if grad.shape == tuple(shape):
+        return grad
+    extra = grad.ndim - len(shape)
+    if extra:
+        grad = grad.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    if axes:
+        grad = grad.sum(axis=axes, keepdims=True)
+    return grad
+
+
+class Function:
+    """One node of the graph: ``parents`` are the input Tensors, set by ``apply``."""
+
+    __slots__ = ("parents", "__dict__")
+
+    def forward(self, *arrays, **kwargs):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def backward(self, grad):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *inputs, **kwargs):
+        """Run ``forward`` on the inputs' arrays and return a Tensor that remembers this op.
+
+        Non-Tensor inputs (Python numbers, arrays) become constants of the first tensor
+        input's dtype, so float32 models stay float32.
+        """
+        from .tensor import Tensor
+
+        reference = next((x for x in inputs if isinstance(x, Tensor)), None)
+        tensors = tuple(x if isinstance(x, Tensor) else Tensor.constant(x, like=reference) for x in inputs)
+        fn = cls()
+        out = Tensor(fn.forward(*(t.data for t in tensors), **kwargs))
+        if _grad_enabled and any(t.requires_grad for t in tensors):
+            fn.parents = tensors
+            out.requires_grad = True
+            out._fn = fn
+        return out
+
+    def xp(self, array):
+        return get_array_module(array)

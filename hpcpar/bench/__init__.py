@@ -1,0 +1,20 @@
+"""Benchmarks: each prints a table with a baseline measured in the same run.
+
+``hpcpar bench NAME [ARGS]`` runs ``hpcpar.bench.NAME.main(ARGS)``.
+"""
+from __future__ import annotations
+
+import importlib
+
+BENCHMARKS = {
+    "allreduce": "hpcpar array all-reduce vs raw C MPI_Allreduce in the same processes",
+    "step": "single-process GPT training step vs PyTorch CPU",
+    "dp": "data-parallel gradient sync vs one raw flat all-reduce; overlap; weak scaling",
+}
+
+
+def run_benchmark(name: str, argv: list[str]) -> None:
+    if name not in BENCHMARKS:
+        known = ", ".join(f"{k} ({v})" for k, v in BENCHMARKS.items())
+        raise SystemExit(f"hpcpar bench: unknown benchmark {name!r}; known: {known}")
+    importlib.import_module(f"hpcpar.bench.{name}").main(argv)

@@ -1,0 +1,369 @@
+"""Array communication on NumPy and CuPy buffers, with every call counted.
+
+A ``Communicator`` wraps one mpi4py communicator. Array calls take NumPy or CuPy arrays:
+CuPy buffers go straight to MPI when the MPI library is CUDA-aware (after a stream
+synchronize, since MPI reads device memory outside CuPy's stream order) and are staged
+through host memory otherwise. Calls that move pickled Python objects have their own
+names (``*_object``) so they are never mistaken for the array path.
+
+Every call adds to ``comm.stats`` (calls, bytes this rank contributed, seconds), so the
+layers above can report a communication share and tests can assert exact traffic.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+from ..backend import get_array_module, is_gpu_array, synchronize, to_host
+from . import debug
+
+REDUCE_OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+WAIT_POLICIES = ("spin", "yield")
+_YIELD_SLEEP_S = 50e-6  # long enough to give the core away, short next to any real transfer
+
+
+# ----------------------------------------------------------------------------------------
+# Facts about the MPI library
+# ----------------------------------------------------------------------------------------
+def query_cuda_aware() -> bool:
+    """Whether MPI accepts device pointers: ``HPCPAR_CUDA_AWARE=0|1`` or the library's own answer.
+
+    mpi4py does not wrap ``MPIX_Query_cuda_support``, so it is called through ctypes on
+    the already loaded libmpi (reached through mpi4py's extension module). Unknown means no:
+    staging through host memory is always correct, only slower.
+    """
+    override = os.environ.get("HPCPAR_CUDA_AWARE")
+    if override is not None:
+        if override not in ("0", "1"):
+            raise ValueError(f"HPCPAR_CUDA_AWARE must be 0 or 1, got {override!r}")
+        return override == "1"
+    try:
+        query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        return False
+    query.restype = ctypes.c_int
+    return bool(query())
+
+
+def default_wait_policy(node_size: int) -> str:
+    """``yield`` when more ranks than cores share the node, else ``spin``; ``HPCPAR_WAIT`` overrides.
+
+    MPICH busy-polls inside blocking waits; oversubscribed, three spinning ranks halve the
+    fourth one's compute (measured in DESIGN.md), so waits must give the core away.
+    """
+    policy = os.environ.get("HPCPAR_WAIT")
+    if policy is not None:
+        if policy not in WAIT_POLICIES:
+            raise ValueError(f"HPCPAR_WAIT must be one of {WAIT_POLICIES}, got {policy!r}")
+        return policy
+    return "yield" if node_size > (os.cpu_count() or 1) else "spin"
+
+
+# ----------------------------------------------------------------------------------------
+# Counters
+# ----------------------------------------------------------------------------------------
+@dataclass
+class OpCount:
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class CommStats:
+    """Per-operation counters of one communicator."""
+
+    ops: dict = field(default_factory=dict)
+
+    def add(self, op: str, nbytes: int, seconds: float) -> None:
+        count = self.ops.setdefault(op, OpCount())
+        count.calls += 1
+        count.bytes += int(nbytes)
+        count.seconds += seconds
+
+    def add_seconds(self, op: str, seconds: float) -> None:
+        self.ops.setdefault(op, OpCount()).seconds += seconds
+
+    def calls(self, op: str) -> int:
+        return self.ops[op].calls if op in self.ops else 0
+
+    def bytes(self, op: str) -> int:
+        return self.ops[op].bytes if op in self.ops else 0
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(c.seconds for c in self.ops.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.bytes for c in self.ops.values())
+
+    def reset(self) -> None:
+        self.ops.clear()
+
+    def as_dict(self) -> dict:
+        return {op: vars(c).copy() for op, c in sorted(self.ops.items())}
+
+
+# ----------------------------------------------------------------------------------------
+# Buffers: contiguity and host staging
+# ----------------------------------------------------------------------------------------
+def _require_contiguous(array, what: str) -> None:
+    if not array.flags.c_contiguous:
+        raise ValueError(
+            f"{what}: the buffer must be C-contiguous (shape {array.shape}, strides {array.strides}); "
+            "pass xp.ascontiguousarray(x) and read the result from the returned array")
+
+
+class _Staged:
+    """The buffer MPI actually touches for ``array``: the array itself, or a host copy.
+
+    ``device_out`` is where results go back to on the GPU when staged.
+    """
+
+    def __init__(self, array, cuda_aware: bool, copy_in: bool = True):
+        self.device = array if is_gpu_array(array) else None
+        if self.device is None:
+            self.host = array
+        elif cuda_aware:
+            synchronize(array)
+            self.host = array
+        else:
+            self.host = to_host(array) if copy_in else np.empty(array.shape, dtype=array.dtype)
+
+    @property
+    def staged(self) -> bool:
+        return self.device is not None and self.host is not self.device
+
+    def finish(self):
+        """Copy a staged result back to the device buffer; return the user-visible array."""
+        if self.staged:
+            self.device.set(self.host)
+            return self.device
+        return self.host if self.device is None else self.device
+
+
+# ----------------------------------------------------------------------------------------
+# Handles for non-blocking calls
+# ----------------------------------------------------------------------------------------
+class Handle:
+    """A pending non-blocking call; ``wait()`` completes it and returns the result array."""
+
+    def __init__(self, comm: "Communicator", op: str, request, finish, keepalive=None):
+        self._comm, self._op, self._request, self._finish = comm, op, request, finish
+        self._keepalive = keepalive
+        self._result = None
+        self.done = False
+
+    def test(self) -> bool:
+        if not self.done and self._request.Test():
+            self._complete()
+        return self.done
+
+    def wait(self):
+        if not self.done:
+            start = time.perf_counter()
+            self._comm._wait(self._request)
+            self._comm.stats.add_seconds(self._op, time.perf_counter() - start)
+            self._complete()
+        return self._result
+
+    def _complete(self) -> None:
+        self._result = self._finish()
+        self._keepalive = None
+        self.done = True
+
+
+def wait_all(handles) -> list:
+    return [h.wait() for h in handles]
+
+
+# ----------------------------------------------------------------------------------------
+# The communicator
+# ----------------------------------------------------------------------------------------
+class Communicator:
+    """One MPI communicator with counted array collectives and point-to-point calls."""
+
+    def __init__(self, mpi_comm: MPI.Comm, name: str = "world", *, cuda_aware: bool | None = None,
+                 wait_policy: str = "spin"):
+        if wait_policy not in WAIT_POLICIES:
+            raise ValueError(f"wait_policy must be one of {WAIT_POLICIES}, got {wait_policy!r}")
+        self.mpi = mpi_comm
+        self.name = name
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self.cuda_aware = query_cuda_aware() if cuda_aware is None else cuda_aware
+        self.wait_policy = wait_policy
+        self.stats = CommStats()
+
+    def __repr__(self) -> str:
+        return f"Communicator({self.name}, rank {self.rank} of {self.size})"
+
+    # ----- waiting ------------------------------------------------------------------
+    def _wait(self, request) -> None:
+        if self.wait_policy == "spin":
+            request.Wait()
+            return
+        while not request.Test():
+            time.sleep(_YIELD_SLEEP_S)
+
+    def barrier(self) -> None:
+        start = time.perf_counter()
+        if self.wait_policy == "spin":
+            self.mpi.Barrier()
+        else:
+            self._wait(self.mpi.Ibarrier())
+        self.stats.add("barrier", 0, time.perf_counter() - start)
+
+    # ----- collectives --------------------------------------------------------------
+    def allreduce(self, x, op: str = "sum", out=None):
+        """Reduce ``x`` over all ranks; ``out=x`` reduces in place. ``mean`` divides by size."""
+        start = time.perf_counter()
+        staged, finish = self._prepare_allreduce("allreduce", x, op, out)
+        if self.wait_policy == "spin":  # the library's blocking path: what raw MPI users time
+            self.mpi.Allreduce(MPI.IN_PLACE, staged.host, REDUCE_OPS[op])
+        else:
+            self._wait(self.mpi.Iallreduce(MPI.IN_PLACE, staged.host, REDUCE_OPS[op]))
+        result = finish()
+        self.stats.add("allreduce", x.nbytes, time.perf_counter() - start)
+        return result
+
+    def iallreduce(self, x, op: str = "sum", out=None) -> Handle:
+        """Start an all-reduce; the returned handle's ``wait()`` gives the result."""
+        start = time.perf_counter()
+        staged, finish = self._prepare_allreduce("iallreduce", x, op, out)
+        request = self.mpi.Iallreduce(MPI.IN_PLACE, staged.host, REDUCE_OPS[op])
+        self.stats.add("iallreduce", x.nbytes, time.perf_counter() - start)
+        return Handle(self, "iallreduce", request, finish)
+
+    def _prepare_allreduce(self, name: str, x, op: str, out):
+        """Check, copy ``x`` into ``out`` (unless in place) and stage it; return (staged, finish)."""
+        _reduce_op(op)
+        debug.check_collective(self, name, x)
+        if out is None:
+            out = get_array_module(x).empty(x.shape, dtype=x.dtype)
+        elif out.shape != x.shape or out.dtype != x.dtype:
+            raise ValueError(f"{name}: out has shape {out.shape} {out.dtype}, x has {x.shape} {x.dtype}")
+        _require_contiguous(out, name)
+        if out is not x:
+            out[...] = x
+        staged = _Staged(out, self.cuda_aware)
+
+        def finish():
+            result = staged.finish()
+            if op == "mean":
+                result /= self.size
+            return result
+
+        return staged, finish
+
+    def reduce_scatter(self, x, op: str = "sum"):
+        """Reduce ``x`` (first axis divisible by size) and return this rank's 1/size block of rows."""
+        mpi_op = _reduce_op(op)
+        debug.check_collective(self, "reduce_scatter", x)
+        if x.shape[0] % self.size:
+            raise ValueError(f"reduce_scatter: first axis {x.shape[0]} is not divisible by {self.size} ranks")
+        start = time.perf_counter()
+        xp = get_array_module(x)
+        x = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
+        out = xp.empty((x.shape[0] // self.size,) + x.shape[1:], dtype=x.dtype)
+        send, recv = _Staged(x, self.cuda_aware), _Staged(out, self.cuda_aware, copy_in=False)
+        self._wait(self.mpi.Ireduce_scatter_block(send.host, recv.host, mpi_op))
+        result = recv.finish()
+        if op == "mean":
+            result /= self.size
+        self.stats.add("reduce_scatter", x.nbytes, time.perf_counter() - start)
+        return result
+
+    def allgather(self, x):
+        """Concatenate every rank's ``x`` (same shape everywhere) along a new first axis."""
+        debug.check_collective(self, "allgather", x)
+        start = time.perf_counter()
+        xp = get_array_module(x)
+        x = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
+        out = xp.empty((self.size,) + x.shape, dtype=x.dtype)
+        send, recv = _Staged(x, self.cuda_aware), _Staged(out, self.cuda_aware, copy_in=False)
+        self._wait(self.mpi.Iallgather(send.host, recv.host))
+        result = recv.finish()
+        self.stats.add("allgather", x.nbytes, time.perf_counter() - start)
+        return result
+
+    def broadcast(self, x, root: int = 0):
+        """Overwrite ``x`` on every rank with root's ``x``, in place; returns ``x``."""
+        debug.check_collective(self, "broadcast", x)
+        _require_contiguous(x, "broadcast")
+        start = time.perf_counter()
+        staged = _Staged(x, self.cuda_aware, copy_in=self.rank == root)
+        self._wait(self.mpi.Ibcast(staged.host, root=root))
+        staged.finish()
+        self.stats.add("broadcast", x.nbytes, time.perf_counter() - start)
+        return x
+
+    # ----- point-to-point -----------------------------------------------------------
+    def send(self, x, dest: int, tag: int = 0) -> None:
+        self.isend(x, dest, tag, _op_name="send").wait()
+
+    def recv(self, buf, source: int, tag: int = 0):
+        """Receive into the preallocated ``buf`` (shape and dtype agreed ahead); returns it."""
+        return self.irecv(buf, source, tag, _op_name="recv").wait()
+
+    def isend(self, x, dest: int, tag: int = 0, *, _op_name: str = "isend") -> Handle:
+        start = time.perf_counter()
+        x = x if x.flags.c_contiguous else get_array_module(x).ascontiguousarray(x)
+        staged = _Staged(x, self.cuda_aware)
+        request = self.mpi.Isend(staged.host, dest=dest, tag=tag)
+        self.stats.add(_op_name, x.nbytes, time.perf_counter() - start)
+        # The staged host copy must outlive the request: the handle keeps it alive.
+        return Handle(self, _op_name, request, lambda: x, keepalive=staged)
+
+    def irecv(self, buf, source: int, tag: int = 0, *, _op_name: str = "irecv") -> Handle:
+        _require_contiguous(buf, _op_name)
+        start = time.perf_counter()
+        staged = _Staged(buf, self.cuda_aware, copy_in=False)
+        request = self.mpi.Irecv(staged.host, source=source, tag=tag)
+        self.stats.add(_op_name, buf.nbytes, time.perf_counter() - start)
+        return Handle(self, _op_name, request, staged.finish)
+
+    # ----- pickled Python objects (separate names: never the array path) -------------
+    def bcast_object(self, obj, root: int = 0):
+        return self._object_call("bcast_object", obj, lambda: self.mpi.bcast(obj, root=root))
+
+    def allgather_object(self, obj) -> list:
+        return self._object_call("allgather_object", obj, lambda: self.mpi.allgather(obj))
+
+    def gather_object(self, obj, root: int = 0):
+        return self._object_call("gather_object", obj, lambda: self.mpi.gather(obj, root=root))
+
+    def allreduce_object(self, obj, op: str = "sum"):
+        return self._object_call("allreduce_object", obj, lambda: self.mpi.allreduce(obj, op=_reduce_op(op)))
+
+    def send_object(self, obj, dest: int, tag: int = 0) -> None:
+        self._object_call("send_object", obj, lambda: self.mpi.send(obj, dest=dest, tag=tag))
+
+    def recv_object(self, source: int, tag: int = 0):
+        return self._object_call("recv_object", None, lambda: self.mpi.recv(source=source, tag=tag))
+
+    def _object_call(self, op: str, obj, call):
+        start = time.perf_counter()
+        result = call()
+        nbytes = len(pickle.dumps(obj)) if obj is not None else 0
+        self.stats.add(op, nbytes, time.perf_counter() - start)
+        return result
+
+    # ----- structure ----------------------------------------------------------------
+    def split(self, color: int, key: int, name: str) -> "Communicator":
+        return Communicator(self.mpi.Split(color, key), name, cuda_aware=self.cuda_aware,
+                            wait_policy=self.wait_policy)
+
+
+def _reduce_op(op: str):
+    try:
+        return REDUCE_OPS[op]
+    except KeyError:
+        raise ValueError(f"reduce op must be one of {sorted(REDUCE_OPS)}, got {op!r}") from None

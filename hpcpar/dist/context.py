@@ -1,0 +1,173 @@
+"""ParallelContext: the dp x pp x tp grid of ranks and its communicators, as a value.
+
+Rank order is tp fastest, then dp, then pp, so tensor-parallel peers (which talk inside
+every layer) are neighbours and share a node, and a pipeline stage is a contiguous block::
+
+    world rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+For 8 ranks as dp=2, pp=2, tp=2::
+
+    world rank   0  1  2  3  4  5  6  7
+    pp (stage)   0  0  0  0  1  1  1  1
+    dp (replica) 0  0  1  1  0  0  1  1
+    tp (shard)   0  1  0  1  0  1  0  1
+
+    tp groups: {0,1} {2,3} {4,5} {6,7}      dp groups: {0,2} {1,3} {4,6} {5,7}
+    pp groups: {0,4} {1,5} {2,6} {3,7}      (ranks 0 and 4 hold stages 0 and 1 of replica 0, shard 0)
+
+Nothing here is global: ``init`` returns a context that is passed to whatever needs it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+from .. import backend
+from .comm import Communicator, default_wait_policy, query_cuda_aware
+
+
+class LayoutError(ValueError):
+    """The requested dp x pp x tp layout does not fit the world."""
+
+
+def resolve_layout(world_size: int, dp: int | None = None, pp: int = 1, tp: int = 1) -> tuple[int, int, int]:
+    """Return (dp, pp, tp) whose product is ``world_size``, or raise LayoutError naming the numbers.
+
+    Pure arithmetic on the world size, so every rank reaches the same verdict without waiting.
+    """
+    for name, value in (("pp", pp), ("tp", tp)) + ((("dp", dp),) if dp is not None else ()):
+        if not isinstance(value, int) or value < 1:
+            raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+    if dp is None:
+        if world_size % (pp * tp):
+            raise LayoutError(
+                f"world size {world_size} is not divisible by pp x tp = {pp} x {tp} = {pp * tp}; "
+                f"launch a multiple of {pp * tp} ranks or change pp/tp")
+        dp = world_size // (pp * tp)
+    if dp * pp * tp != world_size:
+        raise LayoutError(
+            f"dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp} does not equal the world size {world_size}; "
+            f"launch {dp * pp * tp} ranks or leave dp unset to fill the world")
+    return dp, pp, tp
+
+
+@dataclass
+class ParallelContext:
+    """This rank's place in the grid and the communicators along each axis."""
+
+    world: Communicator
+    dp: Communicator
+    pp: Communicator
+    tp: Communicator
+    dp_size: int
+    pp_size: int
+    tp_size: int
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+    pp_prev: int | None  # rank in ``pp`` of the previous stage (None on the first stage)
+    pp_next: int | None  # rank in ``pp`` of the next stage (None on the last stage)
+    node_rank: int  # node-local rank: picks the GPU
+    node_size: int
+    device: str  # "cpu" or "cuda"
+    cuda_aware: bool
+    wait_policy: str
+
+    @property
+    def xp(self):
+        return backend.array_module(self.device)
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def layout(self) -> dict:
+        return {"dp": self.dp_size, "pp": self.pp_size, "tp": self.tp_size, "world": self.world_size}
+
+    def communicators(self) -> dict:
+        return {"world": self.world, "dp": self.dp, "pp": self.pp, "tp": self.tp}
+
+    def reset_stats(self) -> None:
+        for comm in self.communicators().values():
+            comm.stats.reset()
+
+    def grid_table(self) -> str:
+        """The whole grid as text (every rank can print it without communicating)."""
+        return format_grid(self.dp_size, self.pp_size, self.tp_size)
+
+
+def coordinates(world_rank: int, dp: int, pp: int, tp: int) -> tuple[int, int, int]:
+    """(pp_rank, dp_rank, tp_rank) of a world rank: tp fastest, then dp, then pp."""
+    return world_rank // (dp * tp), (world_rank // tp) % dp, world_rank % tp
+
+
+def format_grid(dp: int, pp: int, tp: int) -> str:
+    size = dp * pp * tp
+    ranks = range(size)
+    width = max(2, len(str(size - 1)))
+    rows = [("world rank", list(ranks))]
+    coords = [coordinates(r, dp, pp, tp) for r in ranks]
+    rows += [("pp (stage)", [c[0] for c in coords]), ("dp (replica)", [c[1] for c in coords]),
+             ("tp (shard)", [c[2] for c in coords])]
+    return "\n".join(f"{label:<13}" + " ".join(f"{v:>{width}}" for v in values) for label, values in rows)
+
+
+def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
+         comm: MPI.Comm | None = None, wait_policy: str | None = None) -> ParallelContext:
+    """Factor the world into dp x pp x tp and build the communicators.
+
+    Raises LayoutError on every rank, before any communication, when the layout does not
+    fit. With a GPU the device is chosen by node-local rank before anything allocates on it.
+    """
+    world_mpi = comm if comm is not None else MPI.COMM_WORLD
+    dp, pp, tp = resolve_layout(world_mpi.Get_size(), dp, pp, tp)
+    device = backend.resolve_device(device)
+
+    node = world_mpi.Split_type(MPI.COMM_TYPE_SHARED, key=world_mpi.Get_rank())
+    node_rank, node_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    if device == "cuda":
+        backend.select_gpu(node_rank)
+
+    cuda_aware = query_cuda_aware()
+    policy = wait_policy or default_wait_policy(node_size)
+    make = lambda mpi_comm, name: Communicator(mpi_comm, name, cuda_aware=cuda_aware, wait_policy=policy)  # noqa: E731
+
+    # dims in (pp, dp, tp) order: MPI's row-major cartesian numbering makes tp fastest.
+    cart = world_mpi.Create_cart([pp, dp, tp], periods=[False, False, False], reorder=False)
+    pp_rank, dp_rank, tp_rank = cart.Get_coords(cart.Get_rank())
+    pp_comm = cart.Sub([True, False, False])
+    prev_stage, next_stage = pp_comm.Shift(0, 1)
+    ctx = ParallelContext(
+        world=make(world_mpi, "world"),
+        dp=make(cart.Sub([False, True, False]), "dp"),
+        pp=make(pp_comm, "pp"),
+        tp=make(cart.Sub([False, False, True]), "tp"),
+        dp_size=dp, pp_size=pp, tp_size=tp,
+        dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank,
+        pp_prev=None if prev_stage == MPI.PROC_NULL else prev_stage,
+        pp_next=None if next_stage == MPI.PROC_NULL else next_stage,
+        node_rank=node_rank, node_size=node_size,
+        device=device, cuda_aware=cuda_aware, wait_policy=policy,
+    )
+    assert (pp_rank, dp_rank, tp_rank) == coordinates(world_mpi.Get_rank(), dp, pp, tp)
+    return ctx
+
+
+def single_process(device: str = "cpu") -> ParallelContext:
+    """A 1 x 1 x 1 context on COMM_SELF, for serial runs and reference answers."""
+    return init(1, 1, 1, device=device, comm=MPI.COMM_SELF)

@@ -1,0 +1,69 @@
+"""Fail fast, never hang: an uncaught exception on any rank aborts the whole job.
+
+With plain ``python`` an exception on one rank leaves the others waiting forever in their
+next collective. Here the failing rank prints ``rank R of N`` and its traceback once, then
+calls ``MPI_Abort``, which ends every rank with a non-zero exit (as ``python -m mpi4py`` does).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+import threading
+import traceback
+
+ABORT_EXIT_CODE = 1
+
+
+def _abort(exc_type, exc, tb) -> None:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    lines = traceback.format_exception(exc_type, exc, tb)
+    header = f"hpcpar: rank {world.Get_rank()} of {world.Get_size()} failed (host {os.uname().nodename}, pid {os.getpid()}):\n"
+    sys.stderr.write(header + "".join(lines))
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if world.Get_size() > 1:
+        world.Abort(ABORT_EXIT_CODE)
+    os._exit(ABORT_EXIT_CODE)
+
+
+def install() -> None:
+    """Make uncaught exceptions, in the main thread or any other, abort the MPI job."""
+    sys.excepthook = _abort
+
+    def thread_hook(args):
+        if args.exc_type is not SystemExit:
+            _abort(args.exc_type, args.exc_value, args.exc_traceback)
+
+    threading.excepthook = thread_hook
+
+
+@contextlib.contextmanager
+def fail_fast():
+    """``with fail_fast(): main()`` — any exception leaving the block aborts every rank.
+
+    ``SystemExit`` with code 0 passes through; a non-zero exit on one rank also aborts,
+    since the other ranks would otherwise wait for it.
+    """
+    try:
+        yield
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            _abort(type(stop), stop, stop.__traceback__)
+        raise
+    except BaseException:  # noqa: BLE001 - KeyboardInterrupt too: never leave peers waiting
+        _abort(*sys.exc_info())
+
+
+def run_script(path: str, args: list[str]) -> None:
+    """``hpcpar run SCRIPT.py ARGS``: run a user's script as ``__main__`` under fail-fast."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"hpcpar run: no such script {path!r}")
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    install()
+    with fail_fast():
+        runpy.run_path(path, run_name="__main__")

@@ -1,0 +1,43 @@
+"""``hpcpar info``: what this job runs on, printed once by rank 0."""
+from __future__ import annotations
+
+import os
+
+from mpi4py import MPI
+
+from . import backend
+from .dist.context import init
+
+
+def parallel_hdf5() -> bool:
+    import h5py
+
+    return bool(h5py.get_config().mpi)
+
+
+def print_info(dp=None, pp=1, tp=1, device="auto") -> None:
+    ctx = init(dp=dp, pp=pp, tp=tp, device=device)
+    placement = ctx.world.gather_object((ctx.rank, os.uname().nodename, ctx.node_rank, os.getpid()))
+    if ctx.rank != 0:
+        return
+    import h5py
+    import mpi4py
+
+    facts = backend.describe()
+    lines = [
+        f"hpcpar        {__import__('hpcpar').__version__}",
+        f"MPI library   {MPI.Get_library_version().splitlines()[0].strip()}",
+        f"MPI standard  {'.'.join(map(str, MPI.Get_version()))} (mpi4py {mpi4py.__version__})",
+        f"world size    {ctx.world_size}   layout dp={ctx.dp_size} pp={ctx.pp_size} tp={ctx.tp_size}",
+        f"device        {ctx.device}   CUDA-aware MPI: {'yes' if ctx.cuda_aware else 'no (GPU buffers staged through host)'}",
+        f"backends      numpy {facts['numpy']}, cupy {facts['cupy'] or 'not installed'}, GPUs visible: {facts['gpus']}",
+        f"bfloat16 CPU  {'yes (ml_dtypes)' if facts['bfloat16_on_cpu'] else 'no (pip install ml_dtypes)'}",
+        f"h5py          {h5py.__version__}, HDF5 {h5py.version.hdf5_version}, parallel HDF5: {'yes' if parallel_hdf5() else 'no (file-per-rank checkpoints)'}",
+        f"wait policy   {ctx.wait_policy} ({ctx.node_size} ranks on this node, {os.cpu_count()} CPUs)",
+        "",
+        ctx.grid_table(),
+        "",
+        "rank  host                 node-local rank  pid",
+    ]
+    lines += [f"{r:>4}  {host:<20} {local:>15}  {pid}" for r, host, local, pid in placement]
+    print("\n".join(lines), flush=True)

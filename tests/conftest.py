@@ -1,0 +1,40 @@
+"""Shared test set-up.
+
+MPI tests (``@pytest.mark.mpi``) run under ``mpiexec -n N python -m pytest --with-mpi -m mpi``.
+If one rank's assertion fails before a collective, the other ranks would wait in it forever:
+the hook below aborts the whole MPI job on any failed MPI test, so a failure ends the run at once
+with a non-zero exit instead of hanging until the outer timeout.
+"""
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and item.get_closest_marker("mpi") is not None and item.config.getoption("with_mpi", False):
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() > 1:
+            rank = MPI.COMM_WORLD.Get_rank()
+            sys.stderr.write(f"\n[rank {rank}] MPI test {item.nodeid} failed ({report.when}):\n{report.longreprtext}\n")
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+
+@pytest.fixture
+def world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def venv_bin(name: str) -> str:
+    """A program of the interpreter's environment (mpiexec, hpcpar), falling back to PATH."""
+    candidate = os.path.join(os.path.dirname(sys.executable), name)
+    return candidate if os.path.exists(candidate) else name

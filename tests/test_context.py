@@ -1,0 +1,62 @@
+"""The dp x pp x tp grid: coordinates, communicator membership, neighbours, layout errors."""
+import itertools
+
+import pytest
+
+import hpcpar
+from hpcpar.dist import LayoutError, format_grid, resolve_layout
+from hpcpar.dist.context import coordinates
+
+
+def factorisations(n):
+    return [(dp, pp, tp) for dp, pp, tp in itertools.product(range(1, n + 1), repeat=3) if dp * pp * tp == n]
+
+
+def test_coordinates_put_tp_fastest_then_dp_then_pp():
+    # The 8-rank example of the ParallelContext docstring.
+    assert [coordinates(r, 2, 2, 2) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert "tp (shard)    0  1  0  1  0  1  0  1" in format_grid(2, 2, 2)
+
+
+@pytest.mark.parametrize("world, kwargs, message", [
+    (6, dict(pp=4), "world size 6 is not divisible by pp x tp = 4 x 1 = 4"),
+    (4, dict(pp=3, tp=1), "not divisible by pp x tp = 3 x 1 = 3"),
+    (8, dict(dp=3, pp=2, tp=1), "dp x pp x tp = 3 x 2 x 1 = 6 does not equal the world size 8"),
+    (4, dict(tp=0), "tp must be a positive integer"),
+])
+def test_wrong_layouts_name_the_numbers(world, kwargs, message):
+    with pytest.raises(LayoutError, match=message.replace("x", r"x").replace("(", r"\(")):
+        resolve_layout(world, **kwargs)
+
+
+def test_dp_fills_the_world_by_default():
+    assert resolve_layout(8, pp=2, tp=2) == (2, 2, 2)
+    assert resolve_layout(4) == (4, 1, 1)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_grid_for_every_factorisation(world):
+    size, rank = world.Get_size(), world.Get_rank()
+    for dp, pp, tp in factorisations(size):
+        ctx = hpcpar.init(dp=dp, pp=pp, tp=tp, device="cpu")
+        assert (ctx.pp_rank, ctx.dp_rank, ctx.tp_rank) == coordinates(rank, dp, pp, tp)
+        assert (ctx.dp.size, ctx.pp.size, ctx.tp.size) == (dp, pp, tp)
+        assert (ctx.dp.rank, ctx.pp.rank, ctx.tp.rank) == (ctx.dp_rank, ctx.pp_rank, ctx.tp_rank)
+        # Members of each group: same coordinates on the other two axes.
+        for comm, axis in ((ctx.tp, 2), (ctx.dp, 1), (ctx.pp, 0)):
+            members = comm.allgather_object(rank)
+            mine = coordinates(rank, dp, pp, tp)
+            expected = [r for r in range(size)
+                        if all(coordinates(r, dp, pp, tp)[a] == mine[a] for a in range(3) if a != axis)]
+            assert members == expected, (dp, pp, tp, comm.name)
+        assert ctx.pp_prev == (None if ctx.pp_rank == 0 else ctx.pp_rank - 1)
+        assert ctx.pp_next == (None if ctx.pp_rank == pp - 1 else ctx.pp_rank + 1)
+        assert ctx.is_first_stage == (ctx.pp_rank == 0) and ctx.is_last_stage == (ctx.pp_rank == pp - 1)
+        assert 0 <= ctx.node_rank < ctx.node_size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_init_rejects_a_layout_on_every_rank_without_waiting(world):
+    with pytest.raises(LayoutError, match=f"world size {world.Get_size()} is not divisible"):
+        hpcpar.init(pp=world.Get_size() + 1)

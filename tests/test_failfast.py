@@ -1,0 +1,87 @@
+"""Fail fast: one rank's exception ends the whole job; debug mode catches mismatched collectives."""
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import venv_bin
+from hpcpar.dist import CollectiveMismatchError, Communicator
+from hpcpar.dist import debug
+
+RAISING_SCRIPT = """
+import time
+import numpy as np
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+if comm.Get_rank() == 1:
+    raise RuntimeError("deliberate failure on rank one")
+comm.Allreduce(np.ones(1), np.empty(1))   # rank 0 would wait here forever
+time.sleep(60)
+"""
+
+
+def run_mpi(args, n, timeout):
+    start = time.monotonic()
+    proc = subprocess.run([venv_bin("mpiexec"), "-n", str(n), *args], capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def test_hpcpar_run_aborts_the_job_when_rank_1_raises(tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text(RAISING_SCRIPT)
+    proc, seconds = run_mpi([venv_bin("hpcpar"), "run", str(script)], n=2, timeout=30)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert seconds < 10, f"took {seconds:.1f}s to fail"
+    assert "rank 1 of 2 failed" in output and "deliberate failure on rank one" in output
+    assert output.count("Traceback") == 1
+
+
+def test_fail_fast_helper_in_a_users_script(tmp_path):
+    script = tmp_path / "helper.py"
+    script.write_text("from hpcpar.dist import fail_fast\nwith fail_fast():\n" +
+                      "".join("    " + line + "\n" for line in RAISING_SCRIPT.strip().splitlines()))
+    proc, seconds = run_mpi([sys.executable, str(script)], n=2, timeout=30)
+    assert proc.returncode != 0 and seconds < 10
+    assert "rank 1 of 2 failed" in proc.stderr
+
+
+def test_python_dash_m_hpcpar_runs_the_cli():
+    proc = subprocess.run([sys.executable, "-m", "hpcpar", "info"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "world size    1" in proc.stdout and "parallel HDF5" in proc.stdout
+
+
+@pytest.mark.mpi(min_size=2)
+def test_debug_mode_names_the_ranks_with_another_shape(world):
+    comm = Communicator(world, "world")
+    debug.set_enabled(True)
+    try:
+        shape = (3,) if comm.rank == comm.size - 1 else (4,)
+        with pytest.raises(CollectiveMismatchError) as error:
+            comm.allreduce(np.ones(shape))
+        ranks = list(range(comm.size - 1))
+        assert f"ranks {ranks}: allreduce shape (4,)" in str(error.value)
+        assert f"ranks [{comm.size - 1}]: allreduce shape (3,)" in str(error.value)
+        # Agreeing calls still go through, and uncounted checks leave the traffic figures alone.
+        comm.stats.reset()
+        comm.allreduce(np.ones(2))
+        assert comm.stats.calls("allreduce") == 1
+    finally:
+        debug.set_enabled(False)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_debug_mode_names_a_different_operation(world):
+    comm = Communicator(world, "world")
+    debug.set_enabled(True)
+    try:
+        with pytest.raises(CollectiveMismatchError, match="broadcast"):
+            if comm.rank == 0:
+                comm.broadcast(np.ones(2))
+            else:
+                comm.allreduce(np.ones(2))
+    finally:
+        debug.set_enabled(False)

@@ -1,0 +1,209 @@
+"""``hpcpar bench step``: one process, one BLAS thread, a GPT training step vs PyTorch CPU.
+
+    python bench/step.py [--steps 10] [--warmup 3] [--profile]
+    hpcpar bench step
+
+A step is forward, backward and AdamW on a GPT of n_layer 4, n_head 4, n_embd 256,
+block_size 128, batch 8, vocab 256 in float32. The same model written in PyTorch runs in
+the same process (``torch.set_num_threads(1)``) when ``import torch`` works, the two taking
+turns step by step; the table shows median wall-clock and CPU ms/step, tokens/s and the
+ratios hpcpar / PyTorch. ``--profile`` adds where an hpcpar step goes: forward and backward
+milliseconds per op (cProfile, cumulative), the optimizer, and the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import pstats
+import time
+
+import numpy as np
+
+from ..autograd import Function
+from ..nn.gpt import GPT, GPTConfig
+from ..optim import AdamW
+from .timing import format_table, median
+
+BENCH_CONFIG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, dropout=0.0, seed=0)
+
+
+def limit_blas_threads(threads: int = 1):
+    """A context holding the BLAS pools at ``threads`` (threadpoolctl when installed; else the env vars rule)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=threads)
+
+
+def _time_interleaved(steps_by_name: dict, steps: int, warmup: int) -> dict:
+    """``{name: (wall, cpu)}``: median wall-clock and process CPU seconds per call, the functions taking turns.
+
+    Taking turns exposes every framework to the same background load; the CPU time of this
+    (single-threaded) process is the steadier figure on a shared, oversubscribed machine.
+    """
+    for _ in range(warmup):
+        for step in steps_by_name.values():
+            step()
+    times = {name: ([], []) for name in steps_by_name}
+    for _ in range(steps):
+        for name, step in steps_by_name.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            step()
+            times[name][0].append(time.perf_counter() - wall)
+            times[name][1].append(time.process_time() - cpu)
+    return {name: (median(wall), median(cpu)) for name, (wall, cpu) in times.items()}
+
+
+def _batches(config: GPTConfig, batch_size: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    while True:
+        ids = rng.integers(0, config.vocab_size, (batch_size, config.block_size + 1))
+        yield ids[:, :-1], ids[:, 1:]
+
+
+def hpcpar_step(config: GPTConfig, batch_size: int):
+    model = GPT(config, dtype=np.float32)
+    optimizer = AdamW(model.named_parameters(), lr=1e-4)
+    batches = _batches(config, batch_size)
+
+    def step():
+        ids, targets = next(batches)
+        model.loss(ids, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def torch_step(config: GPTConfig, batch_size: int):
+    """The same GPT in PyTorch (pre-norm blocks, fused qkv, SDPA, tanh GELU, tied head), or None."""
+    try:
+        import torch
+        from torch import nn
+        from torch.nn import functional as F
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    torch.manual_seed(config.seed)
+    C, nh = config.n_embd, config.n_head
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
+            self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+            self.fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            q, k, v = self.qkv(self.ln_1(x)).split(C, dim=2)
+            q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+            x = x + self.proj(y)
+            return x + self.mlp_proj(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
+
+    class TorchGPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(config.vocab_size, C), nn.Embedding(config.block_size, C)
+            self.blocks = nn.ModuleList(Block() for _ in range(config.n_layer))
+            self.ln_f = nn.LayerNorm(C)
+
+        def forward(self, ids, targets):
+            x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+            for block in self.blocks:
+                x = block(x)
+            logits = self.ln_f(x) @ self.wte.weight.T
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    model = TorchGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batches = _batches(config, batch_size)
+
+    def step():
+        ids, targets = next(batches)
+        model(torch.from_numpy(ids), torch.from_numpy(targets)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def _function_classes(cls=Function):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _function_classes(sub)
+
+
+def profile_ops(step, steps: int = 3) -> list[tuple[str, float, float]]:
+    """cProfile ``steps`` calls of ``step``; ``[(op, forward ms/step, backward ms/step)]``, slowest first.
+
+    An op's time is the cumulative time of its ``forward`` / ``backward``; the optimizer's
+    ``update`` and the rest of the step (graph bookkeeping, data) get a row each.
+    """
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+    by_code = {(fn.__code__.co_filename, fn.__code__.co_firstlineno): (cls.__name__, phase)
+               for cls in _function_classes() for phase in ("forward", "backward")
+               for fn in [cls.__dict__.get(phase)] if fn is not None}
+    rows: dict[str, list[float]] = {}
+    total = max(entry[3] for entry in stats.values())  # the outermost call: the whole profiled loop
+    for (filename, line, name), (_, _, _, cumtime, _) in stats.items():
+        key = by_code.get((filename, line))
+        if key is None and name == "update" and filename.endswith(("adam.py", "sgd.py")):
+            key = ("optimizer update", "forward")
+        if key is not None:
+            rows.setdefault(key[0], [0.0, 0.0])[0 if key[1] == "forward" else 1] += cumtime * 1e3 / steps
+    accounted = sum(f + b for f, b in rows.values())
+    rows["other (graph, Python, data)"] = [total * 1e3 / steps - accounted, 0.0]
+    return sorted(((name, f, b) for name, (f, b) in rows.items()), key=lambda r: -(r[1] + r[2]))
+
+
+def run_step_bench(config: GPTConfig = BENCH_CONFIG, batch_size: int = 8, steps: int = 10, warmup: int = 3,
+                   compare_torch: bool = True) -> dict:
+    """``{framework: (wall, cpu)}`` median seconds per training step, hpcpar and (when installed) PyTorch."""
+    with limit_blas_threads(1):
+        step_functions = {"hpcpar": hpcpar_step(config, batch_size)}
+        reference = torch_step(config, batch_size) if compare_torch else None
+        if reference is not None:
+            step_functions["pytorch"] = reference
+        return _time_interleaved(step_functions, steps, warmup)
+
+
+def format_results(results: dict, config: GPTConfig, batch_size: int) -> str:
+    tokens = batch_size * config.block_size
+    wall_base, cpu_base = results.get("pytorch", (None, None))
+    rows = [[name, wall * 1e3, cpu * 1e3, tokens / wall,
+             f"{wall / wall_base:.2f}" if wall_base else "-", f"{cpu / cpu_base:.2f}" if cpu_base else "-"]
+            for name, (wall, cpu) in results.items()]
+    title = (f"GPT training step (n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} "
+             f"block={config.block_size} batch={batch_size} vocab={config.vocab_size}, float32, 1 BLAS thread, "
+             f"forward+backward+AdamW, medians)")
+    headers = ["framework", "ms/step", "cpu ms/step", "tokens/s", "vs pytorch", "cpu vs pytorch"]
+    return format_table(headers, rows, title=title)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="hpcpar bench step", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
+    parser.add_argument("--profile", action="store_true", help="print the functions that dominate an hpcpar step")
+    args = parser.parse_args(argv)
+    results = run_step_bench(BENCH_CONFIG, args.batch, args.steps, args.warmup, not args.no_torch)
+    print(format_results(results, BENCH_CONFIG, args.batch))
+    if args.profile:
+        with limit_blas_threads(1):
+            step = hpcpar_step(BENCH_CONFIG, args.batch)
+            step()
+            rows = [[name, f, b, f + b] for name, f, b in profile_ops(step)]
+        print()
+        print(format_table(["op", "forward ms", "backward ms", "total ms"], rows,
+                           title="Where an hpcpar step goes (cProfile, cumulative time per op, ms/step)"))

@@ -1,0 +1,12 @@
+"""Modules, layers and models (GPT, a digits CNN) on the hpcpar autograd."""
+from . import init
+from .cnn import DigitsCNN
+from .gpt import GPT, Block, CausalSelfAttention, GPTConfig, GPTEmbedding, GPTHead, MLP
+from .layers import GELU, AvgPool2d, Conv2d, Dropout, Embedding, Flatten, LayerNorm, Linear, MaxPool2d, ReLU
+from .module import IncompatibleKeys, Module, ModuleList, Sequential
+
+__all__ = [
+    "AvgPool2d", "Block", "CausalSelfAttention", "Conv2d", "DigitsCNN", "Dropout", "Embedding", "Flatten", "GELU",
+    "GPT", "GPTConfig", "GPTEmbedding", "GPTHead", "IncompatibleKeys", "LayerNorm", "Linear", "MLP", "MaxPool2d",
+    "Module", "ModuleList", "ReLU", "Sequential", "init",
+]

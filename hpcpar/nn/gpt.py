@@ -1,0 +1,225 @@
+"""A GPT-2 style decoder (pre-norm blocks), split into layers a pipeline can cut.
+
+``GPT.layers()`` is ``[embedding stage, block 0, ..., block n-1, head]``; applying them in
+turn is ``forward``. Parameter names (``embed.wte.weight``, ``blocks.3.attn.qkv.weight``,
+``head.ln_f.weight`` ...) are the keys of the state dict and of the initialisation streams.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..autograd import Tensor, no_grad
+from ..autograd import ops
+from ..backend import array_module, resolve_device, to_device, to_host
+from . import init
+from .layers import Dropout, Embedding, LayerNorm, Linear
+from .module import Module, ModuleList
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 128  # the longest context
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm
+    tie_weights: bool = True  # the lm head reuses the token embedding
+    seed: int = 0  # parameter initialisation and the dropout stream
+
+    def __post_init__(self):
+        for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{field} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
+                             f"the head size would be {self.n_embd / self.n_head:g}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class GPTEmbedding(Module):
+    """ids (B, T) -> token + position embeddings (B, T, C), then dropout."""
+
+    def __init__(self, config: GPTConfig, dtype, xp):
+        super().__init__()
+        self.block_size = config.block_size
+        self.wte = Embedding(config.vocab_size, config.n_embd, dtype, xp)
+        self.wpe = Embedding(config.block_size, config.n_embd, dtype, xp)
+        self.drop = Dropout(config.dropout)
+
+    def forward(self, ids):
+        ids = ids.data if isinstance(ids, Tensor) else ids
+        T = ids.shape[1]
+        if T > self.block_size:
+            raise ValueError(f"sequence length {T} exceeds the context block_size {self.block_size}")
+        positions = self.wpe.weight.xp.arange(T)
+        return self.drop(self.wte(ids) + self.wpe(positions))  # (B, T, C) + (T, C)
+
+
+class CausalSelfAttention(Module):
+    def __init__(self, config: GPTConfig, dtype, xp):
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = Linear(config.n_embd, 3 * config.n_embd, config.bias, dtype, xp)
+        self.proj = Linear(config.n_embd, config.n_embd, config.bias, dtype, xp)
+        self.drop = Dropout(config.dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        hs = C // self.n_head
+        qkv = ops.reshape(self.qkv(x), (B, T, 3, self.n_head, hs))  # (B, T, 3C) -> (B, T, 3, nh, hs)
+        qkv = ops.transpose(qkv, (2, 0, 3, 1, 4))  # -> (3, B, nh, T, hs)
+        q, k, v = (ops.getitem(qkv, i) for i in range(3))  # each (B, nh, T, hs)
+        y = ops.attention(q, k, v, causal=True)  # (B, nh, T, hs)
+        y = ops.reshape(ops.transpose(y, (0, 2, 1, 3)), (B, T, C))  # -> (B, T, nh, hs) -> (B, T, C)
+        return self.drop(self.proj(y))
+
+
+class MLP(Module):
+    def __init__(self, config: GPTConfig, dtype, xp):
+        super().__init__()
+        self.fc = Linear(config.n_embd, 4 * config.n_embd, config.bias, dtype, xp)
+        self.proj = Linear(4 * config.n_embd, config.n_embd, config.bias, dtype, xp)
+        self.drop = Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.drop(self.proj(ops.gelu(self.fc(x))))
+
+
+class Block(Module):
+    """Pre-norm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+
+    def __init__(self, config: GPTConfig, dtype, xp):
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype, xp=xp)
+        self.attn = CausalSelfAttention(config, dtype, xp)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype, xp=xp)
+        self.mlp = MLP(config, dtype, xp)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPTHead(Module):
+    """(B, T, C) -> final LayerNorm -> logits (B, T, V); tied: logits = x @ wte.T."""
+
+    def __init__(self, config: GPTConfig, dtype, xp, tied_embedding: Embedding | None = None):
+        super().__init__()
+        self.ln_f = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype, xp=xp)
+        self.tied = tied_embedding is not None
+        if self.tied:
+            self.wte = tied_embedding  # the same module: its weight is named embed.wte.weight in the GPT
+        else:
+            self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False, dtype=dtype, xp=xp)
+
+    def forward(self, x):
+        x = self.ln_f(x)
+        if self.tied:
+            return ops.linear(x, ops.transpose(self.wte.weight))  # (B, T, C) @ (C, V)
+        return self.lm_head(x)
+
+
+class GPT(Module):
+    """GPT-2: embeddings, ``n_layer`` pre-norm blocks, final LayerNorm and lm head.
+
+    Parameters are created in ``dtype`` on ``device`` ("cpu", "cuda" or "auto") and
+    initialised as GPT-2 does: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 n_layer)),
+    zero biases, unit LayerNorm weights, each from its own named stream (``hpcpar.nn.init``).
+    """
+
+    def __init__(self, config: GPTConfig, dtype=np.float32, device: str = "cpu"):
+        super().__init__()
+        self.config = config
+        xp = array_module(resolve_device(device))
+        self.embed = GPTEmbedding(config, dtype, xp)
+        self.blocks = ModuleList(Block(config, dtype, xp) for _ in range(config.n_layer))
+        self.head = GPTHead(config, dtype, xp, tied_embedding=self.embed.wte if config.tie_weights else None)
+
+        for _, module in self.named_modules():
+            if isinstance(module, (Linear, Embedding)):
+                module.weight.init = init.normal(0.02)
+            if isinstance(module, Linear) and module.bias is not None:
+                module.bias.init = init.zeros
+        residual_std = 0.02 / math.sqrt(2 * config.n_layer)
+        for block in self.blocks:
+            block.attn.proj.weight.init = init.normal(residual_std)
+            block.mlp.proj.weight.init = init.normal(residual_std)
+        init.initialize(self, config.seed)
+        self.rng = xp.random.default_rng(config.seed)
+
+    @property
+    def rng(self):
+        """The generator every Dropout of this model draws from; assigning it rewires them all."""
+        return self._rng
+
+    @rng.setter
+    def rng(self, generator):
+        object.__setattr__(self, "_rng", generator)
+        for _, module in self.named_modules():
+            if isinstance(module, Dropout):
+                module.rng = generator
+
+    def layers(self) -> list:
+        """[embedding stage, block 0, ..., block n-1, head]: applied in turn they are ``forward``.
+
+        With ``tie_weights`` the first and the last share ``embed.wte.weight``: a pipeline that
+        puts them on different ranks must sum that parameter's gradient over the two.
+        """
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, ids) -> Tensor:
+        """ids (B, T) integer array -> logits (B, T, vocab_size)."""
+        x = ids
+        for layer in self.layers():
+            x = layer(x)
+        return x
+
+    def loss(self, ids, targets, ignore_index: int = -100) -> Tensor:
+        """Mean next-token cross entropy of ``forward(ids)`` against ``targets`` (B, T)."""
+        return self.loss_from_logits(self.forward(ids), targets, ignore_index)
+
+    @staticmethod
+    def loss_from_logits(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
+        """The loss a pipeline's last stage applies to the head's output (B, T, V)."""
+        return ops.cross_entropy(logits, targets, ignore_index=ignore_index)
+
+    def generate(self, ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None, rng=None):
+        """Append ``max_new_tokens`` sampled tokens to ``ids`` (B, T); returns the longer id array.
+
+        Sampling runs on the host with ``rng`` (a NumPy Generator; default seeded from the
+        config), so a seed gives the same text on CPU and GPU. ``temperature=0`` is greedy.
+        """
+        rng = np.random.default_rng(self.config.seed) if rng is None else rng
+        xp = self.embed.wte.weight.xp
+        ids = xp.asarray(ids.data if isinstance(ids, Tensor) else ids)
+        was_training = self.training
+        self.eval()
+        try:
+            with no_grad():
+                for _ in range(max_new_tokens):
+                    context = ids[:, -self.config.block_size:]
+                    logits = to_host(self.forward(context).data[:, -1, :]).astype(np.float64)  # (B, V)
+                    if temperature == 0:
+                        next_ids = logits.argmax(axis=-1)
+                    else:
+                        logits /= temperature
+                        if top_k is not None and top_k < logits.shape[-1]:
+                            kth_largest = np.partition(logits, -top_k, axis=-1)[:, -top_k, None]
+                            logits[logits < kth_largest] = -np.inf
+                        cdf = np.exp(logits - logits.max(axis=-1, keepdims=True)).cumsum(axis=-1)  # unnormalised
+                        next_ids = (cdf < rng.random((len(cdf), 1)) * cdf[:, -1:]).sum(axis=-1)
+                    next_ids = to_device(next_ids.astype(ids.dtype)[:, None], xp)
+                    ids = xp.concatenate([ids, next_ids], axis=1)
+        finally:
+            self.train(was_training)
+        return ids

@@ -1,0 +1,147 @@
+"""Layers: thin Modules over the ops of ``hpcpar.autograd.ops``.
+
+A layer creates its parameters NaN-filled with an initialisation rule attached; the values
+come from ``init.initialize(model, seed)``, which names each stream by the parameter's full
+dotted name (see ``hpcpar.nn.init``). The models call it; a model assembled by hand must call
+it too (a forgotten call shows up as NaN at once, not as silently symmetric weights).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..autograd import Parameter, Tensor
+from ..autograd import ops
+from . import init
+from .module import Module
+
+
+def new_parameter(shape, rule, dtype=np.float32, xp=np) -> Parameter:
+    """A NaN-filled parameter that ``init.initialize`` will fill by ``rule``."""
+    param = Parameter(xp.full(shape, np.nan, dtype=dtype))
+    param.init = rule
+    return param
+
+
+class Linear(Module):
+    """``y = x @ weight + bias`` with weight of shape (in_features, out_features)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=np.float32, xp=np):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = new_parameter((in_features, out_features), init.fan_in_uniform(in_features), dtype, xp)
+        self.bias = new_parameter((out_features,), init.fan_in_uniform(in_features), dtype, xp) if bias else None
+
+    def forward(self, x):
+        return ops.linear(x, self.weight, self.bias)
+
+    def extra_repr(self):
+        return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"
+
+
+class Embedding(Module):
+    """Rows of ``weight`` (num_embeddings, embedding_dim) picked by integer ids."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=np.float32, xp=np):
+        super().__init__()
+        self.weight = new_parameter((num_embeddings, embedding_dim), init.normal(1.0), dtype, xp)
+
+    def forward(self, ids):
+        return ops.embedding(self.weight, ids)
+
+    def extra_repr(self):
+        return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
+
+
+class LayerNorm(Module):
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, dtype=np.float32, xp=np):
+        super().__init__()
+        self.eps = eps
+        self.weight = new_parameter((dim,), init.ones, dtype, xp)
+        self.bias = new_parameter((dim,), init.zeros, dtype, xp) if bias else None
+
+    def forward(self, x):
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class Dropout(Module):
+    """Zeroes a fraction ``p`` of activations in training, drawing from ``rng``.
+
+    ``rng`` is the model's generator (``model.rng``), shared by all its Dropout layers so
+    the masks are one reproducible stream; the model reassigns it here when it changes.
+    """
+
+    def __init__(self, p: float, rng=None):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+        self.rng = rng
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        if self.rng is None:
+            raise RuntimeError("Dropout in training mode needs a generator: set layer.rng (models set model.rng)")
+        return ops.dropout(x, self.p, self.rng, training=True)
+
+    def extra_repr(self):
+        return f"p={self.p}"
+
+
+class Conv2d(Module):
+    """NCHW convolution with weight of shape (out_channels, in_channels, k, k)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0,
+                 bias: bool = True, dtype=np.float32, xp=np):
+        super().__init__()
+        self.stride, self.padding = stride, padding
+        fan_in = in_channels * kernel_size * kernel_size
+        self.weight = new_parameter((out_channels, in_channels, kernel_size, kernel_size),
+                                    init.fan_in_uniform(fan_in), dtype, xp)
+        self.bias = new_parameter((out_channels,), init.fan_in_uniform(fan_in), dtype, xp) if bias else None
+
+    def forward(self, x):
+        return ops.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self.padding)
+
+    def extra_repr(self):
+        out_c, in_c, k, _ = self.weight.shape
+        return f"{in_c}, {out_c}, kernel_size={k}, stride={self.stride}, padding={self.padding}"
+
+
+class _Pool2d(Module):
+    def __init__(self, kernel_size: int, stride: int | None = None):
+        super().__init__()
+        self.kernel_size, self.stride = kernel_size, stride
+
+    def extra_repr(self):
+        return f"kernel_size={self.kernel_size}, stride={self.stride}"
+
+
+class MaxPool2d(_Pool2d):
+    def forward(self, x):
+        return ops.max_pool2d(x, self.kernel_size, self.stride)
+
+
+class AvgPool2d(_Pool2d):
+    def forward(self, x):
+        return ops.avg_pool2d(x, self.kernel_size, self.stride)
+
+
+class Flatten(Module):
+    """(N, d1, d2, ...) -> (N, d1 * d2 * ...)."""
+
+    def forward(self, x: Tensor):
+        return ops.reshape(x, (x.shape[0], int(np.prod(x.shape[1:]))))
+
+
+class ReLU(Module):
+    def forward(self, x):
+        return ops.relu(x)
+
+
+class GELU(Module):
+    def forward(self, x):
+        return ops.gelu(x)

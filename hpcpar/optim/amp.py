@@ -1,0 +1,155 @@
+"""Mixed precision: float16/bfloat16 compute, float32 master weights, dynamic loss scaling.
+
+    model = GPT(config, dtype=np.float16)
+    amp = MixedPrecision(model)                            # float32 master copy + DynamicLossScaler
+    optimizer = AdamW(amp.named_master_parameters(), lr=3e-4)
+    for ids, targets in batches:
+        amp.backward(model.loss(ids, targets))             # backward seeded with the loss scale
+        amp.unscale_grads()                                # only needed before clipping:
+        clip_grad_norm(amp.master_parameters(), 1.0)
+        amp.step(optimizer)                                # skips on inf/NaN, else steps and copies back
+
+The scale enters as the seed gradient of backward rather than as ``loss * scale``, so the
+float16 loss value itself never overflows. A seed above the compute dtype's largest value
+(float16: 65504, so the default 2**16) is inf: the first step is skipped and the scale backs
+off, as dynamic scaling intends. bfloat16 has float32's range and needs no scaling: pass
+``scaler=None``. On CPUs bfloat16 arrays come from ``ml_dtypes``; CuPy has no bfloat16
+matmul, so on GPUs use float16.
+
+A data-parallel wrapper all-reduces the model's gradients between ``backward`` and
+``step`` and passes ``allreduce_max`` so every rank takes the same skip decision.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..autograd import Parameter
+from ..backend import get_array_module, to_device
+from .optimizer import named_parameter_list
+
+
+class DynamicLossScaler:
+    """Backs the scale off after an overflow; grows it after ``growth_interval`` clean steps in a row."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000):
+        if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
+            raise ValueError(f"DynamicLossScaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, "
+                             f"growth_interval >= 1; got {init_scale}, {growth_factor}, {backoff_factor}, "
+                             f"{growth_interval}")
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.clean_steps = 0  # steps without overflow since the scale last changed
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+        self.growth_factor, self.backoff_factor = float(state["growth_factor"]), float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])
+
+
+_DEFAULT_SCALER = object()
+
+
+class MixedPrecision:
+    """Master weights in ``master_dtype`` for a model (or named parameters) computing in low precision.
+
+    ``scaler`` defaults to a fresh ``DynamicLossScaler()``; ``None`` disables scaling.
+    """
+
+    def __init__(self, model_or_params, scaler=_DEFAULT_SCALER, master_dtype=np.float32):
+        params = model_or_params.named_parameters() if hasattr(model_or_params, "named_parameters") else model_or_params
+        named = named_parameter_list(params)
+        self.scaler = DynamicLossScaler() if scaler is _DEFAULT_SCALER else scaler
+        self.master_dtype = np.dtype(master_dtype)
+        self.model_params = [param for _, param in named]
+        self.master = [(name, Parameter(param.data.astype(self.master_dtype), name=name)) for name, param in named]
+        self._unscaled = False
+
+    @property
+    def scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def named_master_parameters(self) -> list:
+        """What the optimizer is built on: ``[(name, float32 Parameter)]``."""
+        return list(self.master)
+
+    def master_parameters(self) -> list:
+        return [param for _, param in self.master]
+
+    def backward(self, loss) -> None:
+        """``loss.backward()`` with every gradient multiplied by the current scale."""
+        xp = loss.xp
+        # Overflow is the expected signal of a too large scale, detected in step(); not a warning.
+        with np.errstate(over="ignore", invalid="ignore"):
+            loss.backward(xp.full(loss.shape, self.scale, dtype=np.float64).astype(loss.dtype))
+
+    def unscale_grads(self) -> None:
+        """Master grads = model grads / scale, in ``master_dtype`` (once per step)."""
+        if self._unscaled:
+            return
+        inverse = 1.0 / self.scale
+        for param, (_, master) in zip(self.model_params, self.master):
+            if param.grad is None:
+                master.grad = None
+                continue
+            master.grad = param.grad.astype(self.master_dtype)
+            master.grad *= inverse
+        self._unscaled = True
+
+    def found_inf(self, allreduce_max=None) -> bool:
+        """Whether any master grad holds inf or NaN (on any rank, when ``allreduce_max`` is given)."""
+        self.unscale_grads()
+        grads = [master.grad for _, master in self.master if master.grad is not None]
+        xp = get_array_module(*grads)
+        all_finite = bool(xp.stack([xp.isfinite(g).all() for g in grads]).all()) if grads else True  # one sync
+        local = 0.0 if all_finite else 1.0
+        return bool(allreduce_max(local) if allreduce_max is not None else local)
+
+    def step(self, optimizer, allreduce_max=None) -> bool:
+        """Step ``optimizer`` on the master weights and copy them into the model, or skip on overflow.
+
+        Updates the scaler and clears the model's and master's gradients either way; returns
+        whether the step was taken.
+        """
+        overflow = self.found_inf(allreduce_max)
+        if not overflow:
+            optimizer.step()
+            for param, (_, master) in zip(self.model_params, self.master):
+                param.data[...] = master.data.astype(param.dtype)
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        for param, (_, master) in zip(self.model_params, self.master):
+            param.grad = master.grad = None
+        self._unscaled = False
+        return not overflow
+
+    def state_dict(self) -> dict:
+        """The master weights (the true weights of a mixed-precision run) and the scaler."""
+        return {"master": {name: master.data for name, master in self.master},
+                "scaler": self.scaler.state_dict() if self.scaler is not None else {}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for param, (name, master) in zip(self.model_params, self.master):
+            value = state["master"][name]
+            if tuple(value.shape) != master.shape:
+                raise ValueError(f"MixedPrecision.load_state_dict: {name!r} has shape {tuple(value.shape)} "
+                                 f"but the model has {master.shape}")
+            master.data[...] = to_device(value, master.xp)
+            param.data[...] = master.data.astype(param.dtype)
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])

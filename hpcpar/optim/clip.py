@@ -1,0 +1,30 @@
+"""Gradient clipping by the global L2 norm, optionally completed across ranks."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..backend import get_array_module
+
+
+def clip_grad_norm(params, max_norm: float, allreduce_sum=None) -> float:
+    """Scale all gradients in place so their joint L2 norm is at most ``max_norm``; return the norm before.
+
+    ``allreduce_sum(local_sum_of_squares) -> global sum`` completes the norm across ranks
+    that each hold a part of the gradients (tensor- or pipeline-parallel shards); each element
+    must be counted on exactly one rank. Squares are summed in at least float32.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = []
+    for grad in grads:
+        flat = grad.reshape(-1).astype(np.promote_types(grad.dtype, np.float32), copy=False)
+        squares.append(get_array_module(flat).dot(flat, flat))
+    local = float(sum(squares))  # one device-to-host transfer
+    total = float(allreduce_sum(local)) if allreduce_sum is not None else local
+    norm = math.sqrt(total)
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1.0:
+        for grad in grads:
+            grad *= scale
+    return norm

@@ -1,0 +1,86 @@
+"""Optimizer base: a list of parameters, in-place updates, state as plain arrays and scalars.
+
+Parameters are passed as ``model.named_parameters()`` (then the state dict is keyed by
+parameter name, which is what sharded checkpoints and resharding need) or as a plain
+iterable of Parameters (keyed ``"0"``, ``"1"``, ...).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..autograd import Tensor
+from ..backend import to_device
+
+
+def named_parameter_list(params) -> list[tuple[str, Tensor]]:
+    """``[(name, param)]`` from named pairs or from bare parameters (named by position)."""
+    items = list(params)
+    named = [item if isinstance(item, tuple) else (str(i), item) for i, item in enumerate(items)]
+    for name, param in named:
+        if not isinstance(param, Tensor) or not param.requires_grad:
+            raise TypeError(f"optimizer parameter {name!r} must be a Tensor that requires grad, got {param!r}")
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names) or len({id(p) for _, p in named}) != len(named):
+        raise ValueError("optimizer got the same parameter or name twice")
+    return named
+
+
+class Optimizer:
+    """Subclasses list their ``hyperparameters`` (float attributes, ``lr`` first) and define ``update``."""
+
+    hyperparameters: tuple[str, ...] = ("lr",)
+
+    def __init__(self, params, **hyperparameters):
+        named = named_parameter_list(params)
+        self.names = [name for name, _ in named]
+        self.params = [param for _, param in named]
+        for key in self.hyperparameters:
+            value = float(hyperparameters[key])
+            if value < 0:
+                raise ValueError(f"{type(self).__name__}: {key} must be >= 0, got {value}")
+            setattr(self, key, value)
+        # Per-parameter state: arrays (in the parameter's dtype, on its device) and int counts.
+        self.state: dict[str, dict] = {name: {} for name in self.names}
+
+    def update(self, param, grad, state: dict) -> None:  # pragma: no cover - interface
+        """Update the array ``param`` in place from ``grad``, keeping what it needs in ``state``."""
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """One update of every parameter that has a gradient (the others are left alone)."""
+        for name, param in zip(self.names, self.params):
+            if param.grad is not None:
+                self.update(param.data, param.grad, self.state[name])
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    def state_dict(self) -> dict:
+        """``{"hyperparameters": {name: float}, "state": {param name: {key: array or int}}}``.
+
+        The arrays are the live state (no copy), as in ``Module.state_dict``.
+        """
+        return {
+            "hyperparameters": {key: getattr(self, key) for key in self.hyperparameters},
+            "state": {name: dict(state) for name, state in self.state.items() if state},
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        unknown = [name for name in state_dict["state"] if name not in self.state]
+        if unknown:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: state for unknown parameters {unknown}; "
+                           f"this optimizer has {self.names}")
+        for key in self.hyperparameters:
+            setattr(self, key, float(state_dict["hyperparameters"][key]))
+        for name, param in zip(self.names, self.params):
+            loaded = {}
+            for key, value in state_dict["state"].get(name, {}).items():
+                if np.ndim(value) == 0:
+                    loaded[key] = int(value)
+                    continue
+                if tuple(value.shape) != param.shape:
+                    raise ValueError(f"{type(self).__name__}.load_state_dict: {name}/{key} has shape "
+                                     f"{tuple(value.shape)} but the parameter has shape {param.shape}")
+                loaded[key] = to_device(value, param.xp).astype(param.dtype, copy=True)
+            self.state[name] = loaded

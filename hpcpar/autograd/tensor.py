@@ -35,7 +35,8 @@ class Tensor:
             return Tensor(np.asarray(value))
         xp = like.xp
         array = xp.asarray(value)
-        if array.dtype.kind in "fc" or like.dtype.kind == "f" and array.dtype.kind in "iub" and np.ndim(value) == 0:
+        floating = like.dtype.kind in "fc"  # an integer tensor times 0.5 must not truncate 0.5 to 0
+        if floating and (array.dtype.kind in "fc" or array.dtype.kind in "iub" and np.ndim(value) == 0):
             array = array.astype(like.dtype, copy=False)
         return Tensor(array)
 

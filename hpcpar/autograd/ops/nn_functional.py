@@ -1,0 +1,299 @@
+"""Fused neural-network ops: softmax, losses, normalisation, embedding, dropout, linear, attention.
+
+Each is one Function with a closed-form backward, so a model step makes a few passes over
+memory per op instead of one per primitive. Elementwise passes, not matmuls, decide how
+close NumPy gets to PyTorch (DESIGN.md), so temporaries are updated in place. Saved
+buffers are overwritten during backward where noted: graphs are single-use (tensor.py).
+"""
+from __future__ import annotations
+
+import math
+
+from ...backend import get_array_module
+from ..function import Function
+from ._common import integer_array, scatter_add_rows, wants_grad
+
+
+def _softmax(x, axis, in_place=False):
+    """Numerically stable softmax; ``in_place`` overwrites ``x`` (a temporary of the caller)."""
+    xp = get_array_module(x)
+    peak = x.max(axis=axis, keepdims=True)
+    if in_place:
+        x -= peak
+    else:
+        x = x - peak
+    xp.exp(x, out=x)
+    total = x.sum(axis=axis, keepdims=True)
+    x *= xp.reciprocal(total, out=total)  # one division per row, then multiplications
+    return x
+
+
+class Softmax(Function):
+    def forward(self, a, axis=-1):
+        self.axis = axis
+        self.out = _softmax(a, axis)
+        return self.out
+
+    def backward(self, grad):
+        # dx = y * (g - sum(g * y))
+        xp = self.xp(grad)
+        g = grad * self.out
+        row = g.sum(axis=self.axis, keepdims=True)
+        xp.subtract(grad, row, out=g)
+        g *= self.out
+        return (g,)
+
+
+class LogSoftmax(Function):
+    def forward(self, a, axis=-1):
+        xp = get_array_module(a)
+        self.axis = axis
+        out = a - a.max(axis=axis, keepdims=True)
+        total = xp.exp(out).sum(axis=axis, keepdims=True)
+        out -= xp.log(total, out=total)
+        self.out = out
+        return out
+
+    def backward(self, grad):
+        # dx = g - softmax * sum(g)
+        xp = self.xp(grad)
+        g = xp.exp(self.out)
+        g *= grad.sum(axis=self.axis, keepdims=True)
+        xp.subtract(grad, g, out=g)
+        return (g,)
+
+
+class CrossEntropy(Function):
+    """Log-softmax and negative log-likelihood in one op; backward is softmax - onehot."""
+
+    def forward(self, logits, targets, ignore_index=-100, reduction="mean"):
+        xp = get_array_module(logits)
+        classes = logits.shape[-1]
+        x = logits.reshape(-1, classes)  # (..., C) -> (N, C)
+        t = targets.reshape(-1)
+        valid = t != ignore_index
+        t = xp.where(valid, t, 0)
+        if bool(((t < 0) | (t >= classes)).any()):
+            bad = t[(t < 0) | (t >= classes)][0]
+            raise IndexError(f"cross_entropy: target {int(bad)} is out of range for {classes} classes")
+        rows = xp.arange(x.shape[0])
+        probs = x - x.max(axis=1, keepdims=True)
+        picked = probs[rows, t]  # shifted logit of each target
+        xp.exp(probs, out=probs)
+        total = probs.sum(axis=1)
+        nll = xp.log(total)
+        nll -= picked
+        nll *= valid
+        probs *= xp.reciprocal(total, out=total)[:, None]
+        self.probs, self.rows, self.targets, self.valid = probs, rows, t, valid
+        self.shape, self.reduction = logits.shape, reduction
+        if reduction == "none":
+            return nll.reshape(targets.shape)
+        loss = nll.sum()
+        if reduction == "mean":  # over non-ignored targets; 0 (not NaN) when all are ignored
+            self.count = xp.maximum(valid.sum(dtype=logits.dtype), 1)
+            loss = loss / self.count
+        return loss
+
+    def backward(self, grad):
+        # Each row's gradient is scale * (softmax - onehot(target)); ignored rows get scale 0.
+        if self.reduction == "none":
+            scale = grad.reshape(-1) * self.valid
+        elif self.reduction == "mean":
+            scale = self.valid * (grad / self.count)
+        else:
+            scale = self.valid * grad
+        scale = scale.astype(self.probs.dtype, copy=False)
+        g = self.probs  # overwritten: the graph is single-use
+        g *= scale[:, None]
+        g[self.rows, self.targets] -= scale
+        return (g.reshape(self.shape),)
+
+
+class Embedding(Function):
+    def forward(self, weight, ids):
+        xp = get_array_module(weight)
+        low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+        if low < 0 or high >= weight.shape[0]:  # NumPy would wrap negatives and CuPy all of them
+            raise IndexError(f"embedding: id {low if low < 0 else high} is out of range for {weight.shape[0]} rows")
+        self.ids, self.num_rows = ids, weight.shape[0]
+        return xp.take(weight, ids, axis=0)  # (...) -> (..., D)
+
+    def backward(self, grad):
+        dim = grad.shape[-1]
+        return (scatter_add_rows(self.ids.reshape(-1), grad.reshape(-1, dim), (self.num_rows, dim)),)
+
+
+class LayerNorm(Function):
+    """Normalise over the last axis, then scale and shift; one Function, closed-form backward."""
+
+    def forward(self, x, *params, has_weight=True, has_bias=True, eps=1e-5):
+        xp = get_array_module(x)
+        weight = params[0] if has_weight else None
+        bias = params[-1] if has_bias else None
+        xhat = x - x.mean(axis=-1, keepdims=True)
+        out = xhat * xhat
+        rstd = out.mean(axis=-1, keepdims=True)
+        rstd += eps
+        xp.sqrt(rstd, out=rstd)
+        xp.reciprocal(rstd, out=rstd)  # (..., 1): 1 / sqrt(var + eps)
+        xhat *= rstd
+        if weight is not None:
+            xp.multiply(xhat, weight, out=out)
+        else:
+            out[...] = xhat
+        if bias is not None:
+            out += bias
+        self.xhat, self.rstd, self.weight = xhat, rstd, weight
+        self.has_weight, self.has_bias = has_weight, has_bias
+        return out
+
+    def backward(self, grad):
+        # dx = rstd * (gx - mean(gx) - xhat * mean(gx * xhat)), with gx = grad * weight
+        xp = self.xp(grad)
+        xhat, weight = self.xhat, self.weight
+        dim = xhat.shape[-1]
+        grads = []
+        g_xhat = grad * weight if weight is not None else grad.copy()  # a temporary updated in place
+        if self.has_weight:
+            prod = grad * xhat
+            grads.append(prod.reshape(-1, dim).sum(axis=0) if wants_grad(self, 1) else None)
+            prod *= weight  # g_xhat * xhat
+        else:
+            prod = g_xhat * xhat
+        if self.has_bias:
+            grads.append(grad.reshape(-1, dim).sum(axis=0) if wants_grad(self, len(grads) + 1) else None)
+        proj = prod.mean(axis=-1, keepdims=True)
+        g_xhat -= g_xhat.mean(axis=-1, keepdims=True)
+        xhat *= proj  # overwritten: the graph is single-use
+        g_xhat -= xhat
+        g_xhat *= self.rstd
+        return (g_xhat, *grads)
+
+
+class Dropout(Function):
+    def forward(self, x, p, rng):
+        xp = get_array_module(x)
+        draw_dtype = x.dtype if x.dtype.name in ("float32", "float64") else "float32"  # what generators draw
+        keep = xp.asarray(rng.random(x.shape, dtype=draw_dtype))
+        # keep <- (keep >= p) / (1 - p), reusing the random buffer
+        xp.multiply(keep >= p, keep.dtype.type(1.0 / (1.0 - p)), out=keep)
+        self.scale = keep.astype(x.dtype, copy=False)
+        return x * self.scale
+
+    def backward(self, grad):
+        return (grad * self.scale,)
+
+
+class Linear(Function):
+    """x (..., in) @ weight (in, out) + bias (out,), folded to one GEMM each way."""
+
+    def forward(self, x, weight, bias=None):
+        if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[0]:
+            raise ValueError(f"linear: input of shape {x.shape} does not fit weight of shape {weight.shape} "
+                             "(expected x (..., in) and weight (in, out))")
+        if bias is not None and bias.shape != (weight.shape[1],):
+            raise ValueError(f"linear: bias of shape {bias.shape} does not fit weight of shape {weight.shape}")
+        x2 = x.reshape(-1, x.shape[-1])  # (..., in) -> (N, in)
+        out = x2 @ weight
+        if bias is not None:
+            out += bias
+        self.x2, self.weight, self.x_shape, self.has_bias = x2, weight, x.shape, bias is not None
+        return out.reshape(x.shape[:-1] + (weight.shape[1],))  # (N, out) -> (..., out)
+
+    def backward(self, grad):
+        g2 = grad.reshape(-1, grad.shape[-1])  # (..., out) -> (N, out)
+        grad_x = (g2 @ self.weight.T).reshape(self.x_shape) if wants_grad(self, 0) else None
+        grad_w = self.x2.T @ g2 if wants_grad(self, 1) else None
+        if not self.has_bias:
+            return grad_x, grad_w
+        return grad_x, grad_w, g2.sum(axis=0) if wants_grad(self, 2) else None
+
+
+class Attention(Function):
+    """softmax(q k^T / sqrt(hs) + causal mask) v over (B, H, T, hs), probabilities kept for backward."""
+
+    def forward(self, q, k, v, causal=True):
+        if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
+            raise ValueError(f"attention: q, k, v must share one (B, H, T, hs) shape, "
+                             f"got {q.shape}, {k.shape}, {v.shape}")
+        xp = get_array_module(q)
+        steps, head_size = q.shape[-2], q.shape[-1]
+        self.scale = 1.0 / math.sqrt(head_size)
+        q_scaled = q * self.scale  # scaling (T, hs) is cheaper than scaling (T, T)
+        probs = q_scaled @ k.swapaxes(-1, -2)  # (B, H, T, hs) @ (B, H, hs, T) -> (B, H, T, T)
+        if causal:  # -inf above the diagonal: a key after the query gets probability 0
+            probs += xp.where(xp.tri(steps, dtype=bool), q.dtype.type(0), q.dtype.type(-xp.inf))
+        _softmax(probs, -1, in_place=True)
+        out = probs @ v  # (B, H, T, T) @ (B, H, T, hs) -> (B, H, T, hs)
+        self.q_scaled, self.k, self.v, self.probs, self.out = q_scaled, k, v, probs, out
+        return out
+
+    def backward(self, grad):
+        probs = self.probs
+        grad_v = probs.swapaxes(-1, -2) @ grad
+        d_scores = grad @ self.v.swapaxes(-1, -2)  # d probs, (B, H, T, T)
+        # Softmax backward needs sum_j dP_ij P_ij = grad_i . out_i: a (T, hs) product, not (T, T).
+        d_scores -= (grad * self.out).sum(axis=-1, keepdims=True)
+        d_scores *= probs  # masked positions have probability 0, so their gradient is 0
+        grad_q = d_scores @ self.k
+        grad_q *= self.scale
+        grad_k = d_scores.swapaxes(-1, -2) @ self.q_scaled
+        return grad_q, grad_k, grad_v
+
+
+def softmax(a, axis=-1):
+    return Softmax.apply(a, axis=axis)
+
+
+def log_softmax(a, axis=-1):
+    return LogSoftmax.apply(a, axis=axis)
+
+
+def cross_entropy(logits, targets, ignore_index=-100, reduction="mean"):
+    """Mean (or sum, or per-element) negative log-likelihood of integer ``targets`` under ``logits`` (..., C).
+
+    Targets equal to ``ignore_index`` contribute nothing; the mean is over the others.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    targets = integer_array(targets, getattr(logits, "data", logits), "cross_entropy", "targets")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"cross_entropy: logits of shape {logits.shape} need targets of shape "
+                         f"{logits.shape[:-1]}, got {targets.shape}")
+    return CrossEntropy.apply(logits, targets=targets, ignore_index=ignore_index, reduction=reduction)
+
+
+def embedding(weight, ids):
+    """Rows of ``weight`` (V, D) picked by integer ``ids`` (...): shape (..., D)."""
+    return Embedding.apply(weight, ids=integer_array(ids, getattr(weight, "data", weight), "embedding", "ids"))
+
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    """Layer normalisation over the last axis; ``weight`` and ``bias`` (D,) may each be None."""
+    params = [p for p in (weight, bias) if p is not None]
+    for p in params:
+        if p.shape != x.shape[-1:]:
+            raise ValueError(f"layer_norm: parameter of shape {p.shape} does not fit input {x.shape}")
+    return LayerNorm.apply(x, *params, has_weight=weight is not None, has_bias=bias is not None, eps=eps)
+
+
+def dropout(x, p, rng, training=True):
+    """Zero each element with probability ``p`` and scale the rest by 1/(1-p); identity when not training."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout: p must be in [0, 1], got {p}")
+    if not training or p == 0:
+        return x
+    if p == 1:
+        return x * 0.0
+    return Dropout.apply(x, p=p, rng=rng)
+
+
+def linear(x, weight, bias=None):
+    """``x @ weight + bias`` with weight laid out (in_features, out_features)."""
+    return Linear.apply(x, weight) if bias is None else Linear.apply(x, weight, bias)
+
+
+def attention(q, k, v, causal=True):
+    """Scaled dot-product attention over (B, H, T, hs) inputs, causal by default."""
+    return Attention.apply(q, k, v, causal=causal)

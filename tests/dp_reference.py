@@ -41,3 +41,52 @@ def train_single_process(steps: int):
 def max_difference(params_a: dict, params_b: dict) -> float:
     assert params_a.keys() == params_b.keys()
     return max(float(np.max(np.abs(params_a[k] - params_b[k]))) for k in params_a)
+
+
+class DataParallelRun:
+    """A resumable float64 data-parallel run of the reference model (DDP + AdamW, or ZeRO-1).
+
+    Uses dropout, a warm-up/cosine schedule and the model's random stream, so that an exact
+    resume has to restore all of them.
+    """
+
+    def __init__(self, ctx, zero=False, dropout=0.1):
+        from hpcpar.optim import WarmupCosine
+        from hpcpar.parallel import DistributedDataParallel
+        from hpcpar.parallel.zero import ZeroRedundancyOptimizer
+
+        self.ctx = ctx
+        config = GPTConfig(**{**CONFIG.to_dict(), "dropout": dropout})
+        self.model = GPT(config, dtype=np.float64)
+        # Each dp rank draws its own dropout masks, as in a real run.
+        self.model.rng = np.random.default_rng([config.seed, ctx.dp_rank])
+        if zero:
+            self.ddp = None
+            self.optimizer = ZeroRedundancyOptimizer(self.model.named_parameters(), ctx.dp, AdamW, lr=LR,
+                                                     weight_decay=0.1)
+        else:
+            self.ddp = DistributedDataParallel(self.model, ctx)
+            self.optimizer = make_optimizer(self.model.named_parameters())
+        self.schedule = WarmupCosine(self.optimizer, warmup_steps=2, total_steps=10)
+
+    def extra(self) -> dict:
+        return {"schedule": self.schedule, "rng": self.model.rng}
+
+    def train(self, steps) -> list:
+        per_rank = GLOBAL_BATCH // self.ctx.dp_size
+        rows = slice(self.ctx.dp_rank * per_rank, (self.ctx.dp_rank + 1) * per_rank)
+        losses = []
+        for step in steps:
+            ids, targets = global_batch(step)
+            loss = self.model.loss(ids[rows], targets[rows])
+            loss.backward()
+            if self.ddp is not None:
+                self.ddp.finish_grad_sync()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.schedule.step()
+            losses.append(self.ctx.dp.allreduce(np.array([loss.item()]), "mean")[0])
+        return losses
+
+    def parameters(self) -> dict:
+        return {name: p.data.copy() for name, p in self.model.named_parameters()}

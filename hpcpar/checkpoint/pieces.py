@@ -1,0 +1,130 @@
+"""What a rank holds, as pieces of global tensors.
+
+A ``Piece`` is a hyperslab of one global tensor (``model/<param>`` or
+``optim/<param>/<state>``) and the local array holding it. Every layout reduces to pieces:
+a data-parallel replica offers whole tensors, a tensor-parallel shard a block of columns
+or rows, a ZeRO-1 rank runs of the flattened parameters (cut into row-major slabs here).
+Saving writes each distinct piece once; loading reads, for each tensor a rank now holds,
+exactly its slab from the global view, whatever layout wrote it.
+
+A parameter that is a shard of a larger tensor says so with two attributes set by the
+layer that sharded it: ``global_shape`` and ``global_start`` (the index of its first
+element in the global tensor). Without them a parameter is its whole tensor.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+Slab = tuple  # ((start, stop), ...) per axis, in global coordinates
+
+
+@dataclass
+class Piece:
+    key: str
+    global_shape: tuple
+    slab: Slab
+    array: object  # NumPy or CuPy array of the slab's shape
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(stop - start for start, stop in self.slab)
+
+
+def global_slab(param) -> tuple[tuple, Slab]:
+    """(global shape, slab) of a parameter: the whole tensor unless it is a shard."""
+    shape = tuple(getattr(param, "global_shape", param.shape))
+    start = tuple(getattr(param, "global_start", (0,) * len(shape)))
+    return shape, tuple((s, s + n) for s, n in zip(start, param.shape))
+
+
+def slab_slices(slab: Slab) -> tuple:
+    return tuple(slice(start, stop) for start, stop in slab)
+
+
+def flat_range_to_slabs(shape: tuple, begin: int, end: int) -> list[Slab]:
+    """Cut the row-major flat range [begin, end) of an array of ``shape`` into rectangular slabs.
+
+    A ZeRO shard boundary can fall anywhere inside a parameter; the range splits into at
+    most 2 (ndim - 1) + 1 slabs: a ragged head, whole rows, a ragged tail (recursively).
+    """
+    if begin >= end:
+        return []
+    if len(shape) == 0:
+        return [()]
+    if len(shape) == 1:
+        return [((begin, end),)]
+    row = math.prod(shape[1:])
+    first, last = begin // row, (end - 1) // row
+    if first == last:  # inside one row: recurse into it
+        return [((first, first + 1),) + sub for sub in flat_range_to_slabs(shape[1:], begin - first * row, end - first * row)]
+    slabs = []
+    if begin % row:  # ragged head
+        slabs += flat_range_to_slabs(shape, begin, (first + 1) * row)
+        first += 1
+    whole_end = end // row
+    if whole_end > first:
+        slabs.append(((first, whole_end),) + tuple((0, n) for n in shape[1:]))
+    if end % row and end // row >= first:  # ragged tail
+        slabs += flat_range_to_slabs(shape, whole_end * row, end)
+    return slabs
+
+
+def model_pieces(named_parameters) -> list[Piece]:
+    pieces = []
+    for name, param in named_parameters:
+        shape, slab = global_slab(param)
+        pieces.append(Piece(f"model/{name}", shape, slab, param.data))
+    return pieces
+
+
+def optimizer_pieces(optimizer, named_parameters) -> tuple[list[Piece], dict]:
+    """Array state as pieces and integer state (step counts) as ``{key: int}``."""
+    from ..parallel.zero import ZeroRedundancyOptimizer
+
+    if optimizer is None:
+        return [], {}
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return _zero_pieces(optimizer)
+    params = dict(named_parameters)
+    pieces, scalars = [], {}
+    for name, param in zip(optimizer.names, optimizer.params):
+        shape, slab = global_slab(params.get(name, param))
+        for key, value in optimizer.state[name].items():
+            if np.ndim(value) == 0:
+                scalars[f"optim/{name}/{key}"] = int(value)
+            else:
+                pieces.append(Piece(f"optim/{name}/{key}", shape, slab, value))
+    return pieces, scalars
+
+
+def zero_param_ranges(zero):
+    """For each parameter: (name, param, local flat range covered by this rank's shard) if any."""
+    begin = zero.comm.rank * zero.shard_size
+    end = begin + zero.shard_size
+    for name, param, offset in zip(zero.names, zero.params, zero.offsets):
+        lo, hi = max(begin, offset), min(end, offset + param.size)
+        if lo < hi:
+            yield name, param, lo - offset, hi - offset, lo - begin
+
+
+def _zero_pieces(zero) -> tuple[list[Piece], dict]:
+    state = zero.optimizer.state["shard"]
+    pieces, scalars = [], {}
+    for name, param, lo, hi, shard_offset in zero_param_ranges(zero):
+        shape, param_slab = global_slab(param)
+        for key, value in state.items():
+            if np.ndim(value) == 0:
+                scalars[f"optim/{name}/{key}"] = int(value)
+                continue
+            flat = value[shard_offset: shard_offset + hi - lo]
+            used = 0
+            for local in flat_range_to_slabs(param.shape, lo, hi):
+                size = math.prod(stop - start for start, stop in local)
+                glob = tuple((start + p0, stop + p0) for (start, stop), (p0, _) in zip(local, param_slab))
+                pieces.append(Piece(f"optim/{name}/{key}", shape, glob,
+                                    flat[used: used + size].reshape(tuple(b - a for a, b in local))))
+                used += size
+    return pieces, scalars

@@ -1,0 +1,147 @@
+"""Loading a checkpoint into any layout: each rank reads exactly the slabs it now holds.
+
+Reads go through ``index.h5``'s virtual datasets, so a rank that now holds rows 0..511 of a
+tensor written as four column shards reads just that hyperslab and HDF5 stitches it. Before
+anything is read, every file is checked against the manifest (presence, size, CRC-32; the
+ranks share the work): a missing shard would otherwise read silently as fill values.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import h5py
+import numpy as np
+
+from ..backend import to_device
+from .manifest import INDEX, CheckpointError, list_steps, read_manifest, resolve_step_dir, step_dirname, verify_files
+from .pieces import flat_range_to_slabs, global_slab, slab_slices, zero_param_ranges
+
+
+def verify_collectively(step_dir: str, manifest: dict, comm) -> None:
+    """Each rank checks a share of the files; all ranks raise the same error if any is bad."""
+    names = sorted(manifest["files"])
+    mine = names[comm.Get_rank()::comm.Get_size()]
+    problems = sum(comm.allgather(verify_files(step_dir, manifest, mine)), [])
+    if problems:
+        raise CheckpointError("damaged checkpoint: " + "; ".join(problems))
+
+
+def _read(index, manifest: dict, key: str, shape: tuple, slab, what: str):
+    if key not in manifest["tensors"]:
+        raise CheckpointError(f"{what}: the checkpoint has no tensor {key!r}")
+    saved = tuple(manifest["tensors"][key]["shape"])
+    if saved != tuple(shape):
+        raise CheckpointError(f"{what}: {key} has global shape {saved} in the checkpoint but {tuple(shape)} here")
+    return index[key][slab_slices(slab)]
+
+
+def _load_model(index, manifest, named, what):
+    for name, param in named:
+        shape, slab = global_slab(param)
+        param.data[...] = to_device(_read(index, manifest, f"model/{name}", shape, slab, what), param.xp)
+
+
+def _state_keys(manifest, name) -> list[str]:
+    prefix = f"optim/{name}/"
+    return sorted({k[len(prefix):] for k in list(manifest["tensors"]) + list(manifest["scalars"]) if k.startswith(prefix)})
+
+
+def _load_optimizer(index, manifest, optimizer, named, what):
+    from ..parallel.zero import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return _load_zero(index, manifest, optimizer, what)
+    params = dict(named)
+    for name, param in zip(optimizer.names, optimizer.params):
+        shape, slab = global_slab(params.get(name, param))
+        state = {}
+        for key in _state_keys(manifest, name):
+            full = f"optim/{name}/{key}"
+            if full in manifest["scalars"]:
+                state[key] = int(manifest["scalars"][full])
+            else:
+                state[key] = to_device(_read(index, manifest, full, shape, slab, what), param.xp).astype(param.dtype)
+        optimizer.state[name] = state
+
+
+def _load_zero(index, manifest, zero, what):
+    """Assemble this rank's flat shard of each state array from the per-parameter global tensors."""
+    xp = zero.shard.xp
+    keys = _state_keys(manifest, zero.names[0])
+    state = {}
+    for key in keys:
+        first = f"optim/{zero.names[0]}/{key}"
+        if first in manifest["scalars"]:
+            state[key] = int(manifest["scalars"][first])
+            continue
+        flat = np.zeros(zero.shard_size, dtype=zero.shard.dtype)
+        for name, param, lo, hi, shard_offset in zero_param_ranges(zero):
+            shape, param_slab = global_slab(param)
+            used = shard_offset
+            for local in flat_range_to_slabs(param.shape, lo, hi):
+                glob = tuple((a + p0, b + p0) for (a, b), (p0, _) in zip(local, param_slab))
+                block = _read(index, manifest, f"optim/{name}/{key}", shape, glob, what).reshape(-1)
+                flat[used: used + block.size] = block
+                used += block.size
+        state[key] = to_device(flat, xp)
+    zero.optimizer.state["shard"] = state
+
+
+def _load_extra(manifest, extra, ctx) -> dict:
+    values = {}
+    same_layout = manifest["layout"] == ctx.layout
+    mine = manifest["rank_state"].get(str(ctx.rank), {})
+    for name, saved in manifest["extra"].items():
+        if "value" in saved:
+            values[name] = saved["value"]
+        elif extra and name in extra:
+            extra[name].load_state_dict(saved["state_dict"])
+    for name, target in (extra or {}).items():
+        if isinstance(target, np.random.Generator) and same_layout and name in mine:
+            # Random streams belong to ranks: restored only when each rank is the same rank again.
+            target.bit_generator.state = mine[name]
+    return values
+
+
+def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int | None = None,
+         strict: bool = True) -> dict:
+    """Load the checkpoint at ``path`` (a root: its ``latest``, or ``step``; or a step folder).
+
+    Returns ``{"step", "step_dir", "layout", "extra"}`` (``extra``: the plain JSON values).
+    Collective over ``ctx.world``; every rank raises the same CheckpointError on damage.
+    """
+    comm = ctx.world.mpi
+    step_dir = resolve_step_dir(path, step)
+    manifest = read_manifest(step_dir)
+    verify_collectively(step_dir, manifest, comm)
+    named = list(model.named_parameters()) if hasattr(model, "named_parameters") else list(model)
+    what = f"loading {step_dir}"
+    with h5py.File(os.path.join(step_dir, INDEX), "r") as index:
+        _load_model(index, manifest, named, what)
+        if optimizer is not None:
+            _load_optimizer(index, manifest, optimizer, named, what)
+    if hasattr(optimizer, "refresh_shard"):
+        optimizer.refresh_shard()
+    if strict:  # every model tensor of the checkpoint must land on some rank
+        loaded = set().union(*comm.allgather({f"model/{n}" for n, _ in named}))
+        unused = sorted(k for k in manifest["tensors"] if k.startswith("model/") and k not in loaded)
+        if unused:
+            raise CheckpointError(f"{what}: tensors no rank of this model takes: {unused[:5]}"
+                                  f"{' ...' if len(unused) > 5 else ''} (pass strict=False to ignore)")
+    values = _load_extra(manifest, extra, ctx)
+    return {"step": manifest["step"], "step_dir": step_dir, "layout": manifest["layout"], "extra": values}
+
+
+def load_latest(root: str, model, optimizer, ctx, extra: dict | None = None, strict: bool = True) -> dict | None:
+    """Load the newest checkpoint under ``root`` that verifies; None when there is none.
+
+    A damaged newest checkpoint is reported on rank 0 and the next older one is tried.
+    """
+    for step in reversed(list_steps(root)):
+        try:
+            return load(os.path.join(root, step_dirname(step)), model, optimizer, ctx, extra, strict=strict)
+        except CheckpointError as error:
+            if ctx.rank == 0:
+                print(f"hpcpar: skipping checkpoint step {step}: {error}", flush=True)
+    return None

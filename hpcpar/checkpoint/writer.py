@@ -1,0 +1,243 @@
+"""Sharded, atomic HDF5 checkpoints written by every rank in parallel.
+
+    save("ckpt", step, model, optimizer, ctx, extra={"schedule": schedule, "rng": model.rng})
+
+1. Every rank lists the pieces it holds; one small all-gather of their descriptions lets
+   each (tensor, slab) be written by exactly one rank (the lowest holding it): replicas
+   write nothing twice, shards are written by their owners, nothing goes through rank 0.
+2. Each rank writes its pieces to ``step-N.tmp/shard-R.h5`` and fsyncs it.
+3. Rank 0 gathers the file facts (names, sizes, CRC-32), writes ``index.h5`` (a virtual
+   dataset per tensor at its global shape) and ``manifest.json``, renames the folder to
+   ``step-N``, fsyncs the root, points ``latest`` at it, and removes all but the last ``keep``.
+A crash at any moment leaves at worst a ``.tmp`` folder that nothing reads.
+
+``extra`` maps names to objects with ``state_dict()`` (schedule, loss scaler, sampler: the
+same on every rank), NumPy Generators (random streams, saved per rank), or plain JSON values.
+With ``asynchronous=True`` the state is first copied to host memory, then written and
+committed by a background thread on its own communicator; call ``wait()`` before the next
+save (``save`` does) and before exit (registered with atexit).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import threading
+import time
+
+import h5py
+import numpy as np
+
+from ..backend import to_host
+from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, VERSION, CheckpointError, file_checksum, fsync_path,
+                       list_steps, shard_filename, step_dirname, write_json_atomically)
+from .pieces import model_pieces, optimizer_pieces, slab_slices
+
+
+def split_extra(extra: dict | None) -> tuple[dict, dict]:
+    """(shared JSON state, this rank's random-stream states) from the ``extra`` mapping."""
+    shared, per_rank = {}, {}
+    for name, value in (extra or {}).items():
+        if isinstance(value, np.random.Generator):
+            per_rank[name] = value.bit_generator.state
+        elif hasattr(value, "state_dict"):
+            shared[name] = {"state_dict": value.state_dict()}
+        else:
+            shared[name] = {"value": value}
+    json.dumps(shared)  # fail here, on every rank, if something is not JSON
+    return shared, per_rank
+
+
+def _named(model):
+    return list(model.named_parameters()) if hasattr(model, "named_parameters") else list(model)
+
+
+class SaveJob:
+    """One checkpoint: built on the calling thread, written by ``run`` (possibly on another)."""
+
+    def __init__(self, root: str, step: int, model, optimizer, ctx, extra=None, keep: int | None = None,
+                 copy: bool = False):
+        named = _named(model)
+        pieces = model_pieces(named)
+        opt_pieces, self.scalars = optimizer_pieces(optimizer, named)
+        pieces += opt_pieces
+        for piece in pieces:
+            if piece.array.dtype.kind not in "fiub":
+                raise CheckpointError(f"{piece.key}: dtype {piece.array.dtype} cannot be stored in HDF5; "
+                                      "checkpoint float32 master weights instead")
+        self.root, self.step, self.keep = root, step, keep
+        self.layout = ctx.layout
+        self.rank, self.world_size = ctx.rank, ctx.world_size
+        self.shared_extra, self.rank_state = split_extra(extra)
+        self.step_dir = os.path.join(root, step_dirname(step))
+        self.tmp_dir = self.step_dir + ".tmp"
+
+        if self.rank == 0:  # a folder left by a save that died is stale: start clean
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            os.makedirs(self.tmp_dir)
+        described = [(p.key, p.slab, p.global_shape, str(p.array.dtype)) for p in pieces]
+        gathered = ctx.world.allgather_object((described, self.scalars))  # also the barrier after mkdir
+        everyone = [entries for entries, _ in gathered]
+        for _, scalars in gathered:  # ZeRO ranks each know the step counts of their own parameters
+            self.scalars.update(scalars)
+        owner = {}
+        for rank, entries in enumerate(everyone):
+            for key, slab, _, _ in entries:
+                owner.setdefault((key, tuple(map(tuple, slab))), rank)
+        self.tensors = _tensor_table(everyone, owner) if self.rank == 0 else None
+        mine = [p for p in pieces if owner[(p.key, p.slab)] == self.rank]
+        # Host arrays to write: copies when the writer runs later (async), views otherwise.
+        self.pieces = [(p, np.array(to_host(p.array), copy=True) if copy else to_host(p.array)) for p in mine]
+
+    def run(self, comm) -> str:
+        """Write this rank's shard, then commit on rank 0; collective over ``comm``."""
+        start = time.perf_counter()
+        name = shard_filename(self.rank)
+        path = os.path.join(self.tmp_dir, name)
+        datasets = {}
+        with h5py.File(path, "w", libver="latest") as f:
+            for piece, array in self.pieces:
+                dataset = piece.key if piece.key not in datasets.values() else f"{piece.key}#{len(datasets)}"
+                f.create_dataset(dataset, data=array)
+                datasets[(piece.key, piece.slab)] = dataset
+        fsync_path(path)
+        facts = {"file": name, "bytes": os.path.getsize(path), "crc32": file_checksum(path),
+                 "datasets": [[k, [list(s) for s in slab], d] for (k, slab), d in datasets.items()],
+                 "rank_state": self.rank_state}
+        gathered = comm.gather(facts, root=0)
+        error = None
+        if self.rank == 0:
+            try:
+                self._commit(gathered)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                error = f"{type(exc).__name__}: {exc}"
+        error = comm.bcast(error, root=0)
+        if error:
+            raise CheckpointError(f"checkpoint {self.step_dir} was not committed: {error}")
+        self.seconds = time.perf_counter() - start
+        return self.step_dir
+
+    # ----- rank 0 ---------------------------------------------------------------------
+    def _commit(self, gathered: list) -> None:
+        files, rank_state, where = {}, {}, {}
+        for rank, facts in enumerate(gathered):
+            files[facts["file"]] = {"bytes": facts["bytes"], "crc32": facts["crc32"]}
+            for key, slab, dataset in facts["datasets"]:
+                where[(key, tuple(map(tuple, slab)))] = (facts["file"], dataset)
+            rank_state[str(rank)] = facts["rank_state"]
+        for key, table in self.tensors.items():
+            for piece in table["pieces"]:
+                piece["file"], piece["dataset"] = where[(key, tuple(map(tuple, piece["slab"])))]
+
+        index_path = os.path.join(self.tmp_dir, INDEX)
+        with h5py.File(index_path, "w", libver="latest") as index:
+            index.attrs["step"] = self.step
+            index.attrs["layout"] = json.dumps(self.layout)
+            for key, table in self.tensors.items():
+                layout = h5py.VirtualLayout(shape=tuple(table["shape"]), dtype=table["dtype"])
+                for piece in table["pieces"]:
+                    shape = tuple(stop - start for start, stop in piece["slab"])
+                    # A relative source name: the folder can be moved or copied as a whole.
+                    source = h5py.VirtualSource(piece["file"], piece["dataset"], shape=shape)
+                    layout[slab_slices(piece["slab"])] = source
+                index.create_virtual_dataset(key, layout)
+        fsync_path(index_path)
+        files[INDEX] = {"bytes": os.path.getsize(index_path), "crc32": file_checksum(index_path)}
+
+        manifest = {"format": FORMAT, "version": VERSION, "step": self.step, "layout": self.layout,
+                    "created": time.time(), "tensors": self.tensors, "scalars": self.scalars,
+                    "files": files, "extra": self.shared_extra, "rank_state": rank_state}
+        write_json_atomically(os.path.join(self.tmp_dir, MANIFEST), manifest)
+        fsync_path(self.tmp_dir)
+        if os.path.exists(self.step_dir):  # re-saving a step: the old copy goes only once the new one is whole
+            shutil.rmtree(self.step_dir)
+        os.rename(self.tmp_dir, self.step_dir)
+        fsync_path(self.root)
+        latest_tmp = os.path.join(self.root, LATEST + ".tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(step_dirname(self.step) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(self.root, LATEST))
+        fsync_path(self.root)
+        if self.keep:
+            for old in list_steps(self.root)[:-self.keep]:
+                shutil.rmtree(os.path.join(self.root, step_dirname(old)), ignore_errors=True)
+
+
+def _tensor_table(everyone: list, owner: dict) -> dict:
+    """``{key: {shape, dtype, pieces: [{slab, rank}]}}`` with each distinct slab once; checks coverage."""
+    tensors = {}
+    for rank, entries in enumerate(everyone):
+        for key, slab, shape, dtype in entries:
+            table = tensors.setdefault(key, {"shape": list(shape), "dtype": dtype, "pieces": []})
+            if list(shape) != table["shape"]:
+                raise CheckpointError(f"{key}: ranks disagree on its global shape ({table['shape']} vs {list(shape)})")
+            slab = tuple(map(tuple, slab))
+            if owner[(key, slab)] == rank:
+                table["pieces"].append({"slab": [list(s) for s in slab], "rank": rank})
+    for key, table in tensors.items():
+        covered = sum(int(np.prod([b - a for a, b in p["slab"]])) for p in table["pieces"])
+        if covered != int(np.prod(table["shape"])):
+            raise CheckpointError(f"{key}: the pieces held by the ranks cover {covered} of "
+                                  f"{int(np.prod(table['shape']))} elements (overlapping or missing shards)")
+    return tensors
+
+
+# ----------------------------------------------------------------------------------------
+# Entry points
+# ----------------------------------------------------------------------------------------
+_pending: list = []
+_async_comm = {}
+
+
+class AsyncSave:
+    def __init__(self, thread: threading.Thread, job: SaveJob):
+        self.thread, self.job, self.error = thread, job, None
+
+    def wait(self) -> str:
+        self.thread.join()
+        if self in _pending:
+            _pending.remove(self)
+        if self.error is not None:
+            raise self.error
+        return self.job.step_dir
+
+
+def wait() -> None:
+    """Block until every asynchronous save of this process is committed."""
+    for handle in list(_pending):
+        handle.wait()
+
+
+atexit.register(wait)
+
+
+def save(root: str, step: int, model, optimizer, ctx, extra: dict | None = None, keep: int | None = None,
+         asynchronous: bool = False):
+    """Write a checkpoint of ``model`` (a Module or (name, param) pairs) and ``optimizer``; collective.
+
+    Returns the committed step folder, or an ``AsyncSave`` whose ``wait()`` returns it.
+    """
+    wait()  # one save at a time: the previous asynchronous one must be committed first
+    if ctx.rank == 0:
+        os.makedirs(root, exist_ok=True)
+    job = SaveJob(root, step, model, optimizer, ctx, extra, keep, copy=asynchronous)
+    if not asynchronous:
+        return job.run(ctx.world.mpi)
+    comm = _async_comm.get(id(ctx.world.mpi))
+    if comm is None:  # the writer thread gets its own communicator: no mixing with training's collectives
+        comm = _async_comm[id(ctx.world.mpi)] = ctx.world.mpi.Dup()
+
+    def write():
+        try:
+            job.run(comm)
+        except BaseException as error:  # noqa: BLE001 - re-raised by wait() on the caller's thread
+            handle.error = error
+
+    thread = threading.Thread(target=write, name=f"hpcpar-checkpoint-{step}", daemon=False)
+    handle = AsyncSave(thread, job)
+    _pending.append(handle)
+    thread.start()
+    return handle

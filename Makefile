@@ -9,6 +9,9 @@ NATIVE  := build/libhpcpar_native.so
 # Every MPI run is under a timeout: a hang fails the run instead of stalling it.
 TIMEOUT := timeout -k 15
 PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
+# Tests oversubscribe the cores with MPI ranks: one BLAS thread per rank, or threads fight.
+export OPENBLAS_NUM_THREADS ?= 1
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup native demo test test-serial test-mpi bench clean
 

@@ -1,0 +1,8 @@
+"""Pipeline parallelism: schedules as data (``schedules``); the engine executes their actions."""
+from .schedules import (SCHEDULES, Action, DeadlockError, ScheduleError, SimResult, format_grid, gpipe,
+                        interleaved_1f1b, make_schedule, one_f_one_b, peak_activations, simulate,
+                        theoretical_bubble, zero_bubble_h1)
+
+__all__ = ["SCHEDULES", "Action", "DeadlockError", "ScheduleError", "SimResult", "format_grid", "gpipe",
+           "interleaved_1f1b", "make_schedule", "one_f_one_b", "peak_activations", "simulate",
+           "theoretical_bubble", "zero_bubble_h1"]

@@ -1,0 +1,406 @@
+"""Pipeline schedules as data: per-rank lists of actions, a printable grid and a simulator.
+
+A schedule is ``list[list[Action]]``: one ordered list per pipeline rank. A pure function builds it
+from (p ranks, m micro-batches, v chunks); the engine only executes it; the simulator here checks it
+without MPI (modelled on torch.distributed.pipelining ``schedules.py``).
+
+Stages are *virtual*: the model is cut into ``p * v`` consecutive pieces and rank ``r`` holds
+virtual stages ``r, r + p, r + 2p, ...`` (Megatron's interleaving; ``v = 1`` is a plain pipeline).
+Micro-batch ``i`` flows ``F(i, 0) -> F(i, 1) -> ...`` and its gradient flows back
+``B(i, last) -> ... -> B(i, 0)``. Zero-bubble schedules split the backward into ``B`` (gradient
+of the stage input, which the previous stage is waiting for) and ``W`` (weight gradients, which
+nobody waits for and so can fill bubbles).
+
+Execution contract (what the engine must do; ``simulate`` verifies every schedule under it):
+
+1. Each rank executes its list strictly in order.
+2. ``SEND_F`` / ``SEND_B`` post a *non-blocking* send (``Isend``) of the output of the compute
+   action right before it. The engine must not wait for a send before it has finished the rest of
+   its list (it may ``Test`` and free completed ones; ``Waitall`` at the end of the step). Waiting
+   earlier can deadlock: in the 1F1B steady state neighbours send to each other at the same time.
+3. ``RECV_F`` / ``RECV_B`` are receives that complete before the rank moves past them (blocking
+   ``Recv``, or ``Irecv`` + ``Wait``). Every RECV sits immediately before the compute action that
+   consumes it, so an engine may equally post ``Irecv`` at the RECV and wait at that compute:
+   nothing runs in between, the behaviour is the same.
+4. Messages travel on *channels*, one per ordered pair of neighbouring virtual stages
+   (``s -> s + 1`` carries activations, ``s + 1 -> s`` gradients); on each channel the receiver
+   receives in exactly the order the sender sends. The engine must keep channels apart with the
+   MPI tag (for example ``tag = 2 * sending_stage + (1 if gradient else 0)``); MPI's
+   non-overtaking rule then matches each RECV with the right message. Under interleaving, several
+   channels share one pair of ranks, which is why the tag must name the channel.
+5. Neighbouring virtual stages on the *same* rank (only when ``p == 1``) exchange nothing: the
+   tensor is handed over in memory, and no SEND/RECV appears for it.
+
+Under this contract a send never blocks, so a rank can only wait in a RECV for a send that another
+rank posts right after a compute; the simulator executes all lists together and raises
+``DeadlockError`` (with the grid and each rank's stuck action) if that wait can never end.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+COMPUTE = ("F", "B", "W")
+SENDS = {"SEND_F": "F", "SEND_B": "B"}
+RECVS = {"RECV_F": "F", "RECV_B": "B"}
+KINDS = COMPUTE + tuple(SENDS) + tuple(RECVS)
+
+
+class Action(NamedTuple):
+    """One step of one rank: compute (F, B, W) or communication of one micro-batch.
+
+    ``stage`` is the virtual stage the action belongs to (the sender for SEND, the receiver for
+    RECV); ``peer_stage`` is the virtual stage on the other side of a SEND/RECV, else None.
+    """
+    kind: str
+    microbatch: int
+    stage: int
+    peer_stage: int | None = None
+
+    def __str__(self) -> str:
+        base = f"{self.kind}{self.microbatch}@s{self.stage}"
+        if self.kind in SENDS:
+            return f"{base}->s{self.peer_stage}"
+        if self.kind in RECVS:
+            return f"{base}<-s{self.peer_stage}"
+        return base
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE
+
+
+class ScheduleError(RuntimeError):
+    """A schedule that cannot be executed: a receive matching the wrong message, a duplicate or
+    missing compute, a send nobody receives."""
+
+
+class DeadlockError(ScheduleError):
+    """No rank can make progress: each one waits for something no other rank will ever do."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Building schedules
+
+
+def _check(p: int, m: int, v: int = 1) -> None:
+    for name, value in (("num_stages", p), ("num_microbatches", m), ("chunks", v)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _with_comms(rank: int, p: int, v: int, compute: list[Action]) -> list[Action]:
+    """Wrap each compute action in the communication it needs: its RECV right before it, its SEND
+    right after it. Neighbours on the same rank (p == 1) hand tensors over in memory."""
+    last = p * v - 1
+    out: list[Action] = []
+    for a in compute:
+        i, s = a.microbatch, a.stage
+        before = after = None
+        if a.kind == "F":
+            if s > 0 and (s - 1) % p != rank:
+                before = Action("RECV_F", i, s, s - 1)
+            if s < last and (s + 1) % p != rank:
+                after = Action("SEND_F", i, s, s + 1)
+        elif a.kind == "B":
+            if s < last and (s + 1) % p != rank:
+                before = Action("RECV_B", i, s, s + 1)
+            if s > 0 and (s - 1) % p != rank:
+                after = Action("SEND_B", i, s, s - 1)
+        out += [x for x in (before, a, after) if x is not None]
+    return out
+
+
+def _one_f_one_b_order(forwards: list[Action], backwards: list[Action], warmup: int,
+                       deferred_weights: int | None = None) -> list[Action]:
+    """``warmup`` forwards, then pairs (next forward, next backward), then the remaining
+    backwards. With ``deferred_weights = d`` (zero bubble) each backward is B (input gradient)
+    and the W of the oldest waiting backward follows every backward from the (d+1)-th on; the
+    d deferred W fill the cool-down."""
+    order = forwards[:warmup]
+    pending_w: deque[Action] = deque()
+    for j, b in enumerate(backwards):
+        if warmup + j < len(forwards):
+            order.append(forwards[warmup + j])
+        order.append(b)
+        if deferred_weights is not None:
+            pending_w.append(Action("W", b.microbatch, b.stage))
+            if j >= deferred_weights:
+                order.append(pending_w.popleft())
+    return order + list(pending_w)
+
+
+def _plain(p: int, m: int, warmup, deferred_weights=None) -> list[list[Action]]:
+    """The single-chunk schedules: every rank does micro-batches 0..m-1 in order."""
+    _check(p, m)
+    schedule = []
+    for r in range(p):
+        forwards = [Action("F", i, r) for i in range(m)]
+        backwards = [Action("B", i, r) for i in range(m)]
+        d = None if deferred_weights is None else deferred_weights(r)
+        schedule.append(_with_comms(r, p, 1, _one_f_one_b_order(forwards, backwards, warmup(r), d)))
+    return schedule
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """GPipe: all forwards, then all backwards. Holds all m micro-batches' activations."""
+    return _plain(num_stages, num_microbatches, warmup=lambda r: num_microbatches)
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """1F1B (PipeDream-flush, Megatron): rank r runs min(p - r - 1, m) warm-up forwards, then
+    alternates one forward / one backward, then drains the backwards. Rank r holds at most
+    min(m, p - r) micro-batches' activations; the bubble is the same as GPipe's."""
+    p, m = num_stages, num_microbatches
+    return _plain(p, m, warmup=lambda r: min(p - r - 1, m))
+
+
+def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B's order of F and B, with
+    B computing only the input gradient, so the gradient reaches the previous stage sooner. Rank
+    r defers its first r weight-gradient passes W (as torch's ZB schedules do) and runs them in
+    the cool-down, where 1F1B would idle. In-flight activations (F done, B not) stay 1F1B's
+    p - r; counting until W, at most p on every rank, 1F1B's peak on rank 0."""
+    p, m = num_stages, num_microbatches
+    return _plain(p, m, warmup=lambda r: min(p - r - 1, m), deferred_weights=lambda r: r)
+
+
+def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021): v = ``chunks`` model chunks per rank.
+
+    The forward order on every rank goes through micro-batches in groups of p: micro-batches
+    0..p-1 on chunk 0, the same on chunk 1, ..., then the next group (backwards the same with the
+    chunks reversed), hence Megatron's requirement m % p == 0. Rank r runs
+    ``(v - 1) * p + 2 * (p - r - 1)`` warm-up forwards (Megatron's count, filling the time the
+    first gradient needs to come back) for v > 1; with v == 1 the warm-up is 1F1B's p - r - 1, so
+    the schedule is exactly 1F1B.
+    """
+    p, m, v = num_stages, num_microbatches, chunks
+    _check(p, m, v)
+    if m % p:
+        raise ValueError(f"interleaved schedule needs num_microbatches divisible by num_stages "
+                         f"(as Megatron does): got m={m}, p={p}; use m = {(m // p + 1) * p}")
+    group = p * v
+
+    def micro_and_chunk(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k % group) // p
+        return (k // group) * p + k % p, chunk if forward else v - 1 - chunk
+
+    schedule = []
+    for r in range(p):
+        fwd, bwd = ([Action(kind, i, c * p + r) for i, c in
+                     (micro_and_chunk(k, kind == "F") for k in range(m * v))] for kind in "FB")
+        # Megatron's 2 * (p - r - 1) (not 1F1B's p - r - 1) keeps ranks busy while activations
+        # and gradients are in flight: with 1F1B's count the simulator finds the same bubble at
+        # zero latency but a longer step once messages take time.
+        warmup = (v - 1) * p + 2 * (p - r - 1) if v > 1 else p - r - 1
+        schedule.append(_with_comms(r, p, v, _one_f_one_b_order(fwd, bwd, min(warmup, m * v))))
+    return schedule
+
+
+SCHEDULES = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "zb1": zero_bubble_h1,
+}
+
+
+def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> list[list[Action]]:
+    """The schedule ``name`` (a key of SCHEDULES) for p ranks, m micro-batches, v chunks per rank."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    _check(num_stages, num_microbatches, chunks)
+    if name == "interleaved":
+        return interleaved_1f1b(num_stages, num_microbatches, chunks)
+    if chunks != 1:
+        raise ValueError(f"schedule {name!r} has one chunk per rank; chunks={chunks} needs 'interleaved'")
+    return SCHEDULES[name](num_stages, num_microbatches)
+
+
+def theoretical_bubble(num_stages: int, num_microbatches: int, chunks: int = 1) -> float:
+    """Idle share of a pipeline step: ``(p - 1) / (m + p - 1)``, divided by v when interleaved.
+
+    Megatron (Narayanan et al. 2021): the bubble lasts (p - 1) forward+backward times, i.e.
+    (p - 1) / m of the ideal compute time; as a share of the whole step that is
+    (p - 1) / (m + p - 1), exact for GPipe and 1F1B with uniform stage costs. Interleaving
+    shrinks the bubble time by v, and this function follows the project's spec in dividing the
+    share by v; the exact share under that model is (p - 1) / (v * m + p - 1), slightly larger,
+    which is what ``simulate`` measures for the interleaved schedule.
+    """
+    _check(num_stages, num_microbatches, chunks)
+    return (num_stages - 1) / (num_microbatches + num_stages - 1) / chunks
+
+
+# ----------------------------------------------------------------------------------------------
+# Looking at schedules
+
+
+def format_grid(schedule: list[list[Action]], comms: bool = False,
+                marks: dict[int, int] | None = None) -> str:
+    """A step x rank table: row k holds each rank's k-th action (compute only unless ``comms``).
+
+    ``marks`` maps rank -> index into that rank's full action list; the marked cell gets ``>>``
+    (the simulator marks where each rank is stuck). Rows are steps of each rank's own list, not
+    times: the same row on two ranks need not run at the same time.
+    """
+    marks = marks or {}
+    columns = []
+    for r, actions in enumerate(schedule):
+        shown = [(f">>{a}" if marks.get(r) == j else str(a))
+                 for j, a in enumerate(actions) if comms or a.is_compute or marks.get(r) == j]
+        columns.append([f"rank {r}"] + shown)
+    rows = max(len(c) for c in columns)
+    width = max(len(cell) for c in columns for cell in c) + 2
+    lines = []
+    for k in range(rows):
+        label = "step" if k == 0 else str(k - 1)
+        lines.append(f"{label:>5} " + "".join(
+            (c[k] if k < len(c) else "").ljust(width) for c in columns).rstrip())
+    return "\n".join(lines)
+
+
+def peak_activations(schedule: list[list[Action]], held_until: str = "B") -> list[int]:
+    """Per rank, the most (micro-batch, virtual stage) activations held at once: forward done,
+    backward not yet; counted per virtual stage, so under interleaving each is 1/v of a rank's
+    share of the model. With ``held_until="W"`` an activation of a split schedule is held until
+    its W (weight gradients need the stage inputs); schedules without W free it at B anyway."""
+    if held_until not in ("B", "W"):
+        raise ValueError(f"held_until must be 'B' or 'W', got {held_until!r}")
+    peaks = []
+    for actions in schedule:
+        release = held_until if any(a.kind == "W" for a in actions) else "B"
+        held = peak = 0
+        for a in actions:
+            held += (a.kind == "F") - (a.kind == release)
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+# ----------------------------------------------------------------------------------------------
+# Simulating schedules
+
+
+@dataclass
+class SimResult:
+    timelines: list[list[tuple[float, float, Action]]]  # per rank: (start, end, compute action)
+    makespan: float
+    busy: list[float]  # per rank: total compute time
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of all ranks over the whole step: 1 - busy / (ranks * makespan)."""
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
+
+
+def simulate(schedule: list[list[Action]], forward_time: float = 1.0, backward_time: float = 2.0,
+             weight_time: float | None = None, comm_time: float = 0.0) -> SimResult:
+    """Execute all ranks' lists together under the module's execution contract.
+
+    Times are for one micro-batch through a whole rank's share of the model; an action of one of
+    v chunks takes 1/v of it. ``backward_time`` is the full backward: in a schedule with W
+    actions, B takes ``backward_time - weight_time`` and W ``weight_time`` (default half), so
+    split and unsplit schedules are compared at equal work. Sends cost the sender nothing and
+    arrive ``comm_time`` later; a RECV blocks its rank until its message has arrived.
+
+    Raises ScheduleError when a receive gets a different micro-batch than it expects (channels
+    are FIFO), a compute runs twice or on the wrong rank, or something is left unreceived or
+    uncomputed; DeadlockError when no rank can move, with the grid and every stuck action.
+    """
+    p = len(schedule)
+    stages = 1 + max((a.stage for actions in schedule for a in actions), default=0)
+    v = max(1, stages // p)
+    split = any(a.kind == "W" for actions in schedule for a in actions)
+    if weight_time is None:
+        weight_time = backward_time / 2 if split else 0.0
+    duration = {"F": forward_time / v, "W": weight_time / v,
+                "B": (backward_time - weight_time if split else backward_time) / v}
+
+    clock = [0.0] * p
+    position = [0] * p
+    done: dict[tuple[str, int, int], float] = {}        # (kind, microbatch, stage) -> end time
+    received: dict[tuple[str, int, int], float] = {}    # (F|B, microbatch, receiving stage) -> arrival
+    channels: dict[tuple[int, int], deque] = {}         # (from stage, to stage) -> (kind, mb, arrival)
+    timelines: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
+
+    def fail(cls, message: str):
+        marks = {q: position[q] for q in range(p) if position[q] < len(schedule[q])}
+        raise cls(f"{message}\n{format_grid(schedule, comms=True, marks=marks)}")
+
+    def input_ready(r: int, a: Action) -> float | None:
+        """When the tensor that compute action ``a`` needs is available on rank r, or None."""
+        i, s = a.microbatch, a.stage
+        if a.kind == "W":
+            return done.get(("B", i, s))
+        own = done.get(("F", i, s)) if a.kind == "B" else 0.0
+        source = s - 1 if a.kind == "F" else s + 1
+        if own is None:
+            return None
+        if source < 0 or source >= stages:  # first stage's input / last stage's loss: local
+            return own
+        arrived = done.get((a.kind, i, source)) if source % p == r else received.get((a.kind, i, s))
+        return None if arrived is None else max(own, arrived)
+
+    def step(r: int) -> bool:
+        """Execute rank r's next action if it can run now; report whether it did."""
+        a = schedule[r][position[r]]
+        if a.kind not in KINDS:
+            fail(ScheduleError, f"rank {r}: unknown action kind in {a}")
+        if a.stage % p != r:
+            fail(ScheduleError, f"rank {r}: {a} belongs to stage {a.stage}, held by rank {a.stage % p}")
+        if a.is_compute:
+            ready = input_ready(r, a)
+            if ready is None:
+                return False
+            if (a.kind, a.microbatch, a.stage) in done:
+                fail(ScheduleError, f"rank {r}: {a} runs a second time")
+            start = max(clock[r], ready)
+            clock[r] = start + duration[a.kind]
+            done[(a.kind, a.microbatch, a.stage)] = clock[r]
+            timelines[r].append((start, clock[r], a))
+        elif a.kind in SENDS:
+            kind = SENDS[a.kind]
+            if a.peer_stage != a.stage + (1 if kind == "F" else -1):
+                fail(ScheduleError, f"rank {r}: {a} does not go to the neighbouring stage")
+            if (kind, a.microbatch, a.stage) not in done:
+                return False  # sends an output not computed yet: waits (a deadlock if never)
+            channels.setdefault((a.stage, a.peer_stage), deque()).append(
+                (kind, a.microbatch, clock[r] + comm_time))
+        else:
+            queue = channels.get((a.peer_stage, a.stage))
+            if not queue:
+                return False
+            kind, microbatch, arrival = queue.popleft()
+            if (kind, microbatch) != (RECVS[a.kind], a.microbatch):
+                fail(ScheduleError, f"rank {r}: {a} does not match the send order; the next message "
+                                    f"on channel s{a.peer_stage}->s{a.stage} is {kind}{microbatch}")
+            received[(kind, a.microbatch, a.stage)] = arrival
+            clock[r] = max(clock[r], arrival)
+        position[r] += 1
+        return True
+
+    while True:
+        progressed = False
+        for r in range(p):
+            while position[r] < len(schedule[r]) and step(r):
+                progressed = True
+        if all(position[r] == len(schedule[r]) for r in range(p)):
+            break
+        if not progressed:
+            stuck = "; ".join(f"rank {r} waits at {schedule[r][j]} (action {j} of its list)"
+                              for r, j in enumerate(position) if j < len(schedule[r]))
+            fail(DeadlockError, f"pipeline schedule deadlocks: {stuck}")
+
+    leftover = [f"s{src}->s{dst}: {[f'{k}{i}' for k, i, _ in q]}" for (src, dst), q in channels.items() if q]
+    if leftover:
+        fail(ScheduleError, f"sends that no rank receives: {'; '.join(leftover)}")
+    microbatches = 1 + max((i for _, i, _ in done), default=-1)
+    needed = [(k, i, s) for k in ("F", "B", "W")[:2 + split]
+              for i in range(microbatches) for s in range(stages)]
+    missing = [f"{k}{i}@s{s}" for k, i, s in needed if (k, i, s) not in done]
+    if missing:
+        fail(ScheduleError, f"compute actions missing from the schedule: {', '.join(missing)}")
+    busy = [sum(end - start for start, end, _ in line) for line in timelines]
+    return SimResult(timelines, max(clock), busy)

@@ -6,3 +6,7 @@ from .schedules import (SCHEDULES, Action, DeadlockError, ScheduleError, SimResu
 __all__ = ["SCHEDULES", "Action", "DeadlockError", "ScheduleError", "SimResult", "format_grid", "gpipe",
            "interleaved_1f1b", "make_schedule", "one_f_one_b", "peak_activations", "simulate",
            "theoretical_bubble", "zero_bubble_h1"]
+from .engine import PipelineParallel
+from .partition import PARTITION_METHODS, PartitionError, measure_layer_costs, partition
+
+__all__ += ["PipelineParallel", "PARTITION_METHODS", "PartitionError", "measure_layer_costs", "partition"]

@@ -1,0 +1,167 @@
+"""Pipeline parallelism equals one process (float64), with bounded activations and a full trace."""
+import json
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import hpcpar
+from hpcpar.autograd import no_grad
+from hpcpar.nn.gpt import GPT, GPTConfig
+from hpcpar.parallel.pipeline import PartitionError, PipelineParallel, partition
+from hpcpar.parallel.pipeline.partition import min_max_bounds
+
+CONFIG = GPTConfig(vocab_size=16, block_size=8, n_layer=6, n_head=2, n_embd=8, seed=5)  # 8 layers
+BATCH = 8
+
+
+def batch(seed=0):
+    ids = np.random.default_rng(seed).integers(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def reference_gradients():
+    model = GPT(CONFIG, dtype=np.float64)
+    ids, targets = batch()
+    loss = model.loss(ids, targets)
+    loss.backward()
+    return loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def pipeline_step(ctx, schedule, m, part="uniform", chunks=1):
+    pipe = PipelineParallel(GPT(CONFIG, dtype=np.float64), ctx, schedule=schedule, micro_batches=m,
+                            loss_fn=GPT.loss_from_logits, partition=part, chunks=chunks)
+    ids, targets = batch()
+    rows = slice(ctx.dp_rank * BATCH // ctx.dp_size, (ctx.dp_rank + 1) * BATCH // ctx.dp_size)
+    loss = pipe.train_step(ids[rows], targets[rows])
+    return pipe, ctx.dp.allreduce(np.array([loss]), "mean")[0]
+
+
+def layouts(world):
+    size = world.Get_size()
+    return [dict(pp=size)] + ([dict(pp=2)] if size == 4 else [])  # pp=2 x dp=2 at 4 ranks
+
+
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule, chunks", CASES)
+@pytest.mark.parametrize("micro", ["fewer", "equal", "more"])
+@pytest.mark.parametrize("part", ["uniform", "uneven"])
+def test_loss_and_every_gradient_equal_one_process(world, schedule, chunks, micro, part):
+    ref_loss, ref_grads = reference_gradients()
+    for layout in layouts(world):
+        ctx = hpcpar.init(device="cpu", **layout)
+        p = ctx.pp_size
+        per_replica = BATCH // ctx.dp_size
+        m = {"fewer": max(1, p // 2), "equal": p, "more": per_replica}[micro]
+        if schedule == "interleaved":
+            m = {"fewer": p, "equal": p, "more": 2 * p}[micro]  # Megatron's schedule needs m % p == 0
+        if per_replica % m or m < 1:
+            continue
+        stages = p * chunks
+        counts = None
+        if part == "uneven":  # one stage gets one layer more than the others... and the first gets it all
+            counts = [1] * (stages - 1) + [8 - (stages - 1)]
+        pipe, loss = pipeline_step(ctx, schedule, m, counts or "uniform", chunks)
+        assert abs(loss - ref_loss) <= 1e-12, (layout, loss, ref_loss)
+        for name, param in pipe.named_parameters():
+            assert np.max(np.abs(param.grad - ref_grads[name])) <= 1e-10, (layout, name)
+        names = [n for n, _ in pipe.named_parameters()]
+        everyone = set().union(*ctx.pp.allgather_object(set(names)))
+        assert everyone == set(ref_grads), "every parameter lives on some stage"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_peak_live_activations(world, schedule):
+    ctx = hpcpar.init(pp=world.Get_size(), device="cpu")
+    p, r, m = ctx.pp_size, ctx.pp_rank, BATCH
+    pipe, _ = pipeline_step(ctx, schedule, m)
+    expected = m if schedule == "gpipe" else min(m, p - r)
+    assert pipe.stats["peak_activations"] == expected
+
+
+@pytest.mark.mpi(min_size=2)
+def test_exact_point_to_point_traffic(world):
+    ctx = hpcpar.init(pp=world.Get_size(), device="cpu")
+    p, r, m = ctx.pp_size, ctx.pp_rank, 4
+    ctx.reset_stats()
+    pipeline_step(ctx, "1f1b", m)
+    activation = (BATCH // m) * CONFIG.block_size * CONFIG.n_embd * 8
+    sends = (r < p - 1) * (m + 1) + (r > 0) * m  # activations + one header forward, gradients back
+    assert ctx.pp.stats.calls("isend") == sends
+    assert ctx.pp.stats.bytes("isend") == (r < p - 1) * (m * activation + 64) + (r > 0) * m * activation
+    assert ctx.pp.stats.calls("irecv") == (r > 0) * m + (r < p - 1) * m
+
+
+@pytest.mark.mpi(min_size=2)
+def test_trace_holds_every_action_of_every_rank(world, tmp_path_factory):
+    ctx = hpcpar.init(pp=world.Get_size(), device="cpu")
+    pipe, _ = pipeline_step(ctx, "1f1b", 4)
+    path = str(tmp_path_factory.mktemp("trace") / "trace.json") if ctx.rank == 0 else None
+    path = world.bcast(path)
+    pipe.write_trace(path)
+    names = world.allgather([str(a) for a in pipe.actions])
+    if ctx.rank == 0:
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        for rank, actions in enumerate(names):
+            recorded = [e["name"] for e in events if e.get("tid") == rank and e["ph"] == "X"]
+            assert recorded[:len(actions)] == actions and recorded[-1] == "SYNC"
+    assert 0 <= pipe.stats["bubble"] < 1 and pipe.stats["compute_s"] > 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pipelined_inference_streams_batches(world):
+    ctx = hpcpar.init(pp=world.Get_size(), device="cpu")
+    pipe = PipelineParallel(GPT(CONFIG, dtype=np.float64), ctx, micro_batches=1, loss_fn=GPT.loss_from_logits)
+    batches = [batch(seed)[0] for seed in range(5)]
+    outputs = pipe.infer(batches)
+    if ctx.is_last_stage:
+        reference = GPT(CONFIG, dtype=np.float64)
+        with no_grad():
+            for ids, out in zip(batches, outputs):
+                np.testing.assert_allclose(out, reference(ids).data, rtol=0, atol=1e-12)
+    else:
+        assert outputs is None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fp16_on_the_wire_stays_close(world):
+    ctx = hpcpar.init(pp=world.Get_size(), device="cpu")
+    ref_loss, _ = reference_gradients()
+    pipe = PipelineParallel(GPT(CONFIG, dtype=np.float64), ctx, micro_batches=4, loss_fn=GPT.loss_from_logits,
+                            wire_dtype="float16")
+    ids, targets = batch()
+    assert abs(pipe.train_step(ids, targets) - ref_loss) < 1e-2
+
+
+# ----- partitioning (serial) -----------------------------------------------------------
+def test_partition_methods():
+    model = GPT(CONFIG, dtype=np.float64)
+    layers = model.layers()
+    assert partition(layers, 3, "uniform") == [0, 3, 6, 8]
+    assert partition(layers, 2, [3, 5]) == [0, 3, 8]
+    bounds = partition(layers, 2, "parameters")
+    assert bounds[0] == 0 and bounds[-1] == 8 and len(bounds) == 3
+    assert min_max_bounds([1, 1, 1, 10], 2) == [0, 3, 4]
+    costs = [5, 1, 1, 1, 1, 1]
+    bounds = min_max_bounds(costs, 3)
+    assert bounds[0] == 0 and bounds[1] == 1 and max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])) == 5
+    ids, _ = batch()
+    assert partition(layers, 4, "balanced", sample_input=ids)[-1] == 8
+
+
+@pytest.mark.parametrize("args, message", [
+    ((9, "uniform"), "cannot cut 8 layers into 9 stages"),
+    ((2, [3, 4]), r"add up to 7, but there are 8 layers"),
+    ((2, [8, 0]), "every stage needs at least one layer"),
+    ((3, [4, 4]), "2 per-stage layer counts given for 3 stages"),
+    ((2, "random"), "partition method must be one of"),
+    ((2, "balanced"), "pass sample_input"),
+])
+def test_impossible_partitions_are_clear_errors(args, message):
+    with pytest.raises(PartitionError, match=message):
+        partition(GPT(CONFIG, dtype=np.float64).layers(), *args)

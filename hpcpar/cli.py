@@ -26,6 +26,18 @@ def _bench(args) -> None:
     run_benchmark(args.name, args.bench_args)
 
 
+def _ckpt(args) -> None:
+    import os
+
+    from .checkpoint.cli import main as ckpt_main
+
+    status = ckpt_main(args.ckpt_args)
+    if status:  # a serial tool: a plain exit status and its one-line message, not fail-fast's MPI abort
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpcpar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -46,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", help="allreduce | step | ...")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
+
+    ckpt = sub.add_parser("ckpt", help="checkpoints (serial, no MPI): ls | inspect | verify | export",
+                          description="ls ROOT | inspect PATH | verify PATH | export PATH OUT.h5 "
+                                      "(hpcpar ckpt ACTION --help for each)")
+    ckpt.add_argument("ckpt_args", nargs=argparse.REMAINDER, help="ACTION and its arguments (hpcpar ckpt ls --help)")
+    ckpt.set_defaults(func=_ckpt)
     return parser
 
 

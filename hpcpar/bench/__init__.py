@@ -10,6 +10,8 @@ BENCHMARKS = {
     "allreduce": "hpcpar array all-reduce vs raw C MPI_Allreduce in the same processes",
     "step": "single-process GPT training step vs PyTorch CPU",
     "dp": "data-parallel gradient sync vs one raw flat all-reduce; overlap; weak scaling",
+    "pipeline": "measured pipeline bubble vs (p-1)/(m+p-1) per schedule, step time",
+    "ckpt": "checkpoint save/load vs raw tofile+fsync / fromfile of the same bytes per rank",
 }
 
 

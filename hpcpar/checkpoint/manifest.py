@@ -58,7 +58,7 @@ def fsync_path(path: str) -> None:
 def write_json_atomically(path: str, data) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
+        json.dump(data, f, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -206,7 +206,9 @@ class PipelineParallel:
     def _do_RECV_F(self, a):
         channel = a.peer_stage
         if channel not in self._recv_shape:  # the per-step handshake on micro-batch 0
+            start = time.perf_counter()
             self._recv_shape[channel] = self._recv_header(channel)
+            self._idle += time.perf_counter() - start  # waiting for the previous stage: the bubble
         shape, dtype = self._recv_shape[channel]
         self._recvs[("F", a.microbatch, a.stage)] = self._post_recv(channel, False, shape, dtype, self._xp())
 

@@ -1,0 +1,270 @@
+"""``hpcpar ckpt``: look at, check and export checkpoints from a login node (serial, no MPI).
+
+    hpcpar ckpt ls ROOT               every step: when committed, layout, size, valid?, which is latest
+    hpcpar ckpt inspect PATH          step, layout, extras, and each tensor: global shape, pieces, files
+    hpcpar ckpt verify PATH           files vs manifest (size, CRC-32) and the index's virtual sources
+    hpcpar ckpt export PATH OUT.h5    one plain HDF5 file (no virtual datasets) of every global tensor
+
+PATH is a checkpoint root (its ``latest`` step) or one step folder. ``verify`` exits 1 and
+prints one line per problem, each naming the file; any other failure is one line on stderr
+and exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+import h5py
+
+from ..bench.timing import format_table, human_bytes
+from .manifest import (INDEX, LATEST, MANIFEST, CheckpointError, latest_step, list_steps,
+                       read_manifest, resolve_step_dir, step_dirname, verify_files)
+
+TMP_PATTERN = re.compile(r"^step-(\d{8})\.tmp$")
+EXPORT_BLOCK_BYTES = 64 << 20  # export copies big tensors in row blocks of about this size
+
+
+# ----------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------
+def check(step_dir: str, checksums: bool = True) -> list[str]:
+    """Every problem of one step folder, one line each naming the file (empty when valid)."""
+    try:
+        manifest = read_manifest(step_dir)
+    except CheckpointError as error:
+        return [str(error)]
+    if checksums:
+        problems = verify_files(step_dir, manifest)
+    else:
+        problems = []
+        for name, facts in sorted(manifest["files"].items()):
+            size = _size(os.path.join(step_dir, name))
+            if size != facts["bytes"]:
+                problems.append(f"{os.path.join(step_dir, name)}: " + ("missing" if size is None else
+                                f"{size} bytes, the manifest says {facts['bytes']} (truncated?)"))
+    for key, table in sorted(manifest["tensors"].items()):
+        for piece in table["pieces"]:
+            if piece["file"] not in manifest["files"]:
+                problems.append(f"{os.path.join(step_dir, piece['file'])}: holds a piece of {key} but is not "
+                                f"among the manifest's files")
+    return problems + _check_index(step_dir, manifest, problems)
+
+
+def _check_index(step_dir: str, manifest: dict, known: list[str]) -> list[str]:
+    """Each manifest tensor is a virtual dataset of index.h5 whose source files all exist.
+
+    HDF5 reads a missing source file as fill values without an error, so this is checked
+    here rather than discovered by reading.
+    """
+    index_path = os.path.join(step_dir, INDEX)
+    if any(line.startswith(f"{index_path}:") for line in known):
+        return []  # already reported as missing or damaged; its contents cannot be trusted
+    problems, missing = [], {}
+    try:
+        with h5py.File(index_path, "r") as index:
+            for key in sorted(manifest["tensors"]):
+                if key not in index:
+                    problems.append(f"{index_path}: no dataset {key!r} (the manifest lists it)")
+                    continue
+                dataset = index[key]
+                if not dataset.is_virtual:
+                    problems.append(f"{index_path}: {key!r} is not a virtual dataset")
+                    continue
+                for source in dataset.virtual_sources():
+                    if source.file_name == ".":  # a source inside index.h5 itself
+                        continue
+                    path = os.path.join(step_dir, source.file_name)
+                    if not os.path.isfile(path):
+                        missing.setdefault(path, []).append(key)
+                    elif os.path.basename(source.file_name) not in manifest["files"]:
+                        problems.append(f"{path}: a source of {key!r} in index.h5 but not among the manifest's files")
+    except OSError as error:
+        return [f"{index_path}: unreadable ({error})"]
+    for path, keys in sorted(missing.items()):
+        problems.append(f"{path}: missing, yet index.h5 maps {len(keys)} virtual dataset(s) onto it "
+                        f"(e.g. {keys[0]}); reading them would return fill values")
+    return problems
+
+
+def _size(path: str) -> int | None:
+    return os.path.getsize(path) if os.path.isfile(path) else None
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
+
+
+def _layout(layout: dict) -> str:
+    return f"{layout['dp']}/{layout['pp']}/{layout['tp']}/{layout['world']}"
+
+
+def _when(seconds: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds)) if seconds else "-"
+
+
+# ----------------------------------------------------------------------------------------
+# Subcommands (each returns the exit status)
+# ----------------------------------------------------------------------------------------
+def ls(args) -> int:
+    root = args.root
+    if not os.path.isdir(root):
+        raise CheckpointError(f"{root}: no such folder")
+    latest = latest_step(root)
+    steps = list_steps(root)
+    rows, invalid = [], []
+    for step in steps:
+        step_dir = os.path.join(root, step_dirname(step))
+        problems = check(step_dir, checksums=not args.quick)
+        try:
+            manifest = read_manifest(step_dir)
+            committed, layout = _when(manifest.get("created")), _layout(manifest["layout"])
+        except CheckpointError:
+            committed, layout = "-", "-"
+        if problems:
+            invalid.append(step_dir)
+        rows.append(["latest" if step == latest else "", step, committed, layout, human_bytes(_folder_bytes(step_dir)),
+                     f"NO ({len(problems)} problem{'s' if len(problems) > 1 else ''})" if problems else "yes"])
+    leftovers = sorted(name for name in os.listdir(root) if TMP_PATTERN.match(name)
+                       and os.path.isdir(os.path.join(root, name)))
+    for name in leftovers:
+        rows.append(["", int(TMP_PATTERN.match(name).group(1)), "-", "-",
+                     human_bytes(_folder_bytes(os.path.join(root, name))), "incomplete (ignored)"])
+    if not rows:
+        print(f"{root}: no checkpoints")
+        return 0
+    checked = "sizes only" if args.quick else "sizes and CRC-32"
+    print(format_table(["", "step", "committed", "dp/pp/tp/world", "size", "valid?"], rows,
+                       f"checkpoints under {root} (valid?: files vs manifest, {checked}; index.h5 sources)"))
+    if latest is not None and latest not in steps:
+        print(f"warning: {os.path.join(root, LATEST)} names {step_dirname(latest)}, which does not exist; "
+              f"loading the latest will fail", file=sys.stderr)
+    for step_dir in invalid:
+        print(f"details: hpcpar ckpt verify {step_dir}")
+    return 0
+
+
+def inspect(args) -> int:
+    step_dir = resolve_step_dir(args.path)
+    manifest = read_manifest(step_dir)
+    layout = manifest["layout"]
+    data_bytes = sum(facts["bytes"] for name, facts in manifest["files"].items() if name != INDEX)
+    shards = sum(1 for name in manifest["files"] if name != INDEX)
+    lines = [f"checkpoint  {step_dir}",
+             f"step        {manifest['step']}",
+             f"committed   {_when(manifest.get('created'))}",
+             f"layout      dp {layout['dp']} x pp {layout['pp']} x tp {layout['tp']} = {layout['world']} ranks",
+             f"files       {shards} shard file(s), {human_bytes(data_bytes)}; {INDEX}, {MANIFEST}"]
+    for name, saved in sorted(manifest["extra"].items()):
+        shown = json.dumps(saved.get("value", saved.get("state_dict")), sort_keys=True)
+        kind = "" if "value" in saved else " (state_dict)"
+        lines.append(f"extra       {name}{kind} = {shown if len(shown) <= 100 else shown[:97] + '...'}")
+    per_rank = sorted({name for state in manifest["rank_state"].values() for name in state})
+    for name in per_rank:
+        holders = sum(1 for state in manifest["rank_state"].values() if name in state)
+        lines.append(f"rank state  {name} (random stream, {holders} rank(s))")
+    scalars = {}
+    for key, value in manifest["scalars"].items():
+        scalars.setdefault(key.rsplit("/", 1)[-1], set()).add(value)
+    for name, values in sorted(scalars.items()):
+        count = sum(1 for key in manifest["scalars"] if key.rsplit("/", 1)[-1] == name)
+        lines.append(f"scalars     optim/*/{name} = {', '.join(map(str, sorted(values)))} ({count} tensors)")
+    print("\n".join(lines) + "\n")
+
+    rows = []
+    width = max((len(key) for key in manifest["tensors"]), default=0)
+    for key, table in sorted(manifest["tensors"].items()):
+        files = sorted({piece["file"] for piece in table["pieces"]})
+        shown = ", ".join(files) if len(files) <= 3 else f"{files[0]} .. {files[-1]} ({len(files)} files)"
+        rows.append([key.ljust(width), "x".join(map(str, table["shape"])) or "scalar", table["dtype"],
+                     len(table["pieces"]), shown])
+    print(format_table(["tensor", "global shape", "dtype", "pieces", "files"], rows,
+                       f"{len(rows)} tensors (read any of them at its global shape from {INDEX} with plain h5py)"))
+    return 0
+
+
+def verify(args) -> int:
+    step_dir = resolve_step_dir(args.path)
+    problems = check(step_dir)
+    for line in problems:
+        print(line)
+    if problems:
+        print(f"hpcpar ckpt verify: {step_dir} is NOT valid ({len(problems)} problem(s))", file=sys.stderr)
+        return 1
+    manifest = read_manifest(step_dir)
+    print(f"{step_dir}: valid ({len(manifest['files'])} files checked (size, CRC-32), "
+          f"{len(manifest['tensors'])} virtual datasets with all sources present)")
+    return 0
+
+
+def export(args) -> int:
+    """Copy every tensor, read at its global shape through index.h5, into one plain HDF5 file."""
+    step_dir = resolve_step_dir(args.path)
+    problems = check(step_dir)
+    if problems:
+        raise CheckpointError(f"refusing to export {step_dir}: it fails verification ({len(problems)} problem(s); "
+                              f"see hpcpar ckpt verify), first: {problems[0]}")
+    manifest = read_manifest(step_dir)
+    tmp = f"{args.out}.tmp"  # a failed export leaves no half-written OUT behind
+    total = 0
+    try:
+        with h5py.File(os.path.join(step_dir, INDEX), "r") as index, h5py.File(tmp, "w", libver="latest") as out:
+            out.attrs["step"] = manifest["step"]
+            out.attrs["layout"] = json.dumps(manifest["layout"])
+            out.attrs["manifest"] = json.dumps(manifest, sort_keys=True)  # libver latest: no 64 KiB attribute limit
+            for key, table in sorted(manifest["tensors"].items()):
+                source = index[key]
+                target = out.create_dataset(key, shape=source.shape, dtype=source.dtype)
+                if source.ndim == 0:
+                    target[()] = source[()]
+                else:
+                    row_bytes = max(1, source.dtype.itemsize * source.size // max(1, source.shape[0]))
+                    block = max(1, EXPORT_BLOCK_BYTES // row_bytes)
+                    for start in range(0, source.shape[0], block):
+                        target[start: start + block] = source[start: start + block]
+                total += source.dtype.itemsize * source.size
+        os.replace(tmp, args.out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    print(f"exported step {manifest['step']} of {step_dir}: {len(manifest['tensors'])} tensors, "
+          f"{human_bytes(total)} -> {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpcpar ckpt", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = sub.add_parser("ls", help="list the steps under a checkpoint root")
+    listing.add_argument("root")
+    listing.add_argument("--quick", action="store_true", help="check presence and sizes only, not CRC-32")
+    listing.set_defaults(func=ls)
+    inspecting = sub.add_parser("inspect", help="step, layout, extras and tensors of one checkpoint")
+    inspecting.add_argument("path", help="checkpoint root (its latest step) or a step folder")
+    inspecting.set_defaults(func=inspect)
+    verifying = sub.add_parser("verify", help="check every file against the manifest; exit 1 if damaged")
+    verifying.add_argument("path", help="checkpoint root (its latest step) or a step folder")
+    verifying.set_defaults(func=verify)
+    exporting = sub.add_parser("export", help="write one consolidated, non-virtual HDF5 file")
+    exporting.add_argument("path", help="checkpoint root (its latest step) or a step folder")
+    exporting.add_argument("out", help="the HDF5 file to write (replaced if it exists)")
+    exporting.set_defaults(func=export)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """Run ``hpcpar ckpt ARGV``; returns the exit status instead of raising."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # usage errors and --help
+        return stop.code if isinstance(stop.code, int) else 2
+    try:
+        return args.func(args)
+    except (CheckpointError, OSError) as error:
+        print(f"hpcpar ckpt {args.action}: error: {error}", file=sys.stderr)
+        return 1

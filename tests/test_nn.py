@@ -232,7 +232,7 @@ def test_gpt_layers_compose_to_forward_and_backward_stage_by_stage():
         stage_outputs.append(x)
     np.testing.assert_array_equal(x.data, reference(ids).data)
 
-    GPT.loss_from_logits(stage_outputs[-1], targets).backward()
+    staged.loss_from_logits(stage_outputs[-1], targets).backward()
     for i in range(len(layers) - 2, -1, -1):
         stage_outputs[i].backward(stage_inputs[i + 1].grad)
     reference.loss(ids, targets).backward()

@@ -29,8 +29,7 @@ def reference_gradients():
 
 
 def pipeline_step(ctx, schedule, m, part="uniform", chunks=1):
-    pipe = PipelineParallel(GPT(CONFIG, dtype=np.float64), ctx, schedule=schedule, micro_batches=m,
-                            loss_fn=GPT.loss_from_logits, partition=part, chunks=chunks)
+    pipe = PipelineParallel(GPT(CONFIG, dtype=np.float64), ctx, schedule=schedule, micro_batches=m, partition=part, chunks=chunks)
     ids, targets = batch()
     rows = slice(ctx.dp_rank * BATCH // ctx.dp_size, (ctx.dp_rank + 1) * BATCH // ctx.dp_size)
     loss = pipe.train_step(ids[rows], targets[rows])
@@ -116,7 +115,7 @@ def test_trace_holds_every_action_of_every_rank(world, tmp_path_factory):
 @pytest.mark.mpi(min_size=2)
 def test_pipelined_inference_streams_batches(world):
     ctx = hpcpar.init(pp=world.Get_size(), device="cpu")
-    pipe = PipelineParallel(GPT(CONFIG, dtype=np.float64), ctx, micro_batches=1, loss_fn=GPT.loss_from_logits)
+    pipe = PipelineParallel(GPT(CONFIG, dtype=np.float64), ctx, micro_batches=1)
     batches = [batch(seed)[0] for seed in range(5)]
     outputs = pipe.infer(batches)
     if ctx.is_last_stage:
@@ -132,7 +131,7 @@ def test_pipelined_inference_streams_batches(world):
 def test_fp16_on_the_wire_stays_close(world):
     ctx = hpcpar.init(pp=world.Get_size(), device="cpu")
     ref_loss, _ = reference_gradients()
-    pipe = PipelineParallel(GPT(CONFIG, dtype=np.float64), ctx, micro_batches=4, loss_fn=GPT.loss_from_logits,
+    pipe = PipelineParallel(GPT(CONFIG, dtype=np.float64), ctx, micro_batches=4,
                             wire_dtype="float16")
     ids, targets = batch()
     assert abs(pipe.train_step(ids, targets) - ref_loss) < 1e-2

@@ -32,7 +32,7 @@ def run_case(ctx, schedule, chunks, m, batch, steps, sample):
     if ctx.pp_size * chunks > layers or (schedule == "interleaved" and m % ctx.pp_size):
         return None
     pipe = PipelineParallel(model, ctx, schedule=schedule, micro_batches=m, chunks=chunks,
-                            loss_fn=GPT.loss_from_logits, partition="balanced", sample_input=sample)
+                            partition="balanced", sample_input=sample)
     rng = np.random.default_rng(0)
     records = []
     for step in range(steps + 1):

@@ -17,6 +17,8 @@ from ..backend import array_module, resolve_device, to_device, to_host
 from . import init
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .module import Module, ModuleList
+from ..parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
+                               gather_from_tp, shard_range, tp_size, vocab_parallel_cross_entropy)
 
 
 @dataclass
@@ -49,10 +51,10 @@ class GPTConfig:
 class GPTEmbedding(Module):
     """ids (B, T) -> token + position embeddings (B, T, C), then dropout."""
 
-    def __init__(self, config: GPTConfig, dtype, xp):
+    def __init__(self, config: GPTConfig, dtype, xp, tp=None):
         super().__init__()
         self.block_size = config.block_size
-        self.wte = Embedding(config.vocab_size, config.n_embd, dtype, xp)
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, tp, dtype, xp)
         self.wpe = Embedding(config.block_size, config.n_embd, dtype, xp)
         self.drop = Dropout(config.dropout)
 
@@ -66,29 +68,40 @@ class GPTEmbedding(Module):
 
 
 class CausalSelfAttention(Module):
-    def __init__(self, config: GPTConfig, dtype, xp):
+    """Heads split across the tp group: qkv is column-parallel, the output projection row-parallel.
+
+    qkv's columns are laid out head by head, ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (as Megatron
+    does), so a contiguous block of columns is a set of whole heads and tensor parallelism is
+    just a column split of the same weight.
+    """
+
+    def __init__(self, config: GPTConfig, dtype, xp, tp=None):
         super().__init__()
-        self.n_head = config.n_head
-        self.qkv = Linear(config.n_embd, 3 * config.n_embd, config.bias, dtype, xp)
-        self.proj = Linear(config.n_embd, config.n_embd, config.bias, dtype, xp)
+        start, stop = shard_range(config.n_head, tp, "n_head")
+        self.local_heads = stop - start
+        self.head_size = config.n_embd // config.n_head
+        self.qkv = ColumnParallelLinear(config.n_embd, 3 * config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
+        self.proj = RowParallelLinear(config.n_embd, config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
         self.drop = Dropout(config.dropout)
 
     def forward(self, x):
         B, T, C = x.shape
-        hs = C // self.n_head
-        qkv = ops.reshape(self.qkv(x), (B, T, 3, self.n_head, hs))  # (B, T, 3C) -> (B, T, 3, nh, hs)
-        qkv = ops.transpose(qkv, (2, 0, 3, 1, 4))  # -> (3, B, nh, T, hs)
-        q, k, v = (ops.getitem(qkv, i) for i in range(3))  # each (B, nh, T, hs)
-        y = ops.attention(q, k, v, causal=True)  # (B, nh, T, hs)
-        y = ops.reshape(ops.transpose(y, (0, 2, 1, 3)), (B, T, C))  # -> (B, T, nh, hs) -> (B, T, C)
+        nh, hs = self.local_heads, self.head_size
+        qkv = ops.reshape(self.qkv(x), (B, T, nh, 3, hs))  # (B, T, 3 nh hs) -> (B, T, nh, 3, hs)
+        qkv = ops.transpose(qkv, (3, 0, 2, 1, 4))  # -> (3, B, nh, T, hs)
+        q, k, v = ops.split(qkv, 3, axis=0)  # each (1, B, nh, T, hs)
+        y = ops.attention(*(ops.reshape(t, (B, nh, T, hs)) for t in (q, k, v)), causal=True)  # (B, nh, T, hs)
+        y = ops.reshape(ops.transpose(y, (0, 2, 1, 3)), (B, T, nh * hs))  # -> (B, T, nh, hs) -> (B, T, nh hs)
         return self.drop(self.proj(y))
 
 
 class MLP(Module):
-    def __init__(self, config: GPTConfig, dtype, xp):
+    """Hidden units split across the tp group: fc column-parallel, proj row-parallel."""
+
+    def __init__(self, config: GPTConfig, dtype, xp, tp=None):
         super().__init__()
-        self.fc = Linear(config.n_embd, 4 * config.n_embd, config.bias, dtype, xp)
-        self.proj = Linear(4 * config.n_embd, config.n_embd, config.bias, dtype, xp)
+        self.fc = ColumnParallelLinear(config.n_embd, 4 * config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
+        self.proj = RowParallelLinear(4 * config.n_embd, config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
         self.drop = Dropout(config.dropout)
 
     def forward(self, x):
@@ -98,12 +111,12 @@ class MLP(Module):
 class Block(Module):
     """Pre-norm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
 
-    def __init__(self, config: GPTConfig, dtype, xp):
+    def __init__(self, config: GPTConfig, dtype, xp, tp=None):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype, xp=xp)
-        self.attn = CausalSelfAttention(config, dtype, xp)
+        self.attn = CausalSelfAttention(config, dtype, xp, tp)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype, xp=xp)
-        self.mlp = MLP(config, dtype, xp)
+        self.mlp = MLP(config, dtype, xp, tp)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -111,21 +124,26 @@ class Block(Module):
 
 
 class GPTHead(Module):
-    """(B, T, C) -> final LayerNorm -> logits (B, T, V); tied: logits = x @ wte.T."""
+    """(B, T, C) -> final LayerNorm -> logits (B, T, V/tp); tied: logits = x @ wte.T.
 
-    def __init__(self, config: GPTConfig, dtype, xp, tied_embedding: Embedding | None = None):
+    With tensor parallelism each rank computes the logits of its rows of the vocabulary only;
+    the loss (``vocab_parallel_cross_entropy``) never gathers them.
+    """
+
+    def __init__(self, config: GPTConfig, dtype, xp, tied_embedding=None, tp=None):
         super().__init__()
+        object.__setattr__(self, "tp", tp)
         self.ln_f = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype, xp=xp)
         self.tied = tied_embedding is not None
         if self.tied:
             self.wte = tied_embedding  # the same module: its weight is named embed.wte.weight in the GPT
         else:
-            self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False, dtype=dtype, xp=xp)
+            self.lm_head = ColumnParallelLinear(config.n_embd, config.vocab_size, tp, bias=False, dtype=dtype, xp=xp)
 
     def forward(self, x):
         x = self.ln_f(x)
         if self.tied:
-            return ops.linear(x, ops.transpose(self.wte.weight))  # (B, T, C) @ (C, V)
+            return ops.linear(copy_to_tp(x, self.tp), ops.transpose(self.wte.weight))  # (B, T, C) @ (C, V/tp)
         return self.lm_head(x)
 
 
@@ -137,18 +155,21 @@ class GPT(Module):
     zero biases, unit LayerNorm weights, each from its own named stream (``hpcpar.nn.init``).
     """
 
-    def __init__(self, config: GPTConfig, dtype=np.float32, device: str = "cpu"):
+    def __init__(self, config: GPTConfig, dtype=np.float32, device: str = "cpu", tp=None):
+        """``tp``: the tensor-parallel communicator (``ctx.tp``); None or one rank is the plain GPT."""
         super().__init__()
         self.config = config
+        object.__setattr__(self, "tp", tp)
         xp = array_module(resolve_device(device))
-        self.embed = GPTEmbedding(config, dtype, xp)
-        self.blocks = ModuleList(Block(config, dtype, xp) for _ in range(config.n_layer))
-        self.head = GPTHead(config, dtype, xp, tied_embedding=self.embed.wte if config.tie_weights else None)
+        self.embed = GPTEmbedding(config, dtype, xp, tp)
+        self.blocks = ModuleList(Block(config, dtype, xp, tp) for _ in range(config.n_layer))
+        self.head = GPTHead(config, dtype, xp, tied_embedding=self.embed.wte if config.tie_weights else None, tp=tp)
 
+        linears = (Linear, ColumnParallelLinear, RowParallelLinear)
         for _, module in self.named_modules():
-            if isinstance(module, (Linear, Embedding)):
+            if isinstance(module, linears + (Embedding, VocabParallelEmbedding)):
                 module.weight.init = init.normal(0.02)
-            if isinstance(module, Linear) and module.bias is not None:
+            if isinstance(module, linears) and module.bias is not None:
                 module.bias.init = init.zeros
         residual_std = 0.02 / math.sqrt(2 * config.n_layer)
         for block in self.blocks:
@@ -188,10 +209,15 @@ class GPT(Module):
         """Mean next-token cross entropy of ``forward(ids)`` against ``targets`` (B, T)."""
         return self.loss_from_logits(self.forward(ids), targets, ignore_index)
 
-    @staticmethod
-    def loss_from_logits(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
-        """The loss a pipeline's last stage applies to the head's output (B, T, V)."""
-        return ops.cross_entropy(logits, targets, ignore_index=ignore_index)
+    def loss_from_logits(self, logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
+        """The loss a pipeline's last stage applies to the head's output (B, T, V/tp)."""
+        if tp_size(self.tp) == 1:
+            return ops.cross_entropy(logits, targets, ignore_index=ignore_index)
+        B, T, V = logits.shape
+        targets = targets.data if isinstance(targets, Tensor) else targets
+        # (B, T, V/tp) -> (B*T, V/tp): the vocabulary stays split, the loss is completed by all-reduce
+        return vocab_parallel_cross_entropy(ops.reshape(logits, (B * T, V)), targets.reshape(B * T), self.tp,
+                                            ignore_index)
 
     def generate(self, ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None, rng=None):
         """Append ``max_new_tokens`` sampled tokens to ``ids`` (B, T); returns the longer id array.
@@ -208,7 +234,8 @@ class GPT(Module):
             with no_grad():
                 for _ in range(max_new_tokens):
                     context = ids[:, -self.config.block_size:]
-                    logits = to_host(self.forward(context).data[:, -1, :]).astype(np.float64)  # (B, V)
+                    logits = gather_from_tp(self.forward(context), self.tp)  # (B, T, V/tp) -> (B, T, V)
+                    logits = to_host(logits.data[:, -1, :]).astype(np.float64)  # (B, V)
                     if temperature == 0:
                         next_ids = logits.argmax(axis=-1)
                     else:

@@ -79,5 +79,10 @@ def initialize(module, seed: int) -> None:
         rule = getattr(param, "init", None)
         if rule is None:
             continue
-        values = generate(seed, name, param.shape, rule).astype(param.dtype)
-        param.data[...] = to_device(values, param.xp)
+        # A tensor-parallel shard draws the whole tensor and keeps its block, so every layout
+        # starts from the same model.
+        full_shape = getattr(param, "global_shape", param.shape)
+        values = generate(seed, name, full_shape, rule)
+        start = getattr(param, "global_start", (0,) * len(full_shape))
+        values = values[tuple(slice(s, s + n) for s, n in zip(start, param.shape))]
+        param.data[...] = to_device(values.astype(param.dtype), param.xp)

@@ -1,7 +1,7 @@
 """The pipeline engine: executes a schedule's actions on this rank's stages.
 
     ctx = hpcpar.init(pp=4)
-    pipe = PipelineParallel(GPT(config), ctx, schedule="1f1b", micro_batches=8, loss_fn=GPT.loss_from_logits)
+    pipe = PipelineParallel(GPT(config), ctx, schedule="1f1b", micro_batches=8)  # loss: model.loss_from_logits
     optimizer = AdamW(pipe.named_parameters(), lr=3e-4)
     loss = pipe.train_step(ids, targets)      # the same mean loss on every pipeline rank
     optimizer.step(); optimizer.zero_grad()
@@ -51,6 +51,7 @@ class PipelineParallel:
             raise ValueError("schedule 'zb1' needs backward split into input and weight gradients, which this "
                              "engine does not do; it is available to schedules.simulate() only. "
                              "Use 'gpipe', '1f1b' or 'interleaved'.")
+        loss_fn = loss_fn or getattr(model, "loss_from_logits", None)
         if loss_fn is None:
             raise ValueError("PipelineParallel needs loss_fn(output, targets) for the last stage")
         layers = list(model.layers()) if hasattr(model, "layers") else list(model)

@@ -41,6 +41,7 @@ test-mpi:
 	$(TIMEOUT) 120 $(MPIEXEC) -n 1 $(PYTEST) --with-mpi -m mpi tests
 	$(TIMEOUT) 300 $(MPIEXEC) -n 2 $(PYTEST) --with-mpi -m mpi tests
 	$(TIMEOUT) 400 $(MPIEXEC) -n 4 $(PYTEST) --with-mpi -m mpi tests
+	$(TIMEOUT) 300 $(MPIEXEC) -n 8 $(PYTEST) --with-mpi -m mpi tests/test_3d.py
 
 bench: setup native
 	$(TIMEOUT) 600 $(MPIEXEC) -n 4 $(VENV)/bin/hpcpar bench allreduce

@@ -1,0 +1,115 @@
+"""3D parallelism: K training steps under every dp x pp x tp layout equal one process (float64).
+
+The model is ``PipelineParallel(GPT(config, tp=ctx.tp), ctx)``: tensor parallelism inside the
+layers, pipeline stages across pp, gradient averaging across dp; gradients are clipped by the
+global norm (each element counted once across tp and pp) before AdamW.
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import hpcpar
+from hpcpar import checkpoint
+from hpcpar.checkpoint.pieces import global_slab, slab_slices
+from hpcpar.nn.gpt import GPT, GPTConfig
+from hpcpar.optim import AdamW, clip_grad_norm
+from hpcpar.parallel.pipeline import PipelineParallel
+from hpcpar.parallel.tensor import clip_grad_norm_parallel
+
+CONFIG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=4, n_embd=16, seed=21)
+STEPS, BATCH, MICRO, CLIP = 3, 8, 2, 0.5
+
+
+def data(step):
+    ids = np.random.default_rng(500 + step).integers(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def reference():
+    model = GPT(CONFIG, np.float64)
+    optimizer = AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(STEPS):
+        loss = model.loss(*data(step))
+        loss.backward()
+        clip_grad_norm(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return dict(model.named_parameters()), losses
+
+
+def build(ctx):
+    pipe = PipelineParallel(GPT(CONFIG, np.float64, tp=ctx.tp), ctx, schedule="1f1b", micro_batches=MICRO)
+    return pipe, AdamW(pipe.named_parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def train(ctx, steps=range(STEPS), built=None):
+    pipe, optimizer = built or build(ctx)
+    rows = slice(ctx.dp_rank * BATCH // ctx.dp_size, (ctx.dp_rank + 1) * BATCH // ctx.dp_size)
+    losses = []
+    for step in steps:
+        ids, targets = data(step)
+        loss = pipe.train_step(ids[rows], targets[rows])
+        clip_grad_norm_parallel(pipe.named_parameters(), CLIP, ctx, owns=pipe.owns_for_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(ctx.dp.allreduce(np.array([loss]), "mean")[0])
+    return pipe, losses
+
+
+def layout_context(world, dp, pp, tp):
+    """A context over the first dp*pp*tp ranks of the world (None on the others)."""
+    group = world.Split(0 if world.Get_rank() < dp * pp * tp else MPI.UNDEFINED, world.Get_rank())
+    return None if group == MPI.COMM_NULL else hpcpar.init(dp=dp, pp=pp, tp=tp, comm=group, device="cpu")
+
+
+def assert_matches(pipe, losses, expected_params, expected_losses, label, tol=1e-10):
+    np.testing.assert_allclose(losses, expected_losses, rtol=0, atol=1e-12, err_msg=label)
+    for name, p in pipe.named_parameters():
+        _, slab = global_slab(p)
+        diff = np.max(np.abs(p.data - expected_params[name].data[slab_slices(slab)]))
+        assert diff <= tol, (label, name, diff)
+
+
+def check_layout(world, dp, pp, tp):
+    ctx = layout_context(world, dp, pp, tp)
+    if ctx is not None:
+        params, ref_losses = reference()
+        pipe, losses = train(ctx)
+        assert_matches(pipe, losses, params, ref_losses, f"{dp}x{pp}x{tp}")
+    world.Barrier()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("layout", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2),
+                                    (4, 1, 1), (1, 4, 1), (1, 1, 4)])
+def test_layouts_on_four_ranks_equal_one_process(world, layout):
+    check_layout(world, *layout)
+
+
+@pytest.mark.mpi(min_size=8)
+def test_2x2x2_equals_one_process(world):
+    check_layout(world, 2, 2, 2)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("saved, loaded", [((1, 2, 2), (2, 1, 1)), ((2, 1, 2), (1, 2, 2)), ((1, 1, 1), (1, 4, 1)),
+                                           ((4, 1, 1), (1, 1, 4))])
+def test_checkpoint_moves_between_3d_layouts(world, tmp_path_factory, saved, loaded):
+    """Save after one step in one layout, load into another, finish: equals one process (1e-12)."""
+    root = world.bcast(str(tmp_path_factory.mktemp("ckpt3d")) if world.Get_rank() == 0 else None)
+    params, ref_losses = reference()
+    ctx = layout_context(world, *saved)
+    if ctx is not None:
+        pipe, optimizer = build(ctx)
+        train(ctx, range(1), (pipe, optimizer))
+        checkpoint.save(root, 1, pipe, optimizer, ctx)
+    world.Barrier()
+    ctx = layout_context(world, *loaded)
+    if ctx is not None:
+        pipe, optimizer = build(ctx)
+        assert checkpoint.load(root, pipe, optimizer, ctx)["layout"]["tp"] == saved[2]
+        _, losses = train(ctx, range(1, STEPS), (pipe, optimizer))
+        assert_matches(pipe, losses, params, ref_losses[1:], f"{saved} -> {loaded}", tol=1e-12)
+    world.Barrier()

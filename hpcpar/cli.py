@@ -26,16 +26,32 @@ def _bench(args) -> None:
     run_benchmark(args.name, args.bench_args)
 
 
-def _ckpt(args) -> None:
-    import os
-
+def _ckpt(args) -> int:
     from .checkpoint.cli import main as ckpt_main
 
-    status = ckpt_main(args.ckpt_args)
-    if status:  # a serial tool: a plain exit status and its one-line message, not fail-fast's MPI abort
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+    return ckpt_main(args.ckpt_args)
+
+
+def _data(args) -> int:
+    from .data.prepare import main as prepare_main
+
+    return prepare_main(args)
+
+
+def _train(args) -> int:
+    from mpi4py import MPI
+
+    from .train.config import JobError, load_job, validate
+    from .train.loop import train
+
+    try:  # the same verdict on every rank, before any rank waits on another
+        job = validate(load_job(args.job, args.set), MPI.COMM_WORLD.Get_size())
+    except JobError as error:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"hpcpar train: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    train(job, resume=True if args.resume else None)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,16 +80,44 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(hpcpar ckpt ACTION --help for each)")
     ckpt.add_argument("ckpt_args", nargs=argparse.REMAINDER, help="ACTION and its arguments (hpcpar ckpt ls --help)")
     ckpt.set_defaults(func=_ckpt)
+
+    train = sub.add_parser("train", help="train the job of a TOML file (under mpiexec or srun)")
+    train.add_argument("job", help="jobs/NAME.toml")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a job key, TOML syntax (repeatable): --set parallel.tp=2")
+    train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint (default: "
+                       "checkpoint.resume of the job)")
+    train.set_defaults(func=_train)
+
+    data = sub.add_parser("data", help="datasets (serial, no MPI): prepare an HDF5 token file from text")
+    data_actions = data.add_subparsers(dest="action", required=True, metavar="ACTION")
+    prepare = data_actions.add_parser(
+        "prepare", help="text files (default: the Python standard library) -> HDF5 byte tokens, train/val",
+        description="Concatenate text files as bytes (one byte = one token) into OUT with datasets train and "
+                    "val; the default text is the Python standard library's own source.")
+    prepare.add_argument("--out", default="data/stdlib.h5", help="the HDF5 file to write (default: %(default)s)")
+    prepare.add_argument("--max-mb", type=float, default=8, help="read at most this many MiB (default: %(default)s)")
+    prepare.add_argument("--val-fraction", type=float, default=0.05,
+                         help="the last share of the bytes held out for validation (default: %(default)s)")
+    prepare.add_argument("paths", nargs="*", metavar="PATH", help="text files, in order (default: the stdlib)")
+    prepare.set_defaults(func=_data)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .dist.failfast import fail_fast, install
+    from .dist.failfast import ExitStatus, fail_fast, install
 
     install()
     args = build_parser().parse_args(argv)
-    with fail_fast():
-        args.func(args)
+    try:
+        with fail_fast():
+            status = args.func(args)
+            if status:  # a verdict every rank reached alike: a plain exit status, not an MPI abort
+                raise ExitStatus(status)
+    except ExitStatus as stop:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.exit(stop.code)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,6 +16,19 @@ import traceback
 ABORT_EXIT_CODE = 1
 
 
+class ExitStatus(Exception):
+    """Leave with this exit status on every rank, without an abort.
+
+    For verdicts every rank reaches alike without communicating (a bad job file, a failed
+    ``hpcpar ckpt verify``): no rank waits for another, so nothing needs killing, and the
+    message was already printed once.
+    """
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
 def _abort(exc_type, exc, tb) -> None:
     from mpi4py import MPI
 
@@ -50,6 +63,8 @@ def fail_fast():
     """
     try:
         yield
+    except ExitStatus:
+        raise
     except SystemExit as stop:
         if stop.code not in (None, 0):
             _abort(type(stop), stop, stop.__traceback__)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..autograd import Tensor, ops
 from ..backend import array_module, resolve_device
 from . import init
 from .layers import Conv2d, Flatten, Linear, MaxPool2d, ReLU
@@ -36,3 +37,10 @@ class DigitsCNN(Module):
         for layer in self.layers():
             x = layer(x)
         return x
+
+    def loss_from_logits(self, logits, labels):
+        """Mean cross entropy of (N, classes) logits against integer labels (N,)."""
+        return ops.cross_entropy(logits, labels.data if isinstance(labels, Tensor) else labels)
+
+    def loss(self, images, labels):
+        return self.loss_from_logits(self.forward(images), labels)

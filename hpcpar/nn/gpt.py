@@ -17,8 +17,8 @@ from ..backend import array_module, resolve_device, to_device, to_host
 from . import init
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .module import Module, ModuleList
-from ..parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
-                               gather_from_tp, shard_range, tp_size, vocab_parallel_cross_entropy)
+# The module, not its names: hpcpar.parallel.tensor builds on hpcpar.nn, which exports this GPT.
+from ..parallel import tensor as tensor_parallel
 
 
 @dataclass
@@ -54,7 +54,7 @@ class GPTEmbedding(Module):
     def __init__(self, config: GPTConfig, dtype, xp, tp=None):
         super().__init__()
         self.block_size = config.block_size
-        self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, tp, dtype, xp)
+        self.wte = tensor_parallel.VocabParallelEmbedding(config.vocab_size, config.n_embd, tp, dtype, xp)
         self.wpe = Embedding(config.block_size, config.n_embd, dtype, xp)
         self.drop = Dropout(config.dropout)
 
@@ -77,11 +77,11 @@ class CausalSelfAttention(Module):
 
     def __init__(self, config: GPTConfig, dtype, xp, tp=None):
         super().__init__()
-        start, stop = shard_range(config.n_head, tp, "n_head")
+        start, stop = tensor_parallel.shard_range(config.n_head, tp, "n_head")
         self.local_heads = stop - start
         self.head_size = config.n_embd // config.n_head
-        self.qkv = ColumnParallelLinear(config.n_embd, 3 * config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
-        self.proj = RowParallelLinear(config.n_embd, config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
+        self.qkv = tensor_parallel.ColumnParallelLinear(config.n_embd, 3 * config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
+        self.proj = tensor_parallel.RowParallelLinear(config.n_embd, config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
         self.drop = Dropout(config.dropout)
 
     def forward(self, x):
@@ -100,8 +100,8 @@ class MLP(Module):
 
     def __init__(self, config: GPTConfig, dtype, xp, tp=None):
         super().__init__()
-        self.fc = ColumnParallelLinear(config.n_embd, 4 * config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
-        self.proj = RowParallelLinear(4 * config.n_embd, config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
+        self.fc = tensor_parallel.ColumnParallelLinear(config.n_embd, 4 * config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
+        self.proj = tensor_parallel.RowParallelLinear(4 * config.n_embd, config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
         self.drop = Dropout(config.dropout)
 
     def forward(self, x):
@@ -127,7 +127,7 @@ class GPTHead(Module):
     """(B, T, C) -> final LayerNorm -> logits (B, T, V/tp); tied: logits = x @ wte.T.
 
     With tensor parallelism each rank computes the logits of its rows of the vocabulary only;
-    the loss (``vocab_parallel_cross_entropy``) never gathers them.
+    the loss (``tensor_parallel.vocab_parallel_cross_entropy``) never gathers them.
     """
 
     def __init__(self, config: GPTConfig, dtype, xp, tied_embedding=None, tp=None):
@@ -138,12 +138,12 @@ class GPTHead(Module):
         if self.tied:
             self.wte = tied_embedding  # the same module: its weight is named embed.wte.weight in the GPT
         else:
-            self.lm_head = ColumnParallelLinear(config.n_embd, config.vocab_size, tp, bias=False, dtype=dtype, xp=xp)
+            self.lm_head = tensor_parallel.ColumnParallelLinear(config.n_embd, config.vocab_size, tp, bias=False, dtype=dtype, xp=xp)
 
     def forward(self, x):
         x = self.ln_f(x)
         if self.tied:
-            return ops.linear(copy_to_tp(x, self.tp), ops.transpose(self.wte.weight))  # (B, T, C) @ (C, V/tp)
+            return ops.linear(tensor_parallel.copy_to_tp(x, self.tp), ops.transpose(self.wte.weight))  # (B, T, C) @ (C, V/tp)
         return self.lm_head(x)
 
 
@@ -165,9 +165,9 @@ class GPT(Module):
         self.blocks = ModuleList(Block(config, dtype, xp, tp) for _ in range(config.n_layer))
         self.head = GPTHead(config, dtype, xp, tied_embedding=self.embed.wte if config.tie_weights else None, tp=tp)
 
-        linears = (Linear, ColumnParallelLinear, RowParallelLinear)
+        linears = (Linear, tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)
         for _, module in self.named_modules():
-            if isinstance(module, linears + (Embedding, VocabParallelEmbedding)):
+            if isinstance(module, linears + (Embedding, tensor_parallel.VocabParallelEmbedding)):
                 module.weight.init = init.normal(0.02)
             if isinstance(module, linears) and module.bias is not None:
                 module.bias.init = init.zeros
@@ -211,12 +211,12 @@ class GPT(Module):
 
     def loss_from_logits(self, logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
         """The loss a pipeline's last stage applies to the head's output (B, T, V/tp)."""
-        if tp_size(self.tp) == 1:
+        if tensor_parallel.tp_size(self.tp) == 1:
             return ops.cross_entropy(logits, targets, ignore_index=ignore_index)
         B, T, V = logits.shape
         targets = targets.data if isinstance(targets, Tensor) else targets
         # (B, T, V/tp) -> (B*T, V/tp): the vocabulary stays split, the loss is completed by all-reduce
-        return vocab_parallel_cross_entropy(ops.reshape(logits, (B * T, V)), targets.reshape(B * T), self.tp,
+        return tensor_parallel.vocab_parallel_cross_entropy(ops.reshape(logits, (B * T, V)), targets.reshape(B * T), self.tp,
                                             ignore_index)
 
     def generate(self, ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None, rng=None):
@@ -234,7 +234,7 @@ class GPT(Module):
             with no_grad():
                 for _ in range(max_new_tokens):
                     context = ids[:, -self.config.block_size:]
-                    logits = gather_from_tp(self.forward(context), self.tp)  # (B, T, V/tp) -> (B, T, V)
+                    logits = tensor_parallel.gather_from_tp(self.forward(context), self.tp)  # (B, T, V/tp) -> (B, T, V)
                     logits = to_host(logits.data[:, -1, :]).astype(np.float64)  # (B, V)
                     if temperature == 0:
                         next_ids = logits.argmax(axis=-1)

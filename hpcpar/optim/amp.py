@@ -129,14 +129,18 @@ class MixedPrecision:
         overflow = self.found_inf(allreduce_max)
         if not overflow:
             optimizer.step()
-            for param, (_, master) in zip(self.model_params, self.master):
-                param.data[...] = master.data.astype(param.dtype)
+            self.copy_to_model()
         if self.scaler is not None:
             self.scaler.update(overflow)
         for param, (_, master) in zip(self.model_params, self.master):
             param.grad = master.grad = None
         self._unscaled = False
         return not overflow
+
+    def copy_to_model(self) -> None:
+        """The master weights, cast to the compute dtype, into the model (after a step or a load)."""
+        for param, (_, master) in zip(self.model_params, self.master):
+            param.data[...] = master.data.astype(param.dtype)
 
     def state_dict(self) -> dict:
         """The master weights (the true weights of a mixed-precision run) and the scaler."""
@@ -150,6 +154,6 @@ class MixedPrecision:
                 raise ValueError(f"MixedPrecision.load_state_dict: {name!r} has shape {tuple(value.shape)} "
                                  f"but the model has {master.shape}")
             master.data[...] = to_device(value, master.xp)
-            param.data[...] = master.data.astype(param.dtype)
+        self.copy_to_model()
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])

@@ -46,7 +46,9 @@ def _channel_tag(sending_stage: int, gradient: bool, header: bool = False) -> in
 
 class PipelineParallel:
     def __init__(self, model, ctx, schedule: str = "1f1b", micro_batches: int = 4, loss_fn=None,
-                 partition="uniform", chunks: int = 1, sample_input=None, wire_dtype=None, bucket_mb: float = 25):
+                 partition="uniform", chunks: int = 1, sample_input=None, wire_dtype=None, bucket_mb: float = 25,
+                 dp_average: bool = True):
+        """``dp_average=False`` leaves the dp reduction of gradients to the optimizer (ZeRO-1)."""
         if schedule == "zb1":
             raise ValueError("schedule 'zb1' needs backward split into input and weight gradients, which this "
                              "engine does not do; it is available to schedules.simulate() only. "
@@ -84,7 +86,7 @@ class PipelineParallel:
                         self._named.append((names[id(param)], param))
         self._tied = self._tied_groups(layers, holders, names)
         self.ddp = (DistributedDataParallel(self, ctx, bucket_mb=bucket_mb, overlap=False)
-                    if ctx.dp_size > 1 else None)
+                    if ctx.dp_size > 1 and dp_average else None)
         self.stats: dict = {}
         self.trace: list = []
 
@@ -177,11 +179,11 @@ class PipelineParallel:
         context = self.ddp.no_sync() if self.ddp is not None else _null()
         with context:
             for action in self.actions:
-                start = time.perf_counter()
+                start, idle_before = time.perf_counter(), self._idle
                 getattr(self, "_do_" + action.kind)(action)
                 end = time.perf_counter()
-                if action.kind in ("F", "B"):
-                    compute += end - start
+                if action.kind in ("F", "B"):  # less the wait for its input, which is idle time
+                    compute += end - start - (self._idle - idle_before)
                 self.trace.append((str(action), start, end))
                 peak = max(peak, len(self._saved))
         send_wait = time.perf_counter()

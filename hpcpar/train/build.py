@@ -1,0 +1,150 @@
+"""From a validated job and a ParallelContext to the pieces of a run: data, model, engine, optimizer.
+
+The layout decides the engine: pp > 1 runs ``PipelineParallel`` (tp inside its layers, dp
+around it); pp = 1 runs data parallelism (DDP or ZeRO-1; tp inside the model). Parameter
+server and local SGD replace the all-reduce (``parallel.mode``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..data.loader import TextBatches, TokenDataset
+from ..nn.gpt import GPT
+from ..optim import SGD, Adam, AdamW, DynamicLossScaler, MixedPrecision, WarmupCosine
+from ..parallel.compression import make_compressor
+from ..parallel.zero import ZeroRedundancyOptimizer
+from .config import Job, JobError
+from .engines import DataParallelEngine, PipelineEngine
+
+DTYPES = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16": "bfloat16"}
+
+
+@dataclass
+class Run:
+    job: Job
+    ctx: object
+    model: object
+    engine: object
+    optimizer: object
+    schedule: WarmupCosine
+    train_data: object
+    eval_data: object  # (inputs, targets) batches of this dp replica, or None
+    amp: MixedPrecision | None
+    mode: object | None  # parameter server / local SGD, when parallel.mode is not allreduce
+
+    def extra_state(self) -> dict:
+        """What an exact resume needs besides parameters and optimizer state."""
+        extra = {"schedule": self.schedule, "data": self.train_data, "rng": self.model_rng,
+                 "model_config": self.job.to_dict()["model"]}
+        if self.amp is not None and self.amp.scaler is not None:
+            extra["scaler"] = self.amp.scaler
+        return extra
+
+    @property
+    def model_rng(self):
+        return getattr(self.model, "rng", None) or np.random.default_rng(self.job.model.seed)
+
+    def named_parameters(self):
+        return self.amp.named_master_parameters() if self.amp is not None else self.engine.named_parameters()
+
+
+def compute_dtype(job: Job):
+    dtype = DTYPES[job.train.precision]
+    if dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise JobError(job.source, [("train.precision", "bf16 on CPUs needs ml_dtypes: pip install ml_dtypes")]) from None
+        dtype = ml_dtypes.bfloat16
+    return dtype
+
+
+def build_model(job: Job, ctx, dtype):
+    if job.model.kind == "gpt":
+        return GPT(job.gpt_config(), dtype=dtype, device=ctx.device, tp=ctx.tp)
+    from ..nn.cnn import DigitsCNN
+
+    if ctx.tp_size > 1:
+        raise JobError(job.source, [("parallel.tp", "the cnn has no tensor-parallel layers; use tp = 1")])
+    return DigitsCNN(channels=job.model.channels, seed=job.model.seed, dtype=dtype, device=ctx.device)
+
+
+def build_data(job: Job, ctx):
+    """(train batches, evaluation batches) of this dp replica; text is prepared once if asked."""
+    if job.data.kind == "digits":
+        from ..data.digits import DigitsBatches, load_digits_split
+
+        split = load_digits_split(seed=job.train.seed)
+        train = DigitsBatches(split.x_train, split.y_train, job.data.batch_size, ctx.dp_rank, ctx.dp_size,
+                              seed=job.train.seed)
+        rows = np.arange(len(split.y_test))[ctx.dp_rank::ctx.dp_size]  # every test image exactly once
+        return train, [(split.x_test[rows], split.y_test[rows])]
+    if job.data.prepare_if_missing:
+        from ..data.prepare import ensure_prepared
+
+        ensure_prepared(job.data.path, comm=ctx.world)
+    block = job.model.block_size
+    train = TextBatches(TokenDataset(job.data.path, "train"), block, job.data.batch_size, ctx.dp_rank,
+                        ctx.dp_size, seed=job.train.seed)
+    val = TextBatches(TokenDataset(job.data.path, "val"), block, job.data.batch_size, ctx.dp_rank, ctx.dp_size,
+                      seed=job.train.seed + 1)
+    return train, [val.batch_at(k) for k in range(job.data.eval_batches)]  # the same windows every evaluation
+
+
+def make_optimizer(job: Job, named):
+    o = job.optimizer
+    if o.name == "sgd":
+        return SGD, dict(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    cls = AdamW if o.name == "adamw" else Adam
+    return cls, dict(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+
+
+def build(job: Job, ctx) -> Run:
+    p = job.parallel
+    dtype = compute_dtype(job)
+    mixed = job.train.precision in ("fp16", "bf16")
+    if mixed and (p.pp > 1 or p.zero):
+        raise JobError(job.source, [("train.precision", f"{job.train.precision} runs with pp = 1 and zero = false "
+                                                        "(the pipeline engine does not scale losses); use fp32")])
+    model = build_model(job, ctx, dtype)
+    train, evaluation = build_data(job, ctx)
+    amp = None
+    if mixed:
+        amp = MixedPrecision(model, scaler=DynamicLossScaler() if job.train.precision == "fp16" else None)
+
+    mode = None
+    if p.pp > 1:
+        engine = PipelineEngine(model, ctx, schedule=p.schedule, micro_batches=p.micro_batches, chunks=p.chunks,
+                                partition=p.partition, bucket_mb=p.bucket_mb, dp_average=not p.zero,
+                                sample_input=_sample(train, p.micro_batches) if p.partition == "balanced" else None)
+    else:
+        compressor = None
+        if p.compression != "none":
+            options = {"topk": {"ratio": p.compression_ratio}, "powersgd": {"rank": p.powersgd_rank}}
+            compressor = make_compressor(p.compression, **options.get(p.compression, {}))
+        engine = DataParallelEngine(model, ctx, micro_batches=p.micro_batches, bucket_mb=p.bucket_mb,
+                                    overlap=p.overlap, compressor=compressor,
+                                    reduce_gradients=p.mode == "allreduce" and not p.zero,
+                                    scale_loss=amp.backward if amp is not None else None)
+    named = amp.named_master_parameters() if amp is not None else engine.named_parameters()
+    cls, options = make_optimizer(job, named)
+    if p.zero:
+        optimizer = ZeroRedundancyOptimizer(named, ctx.dp, cls, **options)
+    elif p.mode != "allreduce":
+        from ..parallel.modes import make_mode
+
+        mode = make_mode(p.mode, model=model, ctx=ctx, optimizer_class=cls, optimizer_options=options,
+                         staleness=p.staleness, servers=p.servers, local_steps=p.local_steps)
+        optimizer = mode.optimizer
+    else:
+        optimizer = cls(named, **options)
+    schedule = WarmupCosine(optimizer, warmup_steps=min(job.schedule.warmup_steps, job.train.steps),
+                            total_steps=job.train.steps, min_lr=job.schedule.min_lr)
+    return Run(job, ctx, model, engine, optimizer, schedule, train, evaluation, amp, mode)
+
+
+def _sample(batches, micro_batches: int):
+    inputs, _ = batches.batch_at(0)
+    return inputs[: max(1, len(inputs) // micro_batches)]

@@ -1,0 +1,649 @@
+"""Job files: the TOML schema of a training run, ``--set`` overrides, and validation.
+
+    job = validate(load_job("jobs/demo.toml", ["parallel.tp=2", "train.steps=50"]), world_size)
+    if rank == 0:
+        print(job.describe())
+
+A job file has the sections [model] [data] [parallel] [optimizer] [schedule] [train]
+[checkpoint]; every key has a default, so an absent key or section means its defaults
+(``schema_table()`` lists them all). Checking happens in two steps, both pure functions
+of the file, the overrides and the world size, so every rank reaches the same verdict
+before any rank waits on another:
+
+- ``load_job``: TOML syntax (with the line), unknown sections and keys (with "did you
+  mean" and the allowed names), types, ranges and choices, and keys given a non-default
+  value where they have no effect (``parallel.staleness`` without ``mode = "ps"``).
+- ``validate``: what needs the keys together and the world size: the dp x pp x tp layout,
+  heads and vocabulary divisible by tp, batch divisible by dp and micro-batches, pipeline
+  stages versus layers, modes that exclude each other, the data file.
+
+Every problem is reported in one ``JobError`` (a ValueError) naming the file, the key
+(``parallel.tp``), the numbers and the fix; all problems of a step are listed at once.
+
+Paths (``data.path``, ``train.metrics``, ``train.trace``, ``checkpoint.dir``) are relative
+to the current folder — where ``hpcpar train``, ``mpiexec`` or ``sbatch`` is started, as
+for ``hpcpar data prepare --out`` — not to the job file's folder; ``{job}`` in them becomes
+the job file's name without ``.toml`` (``runs/{job}/metrics.jsonl``).
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable
+
+from ..parallel.compression import COMPRESSORS
+from ..parallel.pipeline.partition import PARTITION_METHODS
+from ..parallel.pipeline.schedules import SCHEDULES
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        tomllib = None
+
+ENGINE_SCHEDULES = tuple(name for name in SCHEDULES if name != "zb1")
+BYTE_VOCAB = 256  # token files made by ``hpcpar data prepare`` hold bytes
+
+
+class JobError(ValueError):
+    """A job that cannot run: ``problems`` is a list of (key, message); str() names the file."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            key, text = self.problems[0]
+            message = f"{source}: {key}: {text}" if key else f"{source}: {text}"
+        else:
+            listed = "\n".join(f"  {key}: {text}" if key else f"  {text}" for key, text in self.problems)
+            message = f"{source}: {len(self.problems)} problems:\n{listed}"
+        super().__init__(message)
+
+
+# --- value types: each converts a TOML value or raises TypeError -------------------------------------
+
+@dataclass(frozen=True)
+class Type:
+    name: str  # for messages: "expected an integer"
+    convert: Callable[[Any], Any]
+
+
+def _integer(v):
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError
+    return v
+
+
+def _number(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError
+    return float(v)
+
+
+def _boolean(v):
+    if not isinstance(v, bool):
+        raise TypeError
+    return v
+
+
+def _string(v):
+    if not isinstance(v, str):
+        raise TypeError
+    return v
+
+
+def _list_of(convert, length=None):
+    def check(v):
+        if not isinstance(v, list) or not v or (length is not None and len(v) != length):
+            raise TypeError
+        return tuple(convert(x) for x in v)
+    return check
+
+
+def _partition(v):
+    return v if isinstance(v, str) else _list_of(_integer)(v)
+
+
+INTEGER = Type("an integer", _integer)
+NUMBER = Type("a number", _number)
+BOOLEAN = Type("true or false", _boolean)
+STRING = Type("a string", _string)
+NUMBER_PAIR = Type("a list of 2 numbers", _list_of(_number, 2))
+INTEGER_PAIR = Type("a list of 2 integers", _list_of(_integer, 2))
+PARTITION = Type("a method name or a list of per-stage layer counts", _partition)
+
+
+# --- range checks: each is called with a converted value and returns None or what is wrong ----------
+
+@dataclass(frozen=True)
+class Check:
+    text: str  # "must be ..." and the schema table's allowed column
+    test: Callable[[Any], bool]
+
+    def __call__(self, value) -> str | None:
+        return None if self.test(value) else f"must be {self.text}"
+
+
+def at_least(low) -> Check:
+    return Check(f">= {low}", lambda v: v >= low)
+
+
+def above(low) -> Check:
+    return Check(f"> {low}", lambda v: v > low)
+
+
+def in_range(low, high) -> Check:
+    return Check(f"in [{low}, {high})", lambda v: low <= v < high)
+
+
+def each(check: Check) -> Check:
+    return Check(f"each {check.text}", lambda values: all(check.test(v) for v in values))
+
+
+STAGE_COUNTS = Check(f"one of {', '.join(PARTITION_METHODS)} or per-stage counts each >= 1",
+                     lambda v: v in PARTITION_METHODS if isinstance(v, str) else all(c >= 1 for c in v))
+
+
+def _key(default, type_: Type, doc: str, *, choices=None, check=None, applies=None, name=None, hint=None):
+    """One key of a section. ``applies = (other key, values)``: it has an effect only then.
+    ``name``: the TOML key where it is not a Python name (``async``); ``hint``: {bad value: advice}."""
+    return field(default=default, metadata={"type": type_, "doc": doc, "choices": choices, "check": check,
+                                            "applies": applies, "name": name, "hint": hint or {}})
+
+
+def toml_key(f) -> str:
+    return f.metadata["name"] or f.name
+
+
+GPT_ONLY = ("model.kind", ("gpt",))
+TEXT_ONLY = ("data.kind", ("text",))
+
+
+# --- the schema ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSection:
+    kind: str = _key("gpt", STRING, "gpt (byte-level language model) or cnn (digits classifier)",
+                     choices=("gpt", "cnn"))
+    vocab_size: int = _key(256, INTEGER, "token ids 0..vocab_size-1", check=at_least(1), applies=GPT_ONLY)
+    block_size: int = _key(128, INTEGER, "context length in tokens", check=at_least(1), applies=GPT_ONLY)
+    n_layer: int = _key(4, INTEGER, "transformer blocks", check=at_least(1), applies=GPT_ONLY)
+    n_head: int = _key(4, INTEGER, "attention heads", check=at_least(1), applies=GPT_ONLY)
+    n_embd: int = _key(256, INTEGER, "embedding width", check=at_least(1), applies=GPT_ONLY)
+    dropout: float = _key(0.0, NUMBER, "dropout probability", check=in_range(0.0, 1.0), applies=GPT_ONLY)
+    bias: bool = _key(True, BOOLEAN, "biases in Linear and LayerNorm", applies=GPT_ONLY)
+    tie_weights: bool = _key(True, BOOLEAN, "the lm head reuses the token embedding", applies=GPT_ONLY)
+    channels: tuple = _key((16, 32), INTEGER_PAIR, "channels of the two convolutions", check=each(at_least(1)),
+                           applies=("model.kind", ("cnn",)))
+    seed: int = _key(0, INTEGER, "parameter initialisation (and the dropout stream)", check=at_least(0))
+
+
+@dataclass(frozen=True)
+class DataSection:
+    kind: str = _key("text", STRING, "text (HDF5 byte tokens, for gpt) or digits (sklearn 8x8, for cnn)",
+                     choices=("text", "digits"))
+    path: str = _key("data/stdlib.h5", STRING, "HDF5 token file from `hpcpar data prepare`", applies=TEXT_ONLY)
+    prepare_if_missing: bool = _key(True, BOOLEAN, "build data.path from the Python standard library if absent",
+                                    applies=TEXT_ONLY)
+    batch_size: int = _key(32, INTEGER, "global batch: samples per optimizer step, over all dp replicas",
+                           check=at_least(1))
+    eval_batches: int = _key(8, INTEGER, "validation batches (of batch_size windows) per evaluation",
+                             check=at_least(1), applies=TEXT_ONLY)
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    dp: int | None = _key(None, INTEGER, "data-parallel replicas; unset: world size / (pp x tp)", check=at_least(1))
+    pp: int = _key(1, INTEGER, "pipeline stages", check=at_least(1))
+    tp: int = _key(1, INTEGER, "tensor-parallel shards of each layer", check=at_least(1))
+    schedule: str = _key("1f1b", STRING, "pipeline schedule", choices=ENGINE_SCHEDULES,
+                         hint={"zb1": "zb1 needs backward split into input and weight gradients, which the engine "
+                                      "does not do; it exists for schedules.simulate() only"})
+    micro_batches: int = _key(1, INTEGER, "micro-batches per step of each dp replica (pipeline or accumulation)",
+                              check=at_least(1))
+    chunks: int = _key(1, INTEGER, "model chunks per pipeline rank", check=at_least(1),
+                       applies=("parallel.schedule", ("interleaved",)))
+    partition: Any = _key("uniform", PARTITION, "how layers are cut into pp x chunks stages",
+                          check=STAGE_COUNTS)
+    bucket_mb: float = _key(25.0, NUMBER, "gradient all-reduce bucket size in MiB", check=above(0))
+    overlap: bool = _key(True, BOOLEAN, "all-reduce buckets while backward runs")
+    compression: str = _key("none", STRING, "gradient compression", choices=tuple(COMPRESSORS))
+    compression_ratio: float = _key(0.01, NUMBER, "share of entries top-k sends",
+                                    check=Check("in (0, 1]", lambda v: 0 < v <= 1),
+                                    applies=("parallel.compression", ("topk",)))
+    powersgd_rank: int = _key(4, INTEGER, "rank of PowerSGD's factors", check=at_least(1),
+                              applies=("parallel.compression", ("powersgd",)))
+    zero: bool = _key(False, BOOLEAN, "ZeRO-1: shard optimizer state across dp")
+    mode: str = _key("allreduce", STRING, "how dp replicas agree", choices=("allreduce", "ps", "local_sgd"))
+    staleness: int = _key(0, INTEGER, "steps a worker may run ahead of the servers", check=at_least(0),
+                          applies=("parallel.mode", ("ps",)))
+    local_steps: int = _key(4, INTEGER, "local SGD: steps between parameter averages (H)", check=at_least(1),
+                            applies=("parallel.mode", ("local_sgd",)))
+    servers: int = _key(1, INTEGER, "parameter-server ranks (taken from the world; dp = world - servers)",
+                        check=at_least(1), applies=("parallel.mode", ("ps",)))
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    name: str = _key("adamw", STRING, "optimizer", choices=("adamw", "adam", "sgd"))
+    lr: float = _key(1e-3, NUMBER, "peak learning rate", check=above(0))
+    weight_decay: float = _key(0.0, NUMBER, "decoupled for adamw, L2 for adam and sgd", check=at_least(0))
+    betas: tuple = _key((0.9, 0.999), NUMBER_PAIR, "Adam's moment decay rates", check=each(in_range(0.0, 1.0)),
+                        applies=("optimizer.name", ("adamw", "adam")))
+    momentum: float = _key(0.0, NUMBER, "SGD momentum", check=in_range(0.0, 1.0),
+                           applies=("optimizer.name", ("sgd",)))
+    grad_clip: float = _key(0.0, NUMBER, "clip the global gradient norm to this; 0 = off", check=at_least(0))
+
+
+@dataclass(frozen=True)
+class ScheduleSection:
+    warmup_steps: int = _key(0, INTEGER, "linear warm-up steps, then cosine decay to min_lr at train.steps",
+                             check=at_least(0))
+    min_lr: float = _key(0.0, NUMBER, "learning rate at the last step", check=at_least(0))
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = _key(100, INTEGER, "optimizer steps", check=at_least(1))
+    log_interval: int = _key(10, INTEGER, "steps between log lines and metrics records", check=at_least(1))
+    eval_interval: int = _key(0, INTEGER, "steps between evaluations; 0 = only after the last step",
+                              check=at_least(0))
+    seed: int = _key(0, INTEGER, "data order (and the digits train/test split)", check=at_least(0))
+    precision: str = _key("fp32", STRING, "compute dtype (fp16/bf16 keep fp32 master weights)",
+                          choices=("fp32", "fp16", "bf16", "fp64"))
+    device: str = _key("auto", STRING, "auto = cuda when a GPU is usable", choices=("auto", "cpu", "cuda"))
+    metrics: str = _key("runs/{job}/metrics.jsonl", STRING, "JSONL metrics file (written by rank 0)")
+    trace: str | None = _key(None, STRING, "Chrome trace file of the steps; unset = no trace")
+    sample_tokens: int = _key(0, INTEGER, "tokens sampled from the model after training", check=at_least(0),
+                              applies=GPT_ONLY)
+    max_seconds: float | None = _key(None, NUMBER, "stop (and checkpoint) after this long; unset = no limit",
+                                     check=above(0))
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    dir: str = _key("runs/{job}/checkpoints", STRING, "checkpoint root folder")
+    interval: int = _key(0, INTEGER, "steps between checkpoints; 0 = none during training", check=at_least(0))
+    keep: int = _key(2, INTEGER, "checkpoints kept (older ones are removed)", check=at_least(1))
+    async_: bool = _key(False, BOOLEAN, "write checkpoints in a background thread", name="async")
+    resume: bool = _key(True, BOOLEAN, "continue from the latest checkpoint in dir when there is one")
+
+
+SECTIONS = {"model": ModelSection, "data": DataSection, "parallel": ParallelSection,
+            "optimizer": OptimizerSection, "schedule": ScheduleSection, "train": TrainSection,
+            "checkpoint": CheckpointSection}
+PATH_KEYS = ("data.path", "train.metrics", "train.trace", "checkpoint.dir")
+
+
+def toml_value(value) -> str:
+    """A value as TOML text (strings through JSON, whose escapes TOML's basic strings share)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class Job:
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    parallel: ParallelSection = ParallelSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    schedule: ScheduleSection = ScheduleSection()
+    train: TrainSection = TrainSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    source: str = "<job>"  # the job file, for messages
+    given: frozenset = frozenset()  # dotted keys set by the file or --set
+    world_size: int | None = None  # set by validate(), which also fills parallel.dp
+
+    def sections(self) -> list[tuple[str, Any]]:
+        return [(name, getattr(self, name)) for name in SECTIONS]
+
+    def get(self, dotted: str):
+        section, key = dotted.split(".")
+        f = _fields_by_key(SECTIONS[section])[key]
+        return getattr(getattr(self, section), f.name)
+
+    def applies(self, dotted: str) -> bool:
+        """Whether a key has an effect given the others (``model.vocab_size`` only for gpt)."""
+        section, key = dotted.split(".")
+        rule = _fields_by_key(SECTIONS[section])[key].metadata["applies"]
+        return rule is None or self.get(rule[0]) in rule[1]
+
+    def to_dict(self) -> dict:
+        """{section: {toml key: value}} with lists for tuples and None for unset keys."""
+        return {name: {toml_key(f): list(v) if isinstance(v := getattr(section, f.name), tuple) else v
+                       for f in fields(section)} for name, section in self.sections()}
+
+    @property
+    def num_layers(self) -> int:
+        """Layers a pipeline can cut: embedding + blocks + head for gpt, DigitsCNN.layers() for cnn."""
+        if self.model.kind == "gpt":
+            return self.model.n_layer + 2
+        from ..nn.cnn import DigitsCNN
+
+        return len(DigitsCNN(channels=self.model.channels).layers())
+
+    def gpt_config(self):
+        from ..nn.gpt import GPTConfig
+
+        m = self.model
+        return GPTConfig(vocab_size=m.vocab_size, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
+                         n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, tie_weights=m.tie_weights, seed=m.seed)
+
+    def describe(self) -> str:
+        """The resolved job as TOML (keys without effect left out), for rank 0 to print and to re-run."""
+        p = self.parallel
+        head = f"# job {self.source}"
+        if self.world_size is not None:
+            head += f", {self.world_size} ranks as dp {p.dp} x pp {p.pp} x tp {p.tp}"
+            if p.mode == "ps":
+                head += f" + {p.servers} server(s)"
+        lines = [head]
+        for name, section in self.sections():
+            lines += ["", f"[{name}]"]
+            for f in fields(section):
+                key = toml_key(f)
+                if not self.applies(f"{name}.{key}"):
+                    continue
+                value = getattr(section, f.name)
+                if value is None:
+                    lines.append(f"# {key}: unset ({f.metadata['doc']})")
+                else:
+                    lines.append(f"{key} = {toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def _fields_by_key(cls) -> dict:
+    return {toml_key(f): f for f in fields(cls)}
+
+
+def schema_table() -> str:
+    """Every key with its type, default, allowed values and meaning, as a Markdown table."""
+    rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+    for name, cls in SECTIONS.items():
+        for f in fields(cls):
+            meta = f.metadata
+            limits = [" \\| ".join(meta["choices"]) if meta["choices"] else meta["check"].text if meta["check"] else ""]
+            if meta["applies"]:
+                limits.append(f"only with {meta['applies'][0]} = {' or '.join(meta['applies'][1])}")
+            allowed = "; ".join(filter(None, limits))
+            default = "unset" if f.default is None else toml_value(f.default)
+            rows.append(f"| {name}.{toml_key(f)} | {meta['type'].name} | `{default}` | {allowed} | {meta['doc']} |")
+    return "\n".join(rows)
+
+
+# --- loading ------------------------------------------------------------------------------------------
+
+def _suggest(word: str, candidates) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, value); the value in TOML syntax, a bare word as a string."""
+    name, sep, raw = text.partition("=")
+    parts = name.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise JobError("--set", [(text, "expected section.key=value, e.g. --set parallel.tp=2 or "
+                                        "--set checkpoint.dir=\"runs/x\"")])
+    raw = raw.strip()
+    try:
+        doc = _toml("--set").loads(f"value = {raw}")
+        value = doc["value"] if len(doc) == 1 else raw
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word: parallel.schedule=gpipe
+    return parts[0], parts[1], value
+
+
+def _toml(source: str):
+    if tomllib is None:  # pragma: no cover - Python 3.10 without tomli
+        raise JobError(source, [("", "reading TOML needs Python >= 3.11 or the tomli package (pip install tomli)")])
+    return tomllib
+
+
+def _read_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return _toml(path).load(f)
+    except FileNotFoundError:
+        raise JobError(path, [("", f"no such job file (looked in {os.path.abspath(path)})")]) from None
+    except tomllib.TOMLDecodeError as err:
+        text = f"invalid TOML: {err}"
+        line = re.search(r"at line (\d+)", str(err))
+        if line:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = f.read().splitlines()
+            number = int(line.group(1))
+            if 1 <= number <= len(lines):
+                text += f"\n    line {number}: {lines[number - 1].strip()}"
+        raise JobError(path, [("", text)]) from None
+
+
+def load_job(path: str | None, overrides: list[str] = ()) -> Job:
+    """Read a job file (None: all defaults), apply ``section.key=value`` overrides, check each key."""
+    raw = _read_toml(path) if path is not None else {}
+    source = path if path is not None else "<defaults>"
+    from_cli = set()
+    for text in overrides:
+        section, key, value = parse_override(text)
+        table = raw.setdefault(section, {})
+        if isinstance(table, dict):
+            table[key] = value
+            from_cli.add(f"{section}.{key}")
+    stem = os.path.splitext(os.path.basename(path))[0] if path is not None else "job"
+    return _build(raw, from_cli, source, stem)
+
+
+def _build(raw: dict, from_cli: set, source: str, stem: str) -> Job:
+    problems = []
+
+    def where(dotted):
+        return f"{dotted} (--set)" if dotted in from_cli else dotted
+
+    for name, table in raw.items():
+        if name in SECTIONS:
+            if not isinstance(table, dict):
+                problems.append((where(name), f"must be a table [{name}], got {toml_value(table)}"))
+        elif isinstance(table, dict):
+            cli = " (--set)" if any(d.startswith(f"{name}.") for d in from_cli) else ""
+            problems.append((f"[{name}]{cli}", f"unknown section; {_suggest(name, SECTIONS)}"
+                                               f"sections are {', '.join(SECTIONS)}"))
+        else:
+            owner = [s for s, cls in SECTIONS.items() if name in _fields_by_key(cls)]
+            hint = f"did you mean {owner[0]}.{name}? " if owner else ""
+            problems.append((name, f"a key outside any section; {hint}keys go under a [section]: "
+                                   f"{', '.join(SECTIONS)}"))
+
+    sections, given = {}, set()
+    for name, cls in SECTIONS.items():
+        table = raw.get(name, {}) if isinstance(raw.get(name, {}), dict) else {}
+        known = _fields_by_key(cls)
+        values = {}
+        for key, value in table.items():
+            dotted = f"{name}.{key}"
+            if key not in known:
+                elsewhere = [s for s, c in SECTIONS.items() if key in _fields_by_key(c)]
+                hint = f"did you mean {elsewhere[0]}.{key}? " if elsewhere else _suggest(key, known)
+                problems.append((where(dotted), f"unknown key; {hint}[{name}] keys are {', '.join(known)}"))
+                continue
+            meta = known[key].metadata
+            try:
+                value = meta["type"].convert(value)
+            except (TypeError, ValueError):
+                problems.append((where(dotted), f"expected {meta['type'].name}, got {toml_value(value)}"))
+                continue
+            problem = None
+            if meta["choices"] and value not in meta["choices"]:
+                problem = (f"{toml_value(value)} is not one of {', '.join(meta['choices'])}; "
+                           f"{meta['hint'].get(value, '') or _suggest(value, meta['choices'])}").rstrip("; ")
+            elif meta["check"] and (failed := meta["check"](value)):
+                problem = f"{toml_value(value)} {failed}"
+            if problem:
+                problems.append((where(dotted), problem))
+                continue
+            values[known[key].name] = value
+            given.add(dotted)
+        sections[name] = cls(**values)
+
+    job = Job(**sections, source=source, given=frozenset(given))
+    for dotted in sorted(given):
+        section, key = dotted.split(".")
+        f = _fields_by_key(SECTIONS[section])[key]
+        if not job.applies(dotted) and job.get(dotted) != f.default:
+            selector, allowed = f.metadata["applies"]
+            problems.append((where(dotted), f"{toml_value(job.get(dotted))} has no effect with {selector} = "
+                                            f"{toml_value(job.get(selector))}; it applies only with {selector} = "
+                                            f"{' or '.join(map(toml_value, allowed))}: remove it or set {selector}"))
+    if problems:
+        raise JobError(source, problems)
+    return _with_paths(job, stem)
+
+
+def _with_paths(job: Job, stem: str) -> Job:
+    """Put the job's name in for ``{job}`` in the path keys."""
+    for dotted in PATH_KEYS:
+        section, key = dotted.split(".")
+        value = job.get(dotted)
+        if isinstance(value, str) and "{job}" in value:
+            job = replace(job, **{section: replace(getattr(job, section), **{key: value.replace("{job}", stem)})})
+    return job
+
+
+# --- validation against the world ---------------------------------------------------------------------
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def validate(job: Job, world_size: int) -> Job:
+    """Check the keys together and against ``world_size``; return the job with ``parallel.dp`` filled in."""
+    from ..dist.context import LayoutError, resolve_layout
+
+    problems = []
+    p, m = job.parallel, job.model
+
+    # the layout
+    workers = world_size - p.servers if p.mode == "ps" else world_size
+    dp = None  # stays None when the layout does not fit: the batch checks below need it
+    if p.mode == "ps" and workers < 1:
+        problems.append(("parallel.servers", f"{p.servers} server(s) leave no worker among {world_size} ranks; "
+                                             f"launch more than {p.servers} ranks or lower parallel.servers"))
+    else:
+        try:
+            dp, _, _ = resolve_layout(workers, p.dp, p.pp, p.tp)
+        except LayoutError as err:
+            keys = "parallel.dp, parallel.pp, parallel.tp" if p.dp is not None else "parallel.pp, parallel.tp"
+            servers = (f" (mode \"ps\": the grid holds the workers, {world_size} ranks minus {p.servers} "
+                       f"server(s))" if p.mode == "ps" else "")
+            problems.append((keys, f"{err}{servers}"))
+    if p.mode != "allreduce" and (p.pp > 1 or p.tp > 1):
+        problems.append(("parallel.mode", f"{toml_value(p.mode)} runs data parallel only, but pp = {p.pp} and "
+                                          f"tp = {p.tp}; set pp = tp = 1 or mode = \"allreduce\""))
+    if p.zero and p.mode != "allreduce":
+        problems.append(("parallel.zero", f"ZeRO shards optimizer state across all-reducing replicas; "
+                                          f"mode = {toml_value(p.mode)} needs zero = false"))
+    if p.zero and p.compression != "none":
+        problems.append(("parallel.zero", f"ZeRO reduce-scatters gradients itself and cannot use "
+                                          f"compression = {toml_value(p.compression)}; set one of them off"))
+    if p.compression != "none" and p.mode != "allreduce":
+        problems.append(("parallel.compression", f"compression hooks into the gradient all-reduce; mode = "
+                                                 f"{toml_value(p.mode)} needs compression = \"none\""))
+
+    # model against tensor parallelism and the pipeline
+    if m.kind == "gpt":
+        if m.n_embd % m.n_head:
+            problems.append(("model.n_head", f"n_embd = {m.n_embd} is not divisible by n_head = {m.n_head} "
+                                             f"(head size {m.n_embd / m.n_head:g}); n_head must divide n_embd: "
+                                             f"one of {_divisors(m.n_embd)}"))
+        if m.n_head % p.tp:
+            problems.append(("parallel.tp", f"n_head = {m.n_head} is not divisible by tp = {p.tp}: each tp rank "
+                                            f"holds whole heads; use tp in {_divisors(m.n_head)}"))
+        if m.vocab_size % p.tp:
+            problems.append(("parallel.tp", f"vocab_size = {m.vocab_size} is not divisible by tp = {p.tp}: the "
+                                            f"embedding is split by rows; use tp in {_divisors(m.vocab_size)} "
+                                            f"or pad model.vocab_size"))
+    elif p.tp > 1:
+        problems.append(("parallel.tp", f"tensor parallelism splits the GPT's heads and MLP; model.kind = "
+                                        f"\"cnn\" needs tp = 1, got {p.tp}"))
+    if (m.kind == "gpt") != (job.data.kind == "text"):
+        want = "text" if m.kind == "gpt" else "digits"
+        problems.append(("data.kind", f"model.kind = {toml_value(m.kind)} trains on data.kind = "
+                                      f"{toml_value(want)}, got {toml_value(job.data.kind)}"))
+    layers, stages = job.num_layers, p.pp * p.chunks
+    if stages > layers:
+        problems.append(("parallel.pp", f"pp x chunks = {p.pp} x {p.chunks} = {stages} stages, but the model has "
+                                        f"only {layers} layers to cut"
+                                        + (f" (n_layer + 2 = {m.n_layer} + 2)" if m.kind == "gpt" else "")
+                                        + "; lower pp or chunks or add layers"))
+    if not isinstance(p.partition, str):
+        if len(p.partition) != stages:
+            problems.append(("parallel.partition", f"{len(p.partition)} per-stage counts for pp x chunks = "
+                                                   f"{stages} stages; give {stages}"))
+        elif sum(p.partition) != layers:
+            problems.append(("parallel.partition", f"per-stage counts {list(p.partition)} add up to "
+                                                   f"{sum(p.partition)}, but the model has {layers} layers"))
+    if p.schedule == "interleaved" and p.micro_batches % p.pp:
+        problems.append(("parallel.micro_batches", f"the interleaved schedule needs micro_batches divisible by pp: "
+                                                   f"{p.micro_batches} % {p.pp} != 0; use "
+                                                   f"{(p.micro_batches // p.pp + 1) * p.pp}"))
+
+    # the batch
+    b = job.data.batch_size
+    if dp is not None and b % dp:
+        problems.append(("data.batch_size", f"{b} is not divisible by dp = {dp}: every replica takes an equal "
+                                            f"share; use a multiple of {dp}"))
+    elif dp is not None and (b // dp) % p.micro_batches:
+        problems.append(("parallel.micro_batches", f"each of the dp = {dp} replicas gets {b // dp} samples, not "
+                                                   f"divisible into {p.micro_batches} micro-batches; use "
+                                                   f"micro_batches in {_divisors(b // dp)} or data.batch_size = "
+                                                   f"{dp * p.micro_batches * max(1, b // (dp * p.micro_batches))}"))
+
+    # optimizer schedule
+    if job.schedule.warmup_steps > job.train.steps:
+        problems.append(("schedule.warmup_steps", f"{job.schedule.warmup_steps} warm-up steps exceed "
+                                                  f"train.steps = {job.train.steps}"))
+    if job.schedule.min_lr > job.optimizer.lr:
+        problems.append(("schedule.min_lr", f"{job.schedule.min_lr:g} is above optimizer.lr = "
+                                            f"{job.optimizer.lr:g}; the cosine decays from lr down to min_lr"))
+
+    if job.data.kind == "text":
+        problems += _check_token_file(job)
+    if problems:
+        raise JobError(job.source, problems)
+    return replace(job, parallel=replace(p, dp=dp), world_size=world_size)
+
+
+def _check_token_file(job: Job) -> list[tuple[str, str]]:
+    path, m = job.data.path, job.model
+    if not os.path.exists(path):
+        if job.data.prepare_if_missing:
+            info = {"vocab_size": BYTE_VOCAB}  # what `hpcpar data prepare` will make
+        else:
+            return [("data.path", f"{toml_value(path)} does not exist (relative paths start at the current folder: "
+                                  f"{os.path.abspath(path)}); make it with `hpcpar data prepare --out {path}` "
+                                  f"or set data.prepare_if_missing = true")]
+    else:
+        from ..data.loader import dataset_info
+
+        try:
+            info = dataset_info(path)
+        except (OSError, KeyError, ValueError) as err:
+            return [("data.path", f"{toml_value(path)} is not a token file of `hpcpar data prepare`: {err}")]
+    problems = []
+    if m.kind == "gpt" and m.vocab_size < info["vocab_size"]:
+        problems.append(("model.vocab_size", f"{m.vocab_size} is smaller than the vocab_size {info['vocab_size']} "
+                                             f"of {path}; use at least {info['vocab_size']}"))
+    for split in ("train", "val"):
+        if split in info and info[split] <= m.block_size:
+            problems.append(("data.path", f"the {split} split of {path} has {info[split]} tokens, not more than "
+                                          f"model.block_size = {m.block_size}; prepare more text"))
+    return problems

@@ -166,6 +166,7 @@ def train(job: Job, resume: bool | None = None) -> dict:
             logger.line(f"resumed from {info['step_dir']} (written by layout {info['layout']})")
 
     tokens_per_step = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
+    unit = "tok" if job.model.kind == "gpt" else "img"
     last = {"step": start_step}
     began = time.perf_counter()
     step = start_step
@@ -193,7 +194,7 @@ def train(job: Job, resume: bool | None = None) -> dict:
                      "idle_s": stats.get("idle_s", 0.0), "peak_mem_mb": memory, "time": time.time()}
             logger.record(entry)
             logger.progress(step, f"step {step:>5}/{job.train.steps}  loss {loss_mean:.4f}  lr {lr:.2e}  "
-                                  f"{entry['tokens_per_s']:,.0f} tok/s  step {1e3 * step_s:.0f} ms = compute "
+                                  f"{entry['tokens_per_s']:,.0f} {unit}/s  step {1e3 * step_s:.0f} ms = compute "
                                   f"{1e3 * entry['compute_s']:.0f} + comm {1e3 * entry['comm_s']:.0f} + idle "
                                   f"{1e3 * entry['idle_s']:.0f}  mem {max(memory):.0f} MB")
             last = entry

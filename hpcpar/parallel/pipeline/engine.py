@@ -281,31 +281,38 @@ class PipelineParallel:
     def infer(self, batches):
         """Stream forward-only batches through the stages; the last stage returns their outputs.
 
-        Stages work on different batches at once (stage 0 on batch k+p-1 while the last is on k).
-        Returns the list of outputs on the last pipeline rank and None elsewhere.
+        Stages work on different batches at once (stage 0 on batch k+p-1 while the last is on k);
+        with interleaved chunks a batch visits this rank once per chunk. Returns the list of
+        outputs on the rank of the last virtual stage and None elsewhere.
         """
-        if self.v != 1:
-            raise ValueError("pipelined inference runs with chunks=1")
-        s = self.ctx.pp_rank
+        last = self.num_virtual - 1
         self._sends, outputs = [], []
         with no_grad():
-            for k, batch in enumerate(batches):
-                if s == 0:
-                    x = batch
-                else:
-                    shape, dtype = self._recv_header(s - 1)
-                    buf = self._xp().empty(shape, dtype=self.wire_dtype or dtype)
-                    x = Tensor(self.comm.recv(buf, s - 1, _channel_tag(s - 1, False)).astype(dtype, copy=False))
-                for layer in self.stage_layers[s]:
-                    x = layer(x)
-                if s == self.p - 1:
-                    outputs.append(x.data)
-                else:
-                    self._post_send(x.data, s + 1, s, gradient=False, with_header=True)
+            for batch in batches:
+                handover = None
+                for s in sorted(self.stage_layers):
+                    if s == 0:
+                        x = batch
+                    elif self._rank_of(s - 1) == self.ctx.pp_rank:
+                        x = handover
+                    else:
+                        shape, dtype = self._recv_header(s - 1)
+                        buf = self._xp().empty(shape, dtype=self.wire_dtype or dtype)
+                        x = Tensor(self.comm.recv(buf, self._rank_of(s - 1), _channel_tag(s - 1, False))
+                                   .astype(dtype, copy=False))
+                    for layer in self.stage_layers[s]:
+                        x = layer(x)
+                    if s == last:
+                        outputs.append(x.data)
+                    elif self._rank_of(s + 1) == self.ctx.pp_rank:
+                        handover = x
+                    else:
+                        self._post_send(x.data, s + 1, s, gradient=False, with_header=True)
                 self._sends = [h for h in self._sends if not h.test()]  # free what has gone out
         for handle in self._sends:
             handle.wait()
-        return outputs if s == self.p - 1 else None
+        self._sends = []
+        return outputs if last in self.stage_layers else None
 
     # ----- observability --------------------------------------------------------------
     def trace_events(self) -> list:

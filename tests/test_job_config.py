@@ -1,0 +1,256 @@
+"""Job files: loading, --set overrides, and one clear JobError naming the file and key for each bad job."""
+import os
+import textwrap
+import tomllib
+
+import pytest
+
+from hpcpar.data.prepare import prepare
+from hpcpar.train.config import SECTIONS, Job, JobError, load_job, parse_override, schema_table, validate
+
+GOOD = """
+[model]
+kind = "gpt"
+block_size = 32
+n_layer = 2
+n_head = 4
+n_embd = 64
+dropout = 0.1
+
+[data]
+path = "data/stdlib.h5"
+batch_size = 16
+
+[parallel]
+pp = 2
+schedule = "gpipe"
+micro_batches = 4
+
+[optimizer]
+lr = 1          # an integer where a number is expected is fine
+betas = [0.9, 0.95]
+
+[train]
+steps = 20
+precision = "fp64"
+"""
+
+
+def write_job(tmp_path, text, name="job.toml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def job_error(tmp_path, text, *overrides, world_size=None) -> str:
+    path = write_job(tmp_path, text)
+    with pytest.raises(JobError) as caught:
+        job = load_job(path, list(overrides))
+        if world_size is not None:
+            validate(job, world_size)
+    message = str(caught.value)
+    assert message.startswith(path), "every message names the job file"
+    return message
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    """Relative paths in jobs start at the current folder: run each test in its own."""
+    monkeypatch.chdir(tmp_path)
+
+
+def test_a_good_job_loads_with_types_and_defaults(tmp_path):
+    job = load_job(write_job(tmp_path, GOOD, "tiny-gpt.toml"))
+    assert isinstance(job, Job)
+    assert (job.model.n_layer, job.model.dropout, job.model.vocab_size) == (2, 0.1, 256)
+    assert job.optimizer.lr == 1.0 and isinstance(job.optimizer.lr, float)
+    assert job.optimizer.betas == (0.9, 0.95)
+    assert (job.parallel.pp, job.parallel.dp, job.parallel.schedule) == (2, None, "gpipe")
+    assert job.train.metrics == "runs/tiny-gpt/metrics.jsonl", "{job} is the job file's name"
+    assert job.checkpoint.dir == "runs/tiny-gpt/checkpoints" and job.checkpoint.async_ is False
+    assert "model.dropout" in job.given and "model.bias" not in job.given
+    assert job.num_layers == 4 and job.gpt_config().n_embd == 64
+    assert job.to_dict()["checkpoint"]["async"] is False and job.to_dict()["optimizer"]["betas"] == [0.9, 0.95]
+
+
+def test_overrides_apply_with_toml_types(tmp_path):
+    job = load_job(write_job(tmp_path, GOOD), ["parallel.tp=2", "train.steps=50", "optimizer.betas=[0.9,0.99]",
+                                               'checkpoint.dir="x"', "parallel.schedule=1f1b",
+                                               "train.trace = out/trace.json", "model.bias=false",
+                                               "checkpoint.async=true", "optimizer.lr=3e-4"])
+    assert job.parallel.tp == 2 and job.train.steps == 50 and job.optimizer.betas == (0.9, 0.99)
+    assert job.checkpoint.dir == "x" and job.parallel.schedule == "1f1b" and job.train.trace == "out/trace.json"
+    assert job.model.bias is False and job.checkpoint.async_ is True and job.optimizer.lr == 3e-4
+    assert {"parallel.tp", "train.trace"} <= job.given
+
+
+def test_parse_override():
+    assert parse_override("parallel.tp=2") == ("parallel", "tp", 2)
+    assert parse_override("data.path=a=b.h5") == ("data", "path", "a=b.h5")
+    assert parse_override('train.metrics=""') == ("train", "metrics", "")
+    for bad in ("parallel.tp", "tp=2", "a.b.c=1", ".tp=1"):
+        with pytest.raises(JobError, match="expected section.key=value"):
+            parse_override(bad)
+
+
+def test_defaults_alone_make_a_valid_job():
+    job = validate(load_job(None), world_size=2)
+    assert (job.parallel.dp, job.world_size) == (2, 2)
+
+
+def test_unknown_key_names_it_suggests_and_lists_the_allowed(tmp_path):
+    message = job_error(tmp_path, GOOD.replace("pp = 2", "tpp = 2"))
+    assert "parallel.tpp: unknown key; did you mean 'tp'?" in message
+    assert "[parallel] keys are dp, pp, tp, schedule" in message
+    message = job_error(tmp_path, GOOD, "parallel.micro_batch=2")
+    assert "parallel.micro_batch (--set): unknown key; did you mean 'micro_batches'?" in message
+    assert "train.lr: unknown key; did you mean optimizer.lr?" in job_error(tmp_path, GOOD + "lr = 0.1\n")
+    message = job_error(tmp_path, GOOD.replace("[model]", "[modle]"))
+    assert "[modle]: unknown section; did you mean 'model'? sections are model, data, parallel" in message
+    assert "steps: a key outside any section; did you mean train.steps?" in job_error(tmp_path, "steps = 3\n" + GOOD)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (('steps = 20', 'steps = "ten"'), 'train.steps: expected an integer, got "ten"'),
+    (('steps = 20', 'steps = 20.0'), "train.steps: expected an integer, got 20.0"),
+    (('n_layer = 2', 'n_layer = true'), "model.n_layer: expected an integer, got true"),
+    (('betas = [0.9, 0.95]', 'betas = 0.9'), "optimizer.betas: expected a list of 2 numbers, got 0.9"),
+    (('dropout = 0.1', 'dropout = "0.1"'), 'model.dropout: expected a number, got "0.1"'),
+    (('pp = 2', 'pp = 0'), "parallel.pp: 0 must be >= 1"),
+    (('dropout = 0.1', 'dropout = 1.0'), "model.dropout: 1.0 must be in [0.0, 1.0)"),
+    (('precision = "fp64"', 'precision = "fp8"'), 'train.precision: "fp8" is not one of fp32, fp16, bf16, fp64'),
+    (('schedule = "gpipe"', 'schedule = "gpip"'), "did you mean 'gpipe'?"),
+    (('schedule = "gpipe"', 'schedule = "zb1"'), "zb1 needs backward split into input and weight gradients"),
+    (('micro_batches = 4', 'micro_batches = 4\npartition = "even"'), "parallel.partition: \"even\" must be one of"),
+    (('micro_batches = 4', 'micro_batches = 4\nstaleness = 2'),
+     'parallel.staleness: 2 has no effect with parallel.mode = "allreduce"; it applies only with parallel.mode '
+     '= "ps"'),
+    (('kind = "gpt"', 'kind = "gpt"\nchannels = [8, 8]'), "model.channels: [8, 8] has no effect"),
+])
+def test_bad_values_name_the_key_and_what_is_allowed(tmp_path, change, expected):
+    assert expected in job_error(tmp_path, GOOD.replace(*change))
+
+
+def test_bad_override_values_are_reported_as_from_the_command_line(tmp_path):
+    assert 'train.steps (--set): expected an integer, got "ten"' in job_error(tmp_path, GOOD, "train.steps=ten")
+
+
+def test_all_problems_of_a_file_are_reported_together(tmp_path):
+    message = job_error(tmp_path, GOOD.replace("pp = 2", "pp = -1").replace("steps = 20", "steps = 'x'"))
+    assert "2 problems:" in message and "parallel.pp: -1 must be >= 1" in message and "train.steps" in message
+
+
+def test_malformed_toml_gives_the_line(tmp_path):
+    message = job_error(tmp_path, GOOD.replace("n_head = 4", "n_head = = 4"))
+    line = textwrap.dedent(GOOD).splitlines().index("n_head = 4") + 1
+    assert "invalid TOML" in message and f"line {line}" in message and "n_head = = 4" in message
+
+
+def test_a_missing_job_file(tmp_path):
+    with pytest.raises(JobError, match="absent.toml: no such job file"):
+        load_job(str(tmp_path / "absent.toml"))
+
+
+# --- validate: the keys together and the world -------------------------------------------------------------
+
+def test_validate_fills_dp_and_describe_round_trips(tmp_path):
+    job = validate(load_job(write_job(tmp_path, GOOD)), world_size=4)
+    assert (job.parallel.dp, job.parallel.pp, job.world_size) == (2, 2, 4)
+    text = job.describe()
+    assert text.startswith(f"# job {job.source}, 4 ranks as dp 2 x pp 2 x tp 1")
+    assert "vocab_size = 256" in text and "channels" not in text, "keys without effect are left out"
+    again = load_job(write_job(tmp_path, text, "again.toml"))
+    assert again.to_dict() == job.to_dict()
+    assert tomllib.loads(text)["optimizer"]["betas"] == [0.9, 0.95]
+
+
+@pytest.mark.parametrize("overrides, world, expected", [
+    (["parallel.tp=3"], 4, "parallel.pp, parallel.tp: world size 4 is not divisible by pp x tp = 2 x 3 = 6"),
+    (["parallel.dp=3"], 4, "parallel.dp, parallel.pp, parallel.tp: dp x pp x tp = 3 x 2 x 1 = 6 does not equal "
+                           "the world size 4"),
+    (["model.n_head=6", "model.n_embd=96", "parallel.pp=1", "parallel.tp=4", "parallel.micro_batches=1"], 4,
+     "parallel.tp: n_head = 6 is not divisible by tp = 4: each tp rank holds whole heads; use tp in 1, 2, 3, 6"),
+    (["model.vocab_size=250", "parallel.tp=4", "parallel.pp=1", "parallel.micro_batches=1"], 4,
+     "parallel.tp: vocab_size = 250 is not divisible by tp = 4"),
+    (["model.n_head=5"], 2, "model.n_head: n_embd = 64 is not divisible by n_head = 5"),
+    (["parallel.micro_batches=3"], 4, "parallel.micro_batches: each of the dp = 2 replicas gets 8 samples, not "
+                                      "divisible into 3 micro-batches"),
+    (["data.batch_size=10"], 8, "data.batch_size: 10 is not divisible by dp = 4"),
+    (["parallel.schedule=interleaved", "parallel.chunks=2", "parallel.micro_batches=2", "model.n_layer=6",
+      "parallel.pp=4"], 4, "parallel.micro_batches: the interleaved schedule needs micro_batches divisible by pp: "
+                           "2 % 4 != 0; use 4"),
+    (["parallel.pp=5"], 5, "parallel.pp: pp x chunks = 5 x 1 = 5 stages, but the model has only 4 layers"),
+    (["parallel.pp=4", "parallel.schedule=interleaved", "parallel.chunks=2"], 4,
+     "parallel.pp: pp x chunks = 4 x 2 = 8 stages, but the model has only 4 layers to cut (n_layer + 2 = 2 + 2)"),
+    (["parallel.partition=[1, 2]"], 2, "parallel.partition: per-stage counts [1, 2] add up to 3, but the model "
+                                       "has 4 layers"),
+    (["parallel.partition=[4]"], 2, "parallel.partition: 1 per-stage counts for pp x chunks = 2 stages"),
+    (["parallel.mode=ps"], 4, 'parallel.mode: "ps" runs data parallel only, but pp = 2'),
+    (["parallel.mode=ps", "parallel.pp=1", "parallel.servers=2", "parallel.micro_batches=1"], 2,
+     "parallel.servers: 2 server(s) leave no worker among 2 ranks"),
+    (["parallel.zero=true", "parallel.compression=fp16"], 2, "parallel.zero: ZeRO reduce-scatters gradients"),
+    (["parallel.mode=local_sgd", "parallel.pp=1", "parallel.compression=topk", "parallel.micro_batches=1"], 2,
+     'parallel.compression: compression hooks into the gradient all-reduce; mode = "local_sgd"'),
+    (["data.kind=digits"], 2, 'data.kind: model.kind = "gpt" trains on data.kind = "text", got "digits"'),
+    (["model.kind=cnn", "data.kind=digits", "parallel.pp=1", "parallel.tp=2", "model.block_size=128",
+      "model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.dropout=0.0"], 2,
+     'parallel.tp: tensor parallelism splits the GPT\'s heads and MLP; model.kind = "cnn" needs tp = 1'),
+    (["schedule.warmup_steps=30"], 2, "schedule.warmup_steps: 30 warm-up steps exceed train.steps = 20"),
+])
+def test_validate_names_the_key_the_numbers_and_the_fix(tmp_path, overrides, world, expected):
+    assert expected in job_error(tmp_path, GOOD, *overrides, world_size=world)
+
+
+def test_validate_accepts_what_it_should(tmp_path):
+    path = write_job(tmp_path, GOOD)
+    ps = validate(load_job(path, ["parallel.mode=ps", "parallel.pp=1", "parallel.servers=1",
+                                  "parallel.micro_batches=1", "data.batch_size=15", "parallel.staleness=2"]), 4)
+    assert (ps.parallel.dp, ps.parallel.staleness) == (3, 2), "servers come out of the world: dp = 4 - 1"
+    assert "4 ranks as dp 3 x pp 1 x tp 1 + 1 server(s)" in ps.describe()
+    interleaved = validate(load_job(path, ["parallel.schedule=interleaved", "parallel.chunks=2",
+                                           "parallel.partition=[1, 1, 1, 1]"]), 2)
+    assert interleaved.parallel.partition == (1, 1, 1, 1)
+    cnn = validate(load_job(path, ["model.kind=cnn", "data.kind=digits", "model.block_size=128", "model.n_layer=4",
+                                   "model.n_head=4", "model.n_embd=256", "model.dropout=0.0", "parallel.pp=8",
+                                   "model.channels=[8, 16]"]), 8)
+    assert cnn.num_layers == 8 and cnn.parallel.dp == 1
+
+
+def test_the_data_file_must_exist_unless_it_may_be_prepared(tmp_path):
+    message = job_error(tmp_path, GOOD, "data.prepare_if_missing=false", world_size=2)
+    assert 'data.path: "data/stdlib.h5" does not exist' in message
+    assert os.path.join(str(tmp_path), "data", "stdlib.h5") in message
+    assert "hpcpar data prepare --out data/stdlib.h5" in message
+    validate(load_job(write_job(tmp_path, GOOD)), 2)  # prepare_if_missing = true (the default)
+
+
+def test_an_existing_data_file_is_checked_against_the_model(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_bytes(b"x = 1\n" * 100)  # 600 bytes: 48 of them for val
+    prepare("data/small.h5", [str(text)], max_mb=None, val_fraction=0.08)
+    job = load_job(write_job(tmp_path, GOOD), ["data.path=data/small.h5"])
+    assert validate(job, 2).data.path == "data/small.h5"
+    message = job_error(tmp_path, GOOD, "data.path=data/small.h5", "model.block_size=64", "model.vocab_size=128",
+                        world_size=2)
+    assert "model.vocab_size: 128 is smaller than the vocab_size 256 of data/small.h5" in message
+    assert "data.path: the val split of data/small.h5 has 48 tokens, not more than model.block_size = 64" in message
+    (tmp_path / "data" / "junk.h5").write_bytes(b"not hdf5")
+    assert "data.path: \"data/junk.h5\" is not a token file" in job_error(tmp_path, GOOD, "data.path=data/junk.h5",
+                                                                          world_size=2)
+
+
+def test_job_error_is_a_value_error_with_its_problems():
+    error = JobError("jobs/x.toml", [("parallel.tp", "too big"), ("train.steps", "too small")])
+    assert isinstance(error, ValueError) and error.problems[0] == ("parallel.tp", "too big")
+    assert str(error) == "jobs/x.toml: 2 problems:\n  parallel.tp: too big\n  train.steps: too small"
+
+
+def test_schema_table_lists_every_key():
+    table = schema_table()
+    defaults = Job().to_dict()
+    assert list(defaults) == list(SECTIONS)
+    for name, keys in defaults.items():
+        for key in keys:
+            assert f"| {name}.{key} |" in table
+    assert len(table.splitlines()) == 2 + sum(len(keys) for keys in defaults.values())
+    assert "| checkpoint.async | true or false | `false` |" in table

@@ -195,7 +195,6 @@ def test_validate_fills_dp_and_describe_round_trips(tmp_path):
     (["model.kind=cnn", "data.kind=digits", "parallel.pp=1", "parallel.tp=2", "model.block_size=128",
       "model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.dropout=0.0"], 2,
      'parallel.tp: tensor parallelism splits the GPT\'s heads and MLP; model.kind = "cnn" needs tp = 1'),
-    (["schedule.warmup_steps=30"], 2, "schedule.warmup_steps: 30 warm-up steps exceed train.steps = 20"),
 ])
 def test_validate_names_the_key_the_numbers_and_the_fix(tmp_path, overrides, world, expected):
     assert expected in job_error(tmp_path, GOOD, *overrides, world_size=world)

@@ -607,10 +607,7 @@ def validate(job: Job, world_size: int) -> Job:
                                                    f"micro_batches in {_divisors(b // dp)} or data.batch_size = "
                                                    f"{dp * p.micro_batches * max(1, b // (dp * p.micro_batches))}"))
 
-    # optimizer schedule
-    if job.schedule.warmup_steps > job.train.steps:
-        problems.append(("schedule.warmup_steps", f"{job.schedule.warmup_steps} warm-up steps exceed "
-                                                  f"train.steps = {job.train.steps}"))
+    # optimizer schedule (a warm-up longer than train.steps is fine: a shortened run of a job stays in it)
     if job.schedule.min_lr > job.optimizer.lr:
         problems.append(("schedule.min_lr", f"{job.schedule.min_lr:g} is above optimizer.lr = "
                                             f"{job.optimizer.lr:g}; the cosine decays from lr down to min_lr"))

@@ -1,0 +1,99 @@
+"""`hpcpar train` end to end: every shipped job runs, bad job files fail fast and clearly,
+a stop signal checkpoints and the resumed run ends where an uninterrupted one does."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import REPO, venv_bin
+
+JOBS = sorted(glob.glob(os.path.join(REPO, "jobs", "*.toml")))
+RANKS = {"gpt-3d": 8}
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("data") / "stdlib.h5")
+    subprocess.run([sys.executable, "-m", "hpcpar", "data", "prepare", "--out", path, "--max-mb", "2"], check=True,
+                   capture_output=True, timeout=120)
+    return path
+
+
+def train(job, tmp, token_file, *overrides, ranks=4, timeout=240, wait=True):
+    args = [venv_bin("mpiexec"), "-n", str(ranks), sys.executable, "-m", "hpcpar", "train", job,
+            "--set", f'checkpoint.dir="{tmp}/ckpt"', "--set", f'train.metrics="{tmp}/metrics.jsonl"']
+    if "digits" not in job:
+        args += ["--set", f'data.path="{token_file}"']
+    for item in overrides:
+        args += ["--set", item]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    if not wait:
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("job", JOBS, ids=[os.path.basename(j)[:-5] for j in JOBS])
+def test_every_shipped_job_runs(job, tmp_path, token_file):
+    name = os.path.basename(job)[:-5]
+    proc = train(job, tmp_path, token_file, "train.steps=6", "train.log_interval=3", "train.eval_interval=0",
+                 "checkpoint.interval=3", "train.sample_tokens=0", ranks=RANKS.get(name, 4))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "step     6/6" in proc.stdout and "val_loss" in proc.stdout
+    assert os.path.isdir(tmp_path / "ckpt" / "step-00000006")
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records if "loss" in r] == [3, 6]
+    assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tpp=2"], "parallel.tpp"),
+    (["train.steps=\"many\""], "train.steps"),
+    (["parallel.tp=3"], "parallel.tp"),
+    (["data.path=\"/nonexistent/tokens.h5\"", "data.prepare_if_missing=false"], "data.path"),
+])
+def test_bad_job_files_fail_before_any_rank_waits(tmp_path, token_file, overrides, message):
+    start = time.monotonic()
+    proc = train(os.path.join(REPO, "jobs", "gpt-dp.toml"), tmp_path, token_file, *overrides, timeout=60)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 30
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcpar train: error")]
+    assert len(errors) == 1 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def final_parameters(ckpt):
+    step_dir = os.path.join(ckpt, open(os.path.join(ckpt, "latest")).read().strip())
+    with h5py.File(os.path.join(step_dir, "index.h5"), "r") as f:
+        return {k: f["model"][k][...] for k in f["model"]}
+
+
+def test_stop_signal_checkpoints_and_the_resumed_run_matches(tmp_path, token_file):
+    job = os.path.join(REPO, "jobs", "gpt-dp.toml")
+    common = ["train.steps=30", "train.log_interval=1", "train.eval_interval=0", "checkpoint.interval=0",
+              "model.n_embd=32", "model.n_layer=1"]
+    straight = train(job, tmp_path / "straight", token_file, *common)
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+
+    proc = train(job, tmp_path / "stopped", token_file, *common, "train.max_seconds=600", wait=False)
+    for line in proc.stdout:  # wait until training is under way, then signal every process of the job
+        if "step     3/30" in line:
+            os.killpg(proc.pid, signal.SIGUSR1)
+            break
+    output = proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, output
+    assert "stopped at step" in output and "signal SIGUSR1" in output
+    stopped_at = int(output.split("stopped at step ")[1].split()[0])
+    assert 3 <= stopped_at < 30
+
+    resumed = train(job, tmp_path / "stopped", token_file, *common, "checkpoint.resume=true")
+    assert resumed.returncode == 0 and f"resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
+    a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / "stopped" / "ckpt")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

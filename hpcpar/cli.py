@@ -54,6 +54,24 @@ def _train(args) -> int:
     return 0
 
 
+def _compare(args) -> int:
+    from .compare import main as compare_main
+
+    return compare_main(args.compare_args)
+
+
+def _plot(args) -> int:
+    from .plot import main as plot_main
+
+    return plot_main(args.plot_args)
+
+
+def _generate(args) -> int:
+    from .generate import main as generate_main
+
+    return generate_main(args.generate_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpcpar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -88,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint (default: "
                        "checkpoint.resume of the job)")
     train.set_defaults(func=_train)
+
+    for name, func, text in (("compare", _compare, "measure data, pipeline, tensor and hybrid layouts of this "
+                                                     "world on a job's model (under mpiexec)"),
+                             ("plot", _plot, "PNG figures from a metrics .jsonl or a compare.json"),
+                             ("generate", _generate, "sample text from a GPT checkpoint (serial)")):
+        command = sub.add_parser(name, help=text, add_help=False)
+        command.add_argument(f"{name}_args", nargs=argparse.REMAINDER)
+        command.set_defaults(func=func)
 
     data = sub.add_parser("data", help="datasets (serial, no MPI): prepare an HDF5 token file from text")
     data_actions = data.add_subparsers(dest="action", required=True, metavar="ACTION")

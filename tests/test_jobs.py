@@ -97,3 +97,31 @@ def test_stop_signal_checkpoints_and_the_resumed_run_matches(tmp_path, token_fil
     assert resumed.returncode == 0 and f"resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
     a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / "stopped" / "ckpt")
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_compare_plot_and_generate(tmp_path, token_file):
+    job = os.path.join(REPO, "jobs", "gpt-dp.toml")
+    small = ["--set", "model.n_layer=2", "--set", "model.n_embd=32", "--set", f'data.path="{token_file}"']
+    proc = subprocess.run([venv_bin("mpiexec"), "-n", "2", sys.executable, "-m", "hpcpar", "compare", job,
+                           "--steps", "2", "--out", str(tmp_path), *small], capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("1x1x1 one rank", "2x1x1 pure data", "1x2x1 pure pipeline", "1x1x2 pure tensor"):
+        assert name in proc.stdout
+    results = json.load(open(tmp_path / "compare.json"))["results"]
+    assert [r["layout"] for r in results] == [[1, 1, 1], [2, 1, 1], [1, 2, 1], [1, 1, 2]]
+    assert results[0]["bytes_per_step"] == 0 and all(r["bytes_per_step"] > 0 for r in results[1:])
+    assert os.path.getsize(tmp_path / "compare.png") > 10_000
+
+    run = train(job, tmp_path / "run", token_file, "train.steps=4", "train.log_interval=2", "model.n_layer=2",
+                "model.n_embd=32", "train.eval_interval=2", ranks=2)
+    assert run.returncode == 0, run.stdout + run.stderr
+    plot = subprocess.run([sys.executable, "-m", "hpcpar", "plot", str(tmp_path / "run" / "metrics.jsonl")],
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0 and os.path.getsize(tmp_path / "run" / "metrics.png") > 10_000, plot.stdout
+    generate = subprocess.run([sys.executable, "-m", "hpcpar", "generate", str(tmp_path / "run" / "ckpt"),
+                               "--tokens", "20", "--prompt", "def "], capture_output=True, text=True, timeout=120)
+    assert generate.returncode == 0 and generate.stdout.startswith("def ") and len(generate.stdout) >= 20
+    missing = subprocess.run([sys.executable, "-m", "hpcpar", "generate", str(tmp_path / "nowhere")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no committed checkpoint" in missing.stdout

@@ -1,0 +1,169 @@
+"""``hpcpar compare JOB.toml``: the three strategies side by side, measured on your model and machine.
+
+    mpiexec -n 4 hpcpar compare jobs/gpt-dp.toml [--steps 8] [--out runs/compare]
+
+Runs the job's model and data for a few steps under one rank (the baseline), then under
+every dp x pp x tp factorisation of the world that the model allows: pure data, pure
+pipeline, pure tensor parallelism and the hybrids. For each it measures, as medians over the
+steps after two warm-up steps (the slowest rank decides a step):
+
+- throughput and the speed-up over one rank, and scaling efficiency = speed-up / ranks;
+- the communication share and the pipeline bubble share of the step;
+- parameter + optimizer-state memory per rank, and the peak of NumPy allocations during a
+  step (activations and workspace, from tracemalloc on one extra step);
+- bytes communicated per step (all ranks, all communicators).
+
+Prints the table, writes ``compare.json`` and, with matplotlib, ``compare.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import tracemalloc
+from dataclasses import replace
+
+import numpy as np
+from mpi4py import MPI
+
+from .bench.timing import format_table
+from .dist.comm import Communicator
+from .dist.context import init
+from .train.build import build
+from .train.config import JobError, load_job, validate
+
+
+def factorisations(n: int) -> list[tuple[int, int, int]]:
+    """(dp, pp, tp) with product n: pure strategies first, then hybrids."""
+    layouts = [(dp, pp, n // (dp * pp)) for dp in range(1, n + 1) for pp in range(1, n + 1)
+               if n % (dp * pp) == 0]
+    pure = [(n, 1, 1), (1, n, 1), (1, 1, n)] if n > 1 else [(1, 1, 1)]
+    return pure + [layout for layout in layouts if layout not in pure]
+
+
+def label(layout) -> str:
+    dp, pp, tp = layout
+    kinds = [name for name, size in (("data", dp), ("pipeline", pp), ("tensor", tp)) if size > 1]
+    kind = "one rank" if not kinds else (f"pure {kinds[0]}" if len(kinds) == 1 else "hybrid")
+    return f"{dp}x{pp}x{tp} {kind}"
+
+
+def layout_job(job, layout, steps: int):
+    dp, pp, tp = layout
+    micro = job.parallel.micro_batches if pp > 1 else 1
+    if pp > 1 and micro < pp:
+        micro = 2 * pp  # a pipeline needs micro-batches to fill its stages
+    parallel = replace(job.parallel, dp=dp, pp=pp, tp=tp, micro_batches=micro,
+                       schedule=job.parallel.schedule if pp > 1 else "1f1b", chunks=1 if pp == 1 else job.parallel.chunks)
+    if parallel.schedule == "interleaved" and (micro % pp or pp * parallel.chunks > job.num_layers):
+        parallel = replace(parallel, schedule="1f1b", chunks=1)
+    train = replace(job.train, steps=steps + 2, eval_interval=0, sample_tokens=0)
+    return validate(replace(job, parallel=parallel, train=train), dp * pp * tp)
+
+
+def measure(job, comm, steps: int) -> dict:
+    """Train ``steps`` + 2 steps of ``job`` on ``comm`` and return this layout's figures (on rank 0)."""
+    p = job.parallel
+    ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, comm=comm, device=job.train.device)
+    run = build(job, ctx)
+    times, comm_s, idle_s = [], [], []
+    ctx.reset_stats()
+    for step in range(steps + 2):
+        if step == 2:
+            ctx.reset_stats()
+        inputs, targets = run.train_data.batch_at(step)
+        ctx.world.barrier()
+        start = time.perf_counter()
+        run.engine.train_step(inputs, targets)
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+        elapsed = ctx.world.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX)
+        if step >= 2:
+            times.append(elapsed)
+            comm_s.append(run.engine.stats.get("comm_s", 0.0))
+            idle_s.append(run.engine.stats.get("idle_s", 0.0))
+    traffic = sum(c.stats.total_bytes for c in ctx.communicators().values() if c.size > 1)  # size 1: local copies
+    tracemalloc.start()
+    inputs, targets = run.train_data.batch_at(0)
+    run.engine.train_step(inputs, targets)
+    activation_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    run.optimizer.zero_grad()
+    state = run.optimizer.state_bytes() if hasattr(run.optimizer, "state_bytes") else sum(
+        v.nbytes for s in run.optimizer.state.values() for v in s.values() if hasattr(v, "nbytes"))
+    params = sum(q.data.nbytes for _, q in run.engine.named_parameters())
+    step_s = statistics.median(times)
+    gather = lambda value, op=MPI.MAX: ctx.world.mpi.allreduce(value, op=op)  # noqa: E731
+    tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
+    return {"layout": [p.dp, p.pp, p.tp], "ranks": ctx.world_size, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "comm_share": gather(statistics.median(comm_s)) / step_s,
+            "bubble_share": gather(statistics.median(idle_s)) / step_s,
+            "param_state_mb_per_rank": gather(params + state) / 2**20,
+            "activation_peak_mb_per_rank": gather(activation_peak) / 2**20,
+            "bytes_per_step": gather(traffic / steps, MPI.SUM)}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hpcpar compare")
+    parser.add_argument("job")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--out", default=None, help="folder for compare.json and compare.png (default runs/compare-JOB)")
+    args = parser.parse_args(argv)
+
+    world = MPI.COMM_WORLD
+    # Ranks outside a smaller layout wait here; they must not spin on the cores it runs on.
+    waiting = Communicator(world, "world", wait_policy="yield")
+    job = load_job(args.job, args.set)
+    out = args.out or os.path.join("runs", "compare-" + os.path.basename(args.job).rsplit(".", 1)[0])
+    results, skipped = [], []
+    for layout in [(1, 1, 1)] + (factorisations(world.Get_size()) if world.Get_size() > 1 else []):
+        try:
+            layout_run = layout_job(job, layout, args.steps)
+        except JobError as error:
+            skipped.append((label(layout), "; ".join(text for _, text in error.problems)))
+            continue
+        size = int(np.prod(layout))
+        group = world.Split(0 if world.Get_rank() < size else MPI.UNDEFINED, world.Get_rank())
+        if group != MPI.COMM_NULL:
+            figures = measure(layout_run, group, args.steps)
+            if group.Get_rank() == 0:
+                results.append(figures)
+            group.Free()
+        waiting.barrier()
+    if world.Get_rank() != 0:
+        return 0
+    base = results[0]["tokens_per_s"]
+    for r in results:
+        r["speedup"] = r["tokens_per_s"] / base
+        r["efficiency"] = r["speedup"] / r["ranks"]
+        r["label"] = label(r["layout"])
+    print(report(job, results, skipped, world.Get_size(), args.steps), flush=True)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "compare.json"), "w") as f:
+        json.dump({"job": args.job, "world": world.Get_size(), "steps": args.steps, "results": results,
+                   "skipped": skipped}, f, indent=1)
+    from .plot import plot_compare
+
+    chart = plot_compare(os.path.join(out, "compare.json"), os.path.join(out, "compare.png"))
+    print(f"wrote {os.path.join(out, 'compare.json')}" + (f" and {chart}" if chart else ""), flush=True)
+    return 0
+
+
+def report(job, results, skipped, world, steps) -> str:
+    unit = "tok/s" if job.model.kind == "gpt" else "img/s"
+    rows = [[r["label"], f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{100 * r['efficiency']:.0f}%",
+             f"{100 * r['comm_share']:.0f}%", f"{100 * r['bubble_share']:.0f}%", f"{r['param_state_mb_per_rank']:.1f}",
+             f"{r['activation_peak_mb_per_rank']:.1f}", f"{r['bytes_per_step'] / 2**20:.2f}"] for r in results]
+    m = job.model
+    model = (f"GPT layers {m.n_layer}, width {m.n_embd}, heads {m.n_head}, context {m.block_size}"
+             if m.kind == "gpt" else "digits CNN")
+    text = format_table(["layout dp x pp x tp", unit, "speed-up", "efficiency", "comm", "bubble",
+                         "params+opt MB/rank", "activations MB/rank", "MB sent/step"], rows,
+                        f"hpcpar compare: {model}, global batch {job.data.batch_size}, {world} ranks on "
+                        f"{os.cpu_count()} cores, median of {steps} steps")
+    for name, why in skipped:
+        text += f"\nskipped {name}: {why}"
+    return text

@@ -35,7 +35,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopRequest:
-    """Remembers a stop signal; the ranks agree on it at step boundaries (never mid-step)."""
+    """Remembers a stop signal; the ranks agree on it at step boundaries (never mid-step).
+
+    The handler only sets a flag: a rank may get the signal several times (from SLURM, from
+    the launcher, and SIGTERM again when ``scontrol requeue`` ends the job after the save).
+    """
 
     def __init__(self):
         self.signal = None
@@ -145,10 +149,10 @@ def save(run: Run, step: int, final: bool = False):
                            keep=c.keep, asynchronous=c.async_ and not final)
 
 
-def train(job: Job, resume: bool | None = None) -> dict:
+def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None) -> dict:
     p = job.parallel
+    stop = stop or StopRequest()
     ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, device=job.train.device)
-    stop = StopRequest()
     if ctx.rank == 0:
         print(job.describe(), flush=True)
         print(ctx.grid_table(), flush=True)
@@ -217,8 +221,10 @@ def train(job: Job, resume: bool | None = None) -> dict:
         run.mode.shutdown()
     if reason != "done":
         logger.line(f"stopped at step {step} ({reason}); checkpoint saved")
-        if stop.signal is not None and os.environ.get("SLURM_JOB_ID") and ctx.rank == 0:
-            request_requeue(os.environ["SLURM_JOB_ID"])
+        if stop.signal is not None and os.environ.get("SLURM_JOB_ID"):
+            ctx.world.barrier()  # requeueing ends the job at once: every rank must be done first
+            if ctx.rank == 0:
+                request_requeue(os.environ["SLURM_JOB_ID"])
         return {**last, "stopped": reason}
 
     metrics = evaluate(run)

@@ -47,7 +47,10 @@ def test_every_shipped_job_runs(job, tmp_path, token_file):
                  "checkpoint.interval=3", "train.sample_tokens=0", ranks=RANKS.get(name, 4))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step     6/6" in proc.stdout and "val_loss" in proc.stdout
-    assert os.path.isdir(tmp_path / "ckpt" / "step-00000006")
+    if name == "gpt-ps":  # the servers hold the optimizer state: no checkpoints, and it says so
+        assert "no checkpoints" in proc.stdout and not os.path.exists(tmp_path / "ckpt")
+    else:
+        assert os.path.isdir(tmp_path / "ckpt" / "step-00000006")
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records if "loss" in r] == [3, 6]
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)

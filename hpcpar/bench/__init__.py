@@ -12,11 +12,13 @@ BENCHMARKS = {
     "dp": "data-parallel gradient sync vs one raw flat all-reduce; overlap; weak scaling",
     "pipeline": "measured pipeline bubble vs (p-1)/(m+p-1) per schedule, step time",
     "ckpt": "checkpoint save/load vs raw tofile+fsync / fromfile of the same bytes per rank",
+    "async": "all-reduce vs parameter server (sync, async s=1/4) vs local SGD (H=4/16) with a straggler",
 }
+MODULES = {"async": "async_training"}  # benchmark names that are not module names (async is a keyword)
 
 
 def run_benchmark(name: str, argv: list[str]) -> None:
     if name not in BENCHMARKS:
         known = ", ".join(f"{k} ({v})" for k, v in BENCHMARKS.items())
         raise SystemExit(f"hpcpar bench: unknown benchmark {name!r}; known: {known}")
-    importlib.import_module(f"hpcpar.bench.{name}").main(argv)
+    importlib.import_module(f"hpcpar.bench.{MODULES.get(name, name)}").main(argv)

@@ -94,6 +94,7 @@ def build_data(job: Job, ctx):
 
 
 def make_optimizer(job: Job, named):
+    """(optimizer class, its options) from the job's [optimizer] section."""
     o = job.optimizer
     if o.name == "sgd":
         return SGD, dict(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
@@ -109,12 +110,21 @@ def build(job: Job, ctx) -> Run:
         raise JobError(job.source, [("train.precision", f"{job.train.precision} runs with pp = 1 and zero = false "
                                                         "(the pipeline engine does not scale losses); use fp32")])
     model = build_model(job, ctx, dtype)
+    mode = None
+    if p.mode != "allreduce":  # parameter server or local SGD: they own the dp exchange and the step
+        from ..parallel.modes import make_mode, mode_options
+
+        cls, options = make_optimizer(job, model.named_parameters())
+        mode = make_mode(p.mode, model, ctx, cls, options, max_grad_norm=job.optimizer.grad_clip,
+                         **mode_options(p))
+        if not mode.is_worker:  # a server rank: it serves until the workers stop, nothing else
+            return Run(job, ctx, model, None, mode.optimizer, None, None, None, None, mode)
+        ctx = mode.ctx  # the workers' own context (for ps: dp = world - servers)
     train, evaluation = build_data(job, ctx)
     amp = None
     if mixed:
         amp = MixedPrecision(model, scaler=DynamicLossScaler() if job.train.precision == "fp16" else None)
 
-    mode = None
     if p.pp > 1:
         engine = PipelineEngine(model, ctx, schedule=p.schedule, micro_batches=p.micro_batches, chunks=p.chunks,
                                 partition=p.partition, bucket_mb=p.bucket_mb, dp_average=not p.zero,
@@ -126,18 +136,14 @@ def build(job: Job, ctx) -> Run:
             compressor = make_compressor(p.compression, **options.get(p.compression, {}))
         engine = DataParallelEngine(model, ctx, micro_batches=p.micro_batches, bucket_mb=p.bucket_mb,
                                     overlap=p.overlap, compressor=compressor,
-                                    reduce_gradients=p.mode == "allreduce" and not p.zero,
+                                    reduce_gradients=mode is None and not p.zero,
                                     scale_loss=amp.backward if amp is not None else None)
     named = amp.named_master_parameters() if amp is not None else engine.named_parameters()
     cls, options = make_optimizer(job, named)
-    if p.zero:
-        optimizer = ZeroRedundancyOptimizer(named, ctx.dp, cls, **options)
-    elif p.mode != "allreduce":
-        from ..parallel.modes import make_mode
-
-        mode = make_mode(p.mode, model=model, ctx=ctx, optimizer_class=cls, optimizer_options=options,
-                         staleness=p.staleness, servers=p.servers, local_steps=p.local_steps)
+    if mode is not None:
         optimizer = mode.optimizer
+    elif p.zero:
+        optimizer = ZeroRedundancyOptimizer(named, ctx.dp, cls, **options)
     else:
         optimizer = cls(named, **options)
     schedule = WarmupCosine(optimizer, warmup_steps=min(job.schedule.warmup_steps, job.train.steps),

@@ -130,17 +130,23 @@ def clip(run: Run, max_norm: float) -> float:
 
 
 def optimizer_step(run: Run, clipped_zero: bool) -> None:
+    if run.mode is not None:  # parameter server or local SGD: exchange, clip, step, clear grads
+        run.mode.after_backward()
+        return
     if run.amp is not None:
         run.amp.step(run.optimizer, allreduce_max=lambda v: float(run.ctx.world.allreduce(np.array([v]), "max")[0]))
     elif clipped_zero:
         run.optimizer.step(reduce=False)  # the gradients were reduced for clipping already
-    elif run.mode is not None:
-        run.mode.after_backward()
     else:
         run.optimizer.step()
     run.optimizer.zero_grad()
     for _, param in run.engine.named_parameters():  # the model's own grads (distinct from masters under amp)
         param.grad = None
+
+
+def checkpoints_possible(run: Run) -> bool:
+    """Parameter-server runs keep optimizer state on the servers, outside the workers' collective save."""
+    return run.job.parallel.mode != "ps"
 
 
 def save(run: Run, step: int, final: bool = False):
@@ -152,15 +158,24 @@ def save(run: Run, step: int, final: bool = False):
 def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None) -> dict:
     p = job.parallel
     stop = stop or StopRequest()
-    ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, device=job.train.device)
+    # A parameter-server job's dp counts the workers only: the world context includes the servers.
+    ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device)
     if ctx.rank == 0:
         print(job.describe(), flush=True)
         print(ctx.grid_table(), flush=True)
     run = build(job, ctx)
+    if run.mode is not None and not run.mode.is_worker:
+        run.mode.serve()  # a parameter server: until every worker has sent its stop
+        run.mode.shutdown()
+        return {}
+    ctx = run.ctx  # for a parameter-server job: the workers
     logger = Logger(job, ctx, job.train.steps)
+    if not checkpoints_possible(run):
+        logger.line("parallel.mode = \"ps\": no checkpoints (the servers hold the optimizer state)")
 
     start_step = 0
-    if (job.checkpoint.resume if resume is None else resume) and checkpoint.list_steps(job.checkpoint.dir):
+    if ((job.checkpoint.resume if resume is None else resume) and checkpoints_possible(run)
+            and checkpoint.list_steps(job.checkpoint.dir)):
         info = checkpoint.load_latest(job.checkpoint.dir, run.named_parameters(), run.optimizer, ctx,
                                       extra=run.extra_state())
         if info is not None:
@@ -181,11 +196,14 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
         run.train_data.step = step + 1
         loss = run.engine.train_step(inputs, targets)
         clipped_zero = False
-        if job.optimizer.grad_clip > 0:
+        if job.optimizer.grad_clip > 0 and run.mode is None:  # the modes clip inside their exchange
             clip(run, job.optimizer.grad_clip)
             clipped_zero = hasattr(run.optimizer, "clip_grad_norm") and run.amp is None
         lr = run.optimizer.lr
+        exchange_start = time.perf_counter()
         optimizer_step(run, clipped_zero)
+        # parameter server / local SGD: their exchange happens here, not inside the engine's step
+        exchange_s = time.perf_counter() - exchange_start if run.mode is not None else 0.0
         run.schedule.step()
         step += 1
         step_s = time.perf_counter() - t0
@@ -194,7 +212,8 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
             loss_mean = float(ctx.dp.allreduce(np.array([loss]), "mean")[0])
             memory = ctx.world.allgather_object(round(peak_memory_mb(), 1))
             entry = {"step": step, "loss": loss_mean, "lr": lr, "tokens_per_s": tokens_per_step / step_s,
-                     "step_s": step_s, "compute_s": stats.get("compute_s", 0.0), "comm_s": stats.get("comm_s", 0.0),
+                     "step_s": step_s, "compute_s": stats.get("compute_s", 0.0),
+                     "comm_s": stats.get("comm_s", 0.0) + exchange_s,
                      "idle_s": stats.get("idle_s", 0.0), "peak_mem_mb": memory, "time": time.time()}
             logger.record(entry)
             logger.progress(step, f"step {step:>5}/{job.train.steps}  loss {loss_mean:.4f}  lr {lr:.2e}  "
@@ -206,19 +225,21 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
             metrics = evaluate(run)
             logger.record({"step": step, **metrics})
             logger.line(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        if job.checkpoint.interval and step % job.checkpoint.interval == 0 and step < job.train.steps:
+        local_steps = job.parallel.local_steps if job.parallel.mode == "local_sgd" else 1
+        if (job.checkpoint.interval and step % job.checkpoint.interval == 0 and step < job.train.steps
+                and step % local_steps == 0 and checkpoints_possible(run)):  # local SGD: right after an average
             save(run, step)
         out_of_time = job.train.max_seconds is not None and time.perf_counter() - began > job.train.max_seconds
         if stop.agreed(ctx.world) or bool(ctx.world.allreduce(np.array([float(out_of_time)]), "max")[0]):
             reason = f"signal {signal.Signals(stop.signal).name}" if stop.signal else "train.max_seconds"
             break
 
-    if step > start_step or reason != "done":
+    if run.mode is not None:
+        run.mode.shutdown()  # stop the servers / the last parameter average: the replicas agree again
+    if (step > start_step or reason != "done") and checkpoints_possible(run):
         step_dir = save(run, step, final=True)
         logger.line(f"checkpoint {step_dir}")
     checkpoint.wait()
-    if run.mode is not None:
-        run.mode.shutdown()
     if reason != "done":
         logger.line(f"stopped at step {step} ({reason}); checkpoint saved")
         if stop.signal is not None and os.environ.get("SLURM_JOB_ID"):

@@ -1,0 +1,335 @@
+"""Parameter server: server ranks hold the parameters in shards and run the optimizer on them;
+worker ranks compute gradients, push them to the servers and pull fresh parameters.
+
+    mpiexec -n 4 python train.py               # 3 workers (ranks 0, 1, 2) + 1 server (rank 3)
+
+    ctx = hpcpar.init()                         # the whole world
+    ps = ParameterServer(model.named_parameters(), ctx, AdamW, servers=1, staleness=0, lr=3e-4)
+    ps.serve()                                  # server ranks: serve until every worker stopped
+    if ps.is_worker:
+        for step in range(steps):
+            ids, targets = batch(step, ps.ctx.dp_rank, ps.ctx.dp_size)   # ps.ctx: the workers only
+            model.loss(ids, targets).backward()
+            ps.push_pull()                      # gradient slices out, fresh parameter slices in
+    ps.shutdown()                               # workers: stop message, receive the final parameters
+
+Layout. Of a world of N ranks the **last S are servers** and ranks 0 .. W-1 (W = N - S) are
+workers, so the worker ranks are exactly the first W ranks of an ordinary data-parallel run.
+The parameters, flattened end to end in named order, are cut into S contiguous ranges whose
+sizes differ by at most one element (``shard_ranges``): every server receives, updates and
+sends the same number of bytes, so no single server is the bottleneck. Each server keeps its
+range as one flat Parameter and runs its own instance of the optimizer on it (Adam's moments
+exist only there). All ranks start from world rank 0's parameters (one broadcast).
+
+Messages (point-to-point on a private duplicate of the world communicator, every one counted
+in ``ps.comm.stats``): a push is a header ``[kind, step, version read, lr]`` (float64) and the
+gradient slice; a reply is ``[version]`` (int64) and the parameter slice. The learning rate
+travels with each push, so a schedule on the workers drives ``ps.lr`` (``WarmupCosine(ps, ...)``
+works on a worker: it only reads and sets ``lr``).
+
+Consistency, per server (``version`` counts the updates a server has applied):
+
+- ``staleness=0`` — **synchronous**: a server waits for every worker's gradient of version v,
+  averages them (worker order, so the sum is deterministic), takes one optimizer step with the
+  lr of the lowest-ranked worker (all workers run the same schedule), and answers every pull
+  with version v+1. This is data parallelism with an all-reduce mean and
+  the same optimizer (equal in float64 to ~1e-16; tests check 1e-10). With
+  ``max_grad_norm`` the averaged gradient is clipped by its global norm (the servers complete
+  the norm among themselves), as DDP + ``clip_grad_norm`` does.
+- ``staleness=s >= 1`` — **asynchronous, bounded staleness**: a server applies each worker's
+  gradient as it arrives, **scaled by 1/W** (so with plain SGD a round of W pushes moves the
+  parameters as one synchronous step would; with Adam each push is a full Adam step, nearly
+  scale-free, so W pushes take W steps of size ~lr), and increments its version. The bound is
+  enforced on the server: a worker's pull for its step k is answered only when the slowest
+  active worker has completed at least k - s steps (a worker that stopped no longer counts).
+  So no worker computes on parameters more than s steps ahead of the slowest one. In versions,
+  the updates slipped in between a worker's read and its push are then at most
+  (W - 1)(2s + 1). ``max_grad_norm`` clips each worker's own gradient before it is pushed.
+
+Every update is logged on its server (``update_log``: worker, step, version read, version,
+staleness in versions, lead in steps over the slowest worker at read time).
+
+Shutdown. ``shutdown()`` on a worker sends every server a stop header and receives the final
+parameters (sent once *all* workers have stopped), so every worker ends with the same, final
+model, also after asynchronous training. A server's loop ends when every worker has stopped.
+A worker that raises ends the job through hpcpar's fail-fast (``hpcpar.dist.failfast``): the
+abort kills the servers too, wherever they are waiting. Servers wait by polling with the
+communicator's wait policy (``yield`` sleeps between polls), so an oversubscribed node keeps
+its cores for the workers.
+
+Limits: pure data parallelism (pp = tp = 1), one parameter dtype; checkpoints of the
+server-side optimizer state are not written (workers hold the parameters).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..autograd import Parameter
+from ..backend import get_array_module
+from ..dist.comm import _YIELD_SLEEP_S, Communicator, wait_all
+from ..dist.context import init
+from ..optim.clip import clip_grad_norm
+from ..optim.optimizer import named_parameter_list
+
+TAG_PUSH_HEADER, TAG_PUSH_GRAD, TAG_REPLY_HEADER, TAG_REPLY_PARAMS = 7301, 7302, 7303, 7304
+KIND_PUSH, KIND_STOP = 0.0, 1.0
+HEADER_LENGTH = 4  # [kind, step, version read, lr] as float64: exact for steps below 2**53
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """One gradient applied by one server."""
+
+    worker: int  # world rank of the worker that pushed it
+    step: int  # that worker's step (0, 1, ...)
+    version_read: int  # this server's version of the parameters the gradient was computed from
+    version: int  # this server's version after the update
+    staleness: int  # updates this server applied between the read and this update (0 when synchronous)
+    lead: int  # steps the worker was ahead of the slowest active worker when it read (<= the bound s)
+
+
+def shard_ranges(numel: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous [start, stop) ranges covering ``numel`` elements, sizes at most one apart."""
+    return [(i * numel // parts, (i + 1) * numel // parts) for i in range(parts)]
+
+
+class ParameterServer:
+    """Split the world into workers and servers and run the parameter-server protocol between them.
+
+    ``params``: ``model.named_parameters()`` on every rank (servers use only the shapes and
+    rank 0's values); ``ctx``: the world's ParallelContext; ``optimizer_class`` and
+    ``optimizer_options``: any hpcpar optimizer, instantiated on each server for its shard.
+    """
+
+    def __init__(self, params, ctx, optimizer_class, servers: int = 1, staleness: int = 0,
+                 max_grad_norm: float = 0.0, **optimizer_options):
+        named = named_parameter_list(params)
+        world = ctx.world
+        if ctx.pp_size > 1 or ctx.tp_size > 1:
+            raise ValueError(f"ParameterServer runs data parallel only; the context has pp = {ctx.pp_size}, "
+                             f"tp = {ctx.tp_size}: build it with init(pp=1, tp=1)")
+        if not isinstance(servers, int) or not 1 <= servers < world.size:
+            raise ValueError(f"ParameterServer: servers must be an integer in 1..{world.size - 1} (the world has "
+                             f"{world.size} ranks and needs at least one worker), got {servers!r}; "
+                             f"launch more ranks or lower servers")
+        if not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"ParameterServer: staleness must be an integer >= 0, got {staleness!r}")
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) != 1:
+            raise ValueError(f"ParameterServer needs one parameter dtype, got {sorted(map(str, dtypes))}")
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self.numel = sum(p.size for p in self.params)
+        if self.numel < servers:
+            raise ValueError(f"ParameterServer: {self.numel} parameters cannot be split over {servers} servers")
+        self.num_servers, self.num_workers = servers, world.size - servers
+        self.staleness = staleness
+        self.synchronous = staleness == 0
+        self.max_grad_norm = float(max_grad_norm)
+        self.ranges = shard_ranges(self.numel, servers)
+        self.rank = world.rank
+        self.is_worker = self.rank < self.num_workers
+        self.server_index = None if self.is_worker else self.rank - self.num_workers
+        xp = get_array_module(self.params[0].data)
+        dtype = self.params[0].dtype
+        # Instantiated on every rank (on one element here): bad options fail everywhere, before any message.
+        probe = optimizer_class([("probe", Parameter(xp.zeros(1, dtype=dtype)))], **optimizer_options)
+
+        self.spans, offset = [], 0
+        for p in self.params:
+            self.spans.append((offset, offset + p.size))
+            offset += p.size
+        # A private communicator: these tags can never match someone else's messages on the world.
+        self.comm = Communicator(world.mpi.Dup(), "ps", cuda_aware=world.cuda_aware, wait_policy=world.wait_policy)
+        flat = xp.empty(self.numel, dtype=dtype)
+        self._pack_parameters(flat)
+        self.comm.broadcast(flat, root=0)  # everyone starts from world rank 0's parameters
+        group = world.mpi.Split(0 if self.is_worker else 1, self.rank)
+        self._stopped = False
+        if self.is_worker:
+            self.ctx = init(dp=self.num_workers, comm=group, device=ctx.device, wait_policy=ctx.wait_policy)
+            self.server_comm = None
+            self.lr = float(probe.lr)
+            self.step_count = 0
+            self.versions = [0] * servers  # per server: the version of the parameters this worker holds
+            self._flat = flat
+            self._flat_grad = xp.zeros_like(flat)
+            self._unpack_parameters()
+        else:
+            self.ctx = None
+            self.server_comm = Communicator(group, "ps_servers", cuda_aware=world.cuda_aware,
+                                            wait_policy=world.wait_policy)
+            start, stop = self.ranges[self.server_index]
+            self.shard = Parameter(flat[start:stop].copy(), name=f"ps_shard_{self.server_index}")
+            self.optimizer = optimizer_class([("shard", self.shard)], **optimizer_options)
+            self.version = 0
+            self.update_log: list[UpdateRecord] = []
+
+    # ----- what a training loop sees -----------------------------------------------------
+    @property
+    def max_staleness(self) -> int:
+        """Largest staleness (in versions) in this server's log; 0 on workers and before any update."""
+        return 0 if self.is_worker else max((r.staleness for r in self.update_log), default=0)
+
+    @property
+    def max_lead(self) -> int:
+        """Largest lead (in steps) in this server's log: never above ``staleness``."""
+        return 0 if self.is_worker else max((r.lead for r in self.update_log), default=0)
+
+    def describe(self) -> str:
+        mode = "synchronous" if self.synchronous else f"asynchronous, staleness bound {self.staleness} steps"
+        sizes = sorted({stop - start for start, stop in self.ranges})
+        return (f"parameter server: {self.num_workers} workers (ranks 0..{self.num_workers - 1}), "
+                f"{self.num_servers} server(s) (ranks {self.num_workers}..{self.num_workers + self.num_servers - 1}) "
+                f"holding {'/'.join(map(str, sizes))} of {self.numel} parameters each; {mode}")
+
+    # ----- worker side -------------------------------------------------------------------
+    def push_pull(self) -> None:
+        """Push this step's gradients (a missing one counts as zeros), pull fresh parameters, clear grads."""
+        self._require_worker("push_pull")
+        if self.max_grad_norm and not self.synchronous:
+            clip_grad_norm(self.params, self.max_grad_norm)  # asynchronous: each worker's own gradient
+        for p, (start, stop) in zip(self.params, self.spans):
+            self._flat_grad[start:stop] = 0 if p.grad is None else p.grad.reshape(-1)
+        sends = []
+        for s, (start, stop) in enumerate(self.ranges):
+            header = np.array([KIND_PUSH, self.step_count, self.versions[s], self.lr], dtype=np.float64)
+            sends.append(self.comm.isend(header, self.num_workers + s, TAG_PUSH_HEADER))
+            sends.append(self.comm.isend(self._flat_grad[start:stop], self.num_workers + s, TAG_PUSH_GRAD))
+        self._receive_parameters(sends)
+        self.step_count += 1
+        for p in self.params:
+            p.grad = None
+
+    step = push_pull  # ``ps.step()`` after backward reads like an optimizer
+
+    def _receive_parameters(self, sends) -> None:
+        versions = [np.empty(1, dtype=np.int64) for _ in self.ranges]
+        receives = []
+        for s, (start, stop) in enumerate(self.ranges):
+            receives.append(self.comm.irecv(versions[s], self.num_workers + s, TAG_REPLY_HEADER))
+            receives.append(self.comm.irecv(self._flat[start:stop], self.num_workers + s, TAG_REPLY_PARAMS))
+        wait_all(sends + receives)
+        self.versions = [int(v[0]) for v in versions]
+        self._unpack_parameters()
+
+    # ----- server side -------------------------------------------------------------------
+    def serve(self) -> None:
+        """On a server: answer pushes and pulls until every worker has stopped. On a worker: return."""
+        if self.is_worker or self._stopped:
+            return
+        comm, workers = self.comm, self.num_workers
+        xp = get_array_module(self.shard.data)
+        headers = np.zeros((workers, HEADER_LENGTH), dtype=np.float64)
+        grads = xp.zeros((workers if self.synchronous else 1, self.shard.size), dtype=self.shard.dtype)
+        headers_in = {w: comm.irecv(headers[w], w, TAG_PUSH_HEADER) for w in range(workers)}
+        done = [0] * workers  # steps whose gradient this server has received, per worker
+        lead = [0] * workers  # per worker: its lead over the slowest when it read its current parameters
+        active = set(range(workers))
+        waiting: dict[int, int] = {}  # worker -> the step it waits for parameters for
+        arrived: dict[int, tuple] = {}  # synchronous: this round's pushes, worker -> (step, version read, lr)
+        sends = []
+        while active:
+            ready = [w for w, handle in headers_in.items() if handle.test()]
+            if not ready:
+                sends = [h for h in sends if not h.test()]
+                if comm.wait_policy == "yield":
+                    time.sleep(_YIELD_SLEEP_S)
+                continue
+            for w in sorted(ready):
+                del headers_in[w]
+                kind, step, version_read, lr = headers[w]
+                if kind == KIND_STOP:
+                    active.discard(w)
+                    continue
+                step, version_read = int(step), int(version_read)
+                if step != done[w]:
+                    raise RuntimeError(f"parameter server {self.server_index}: worker {w} pushed step {step}, "
+                                       f"expected step {done[w]}")
+                grad = grads[w] if self.synchronous else grads[0]
+                comm.recv(grad, w, TAG_PUSH_GRAD)
+                done[w] = step + 1
+                waiting[w] = step + 1
+                headers_in[w] = comm.irecv(headers[w], w, TAG_PUSH_HEADER)
+                if self.synchronous:
+                    arrived[w] = (step, version_read, float(lr))
+                else:
+                    grad /= workers
+                    self._apply(grad, float(lr), [(w, step, version_read, lead[w])])
+            if arrived and active <= set(arrived):  # synchronous: every active worker's gradient is in
+                order = sorted(arrived)
+                mean = grads[order[0]].copy()
+                for w in order[1:]:
+                    mean += grads[w]
+                mean /= len(order)
+                self._apply(mean, arrived[order[0]][2], [(w, *arrived[w][:2], lead[w]) for w in order])
+                arrived.clear()
+            # Answer the pulls the staleness bound allows: the slowest active worker is at most s steps behind.
+            slowest = min((done[w] for w in active), default=math.inf)
+            for w, step in list(waiting.items()):
+                if slowest >= step - self.staleness:
+                    lead[w] = step - slowest
+                    sends += self._send_parameters(w)
+                    del waiting[w]
+        for w in range(workers):  # every worker stopped: all receive the final parameters
+            sends += self._send_parameters(w)
+        wait_all(sends)
+        self._stopped = True
+
+    def _apply(self, grad, lr: float, contributions: list[tuple]) -> None:
+        """One optimizer step on the shard with ``grad``; log one record per contributing push."""
+        self.shard.grad = grad
+        if self.max_grad_norm and self.synchronous:  # the norm of the averaged gradient over all servers
+            clip_grad_norm([self.shard], self.max_grad_norm, allreduce_sum=self._sum_over_servers)
+        self.optimizer.lr = lr
+        self.optimizer.step()
+        self.shard.grad = None
+        for worker, step, version_read, lead in contributions:
+            self.update_log.append(UpdateRecord(worker, step, version_read, self.version + 1,
+                                                self.version - version_read, lead))
+        self.version += 1
+
+    def _sum_over_servers(self, value: float) -> float:
+        if self.server_comm.size == 1:
+            return value
+        return float(self.server_comm.allreduce(np.array([value]), "sum")[0])
+
+    def _send_parameters(self, worker: int) -> list:
+        version = np.array([self.version], dtype=np.int64)
+        # A copy: the shard changes with the next update while the send may still be in flight.
+        return [self.comm.isend(version, worker, TAG_REPLY_HEADER),
+                self.comm.isend(self.shard.data.copy(), worker, TAG_REPLY_PARAMS)]
+
+    # ----- both ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Worker: tell every server it stopped and receive the final parameters. Server: ``serve()``."""
+        if self._stopped:
+            return
+        if not self.is_worker:
+            self.serve()
+            return
+        sends = []
+        for s in range(self.num_servers):
+            header = np.array([KIND_STOP, self.step_count, self.versions[s], self.lr], dtype=np.float64)
+            sends.append(self.comm.isend(header, self.num_workers + s, TAG_PUSH_HEADER))
+        self._receive_parameters(sends)
+        self._stopped = True
+
+    def _require_worker(self, what: str) -> None:
+        if not self.is_worker:
+            raise RuntimeError(f"ParameterServer.{what}: world rank {self.rank} is a server (the last "
+                               f"{self.num_servers} ranks are); call it on workers only (ps.is_worker)")
+        if self._stopped:
+            raise RuntimeError(f"ParameterServer.{what}: this worker has already shut down")
+
+    def _pack_parameters(self, flat) -> None:
+        for p, (start, stop) in zip(self.params, self.spans):
+            flat[start:stop] = p.data.reshape(-1)
+
+    def _unpack_parameters(self) -> None:
+        for p, (start, stop) in zip(self.params, self.spans):
+            p.data[...] = self._flat[start:stop].reshape(p.shape)

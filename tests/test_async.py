@@ -1,0 +1,365 @@
+"""Parameter server and local SGD: equal to data parallelism where they should be, bounded when asynchronous.
+
+Synchronous parameter server (1 and 2 servers) and local SGD with H = 1 (SGD) equal one process
+with the global batch (and DDP on the same workers) in float64; the asynchronous server never
+lets a worker read parameters more than s steps ahead of the slowest worker, and still trains;
+a raising worker ends the job at once; shutdown leaves nobody waiting.
+"""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import hpcpar
+from conftest import REPO, venv_bin
+from dp_reference import CONFIG, make_model, max_difference
+from hpcpar.optim import SGD, AdamW
+from hpcpar.parallel import DistributedDataParallel
+from hpcpar.parallel.local_sgd import LocalSGD
+from hpcpar.parallel.modes import make_mode, mode_options
+from hpcpar.parallel.ps import ParameterServer, shard_ranges
+
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 workers
+STEPS = 3
+ADAMW = (AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+SGD_PLAIN = (SGD, {"lr": 0.1})
+SGD_MOMENTUM = (SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01})
+
+
+def global_batch(step: int):
+    rng = np.random.default_rng(2000 + step)
+    ids = rng.integers(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.block_size + 1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def local_batch(step: int, ctx):
+    per_rank = GLOBAL_BATCH // ctx.dp_size
+    rows = slice(ctx.dp_rank * per_rank, (ctx.dp_rank + 1) * per_rank)
+    ids, targets = global_batch(step)
+    return ids[rows], targets[rows]
+
+
+def parameters(model) -> dict:
+    return {name: p.data.copy() for name, p in model.named_parameters()}
+
+
+def train_serial(optimizer, steps=STEPS) -> dict:
+    """The single-process answer: the full global batch, one optimizer step per step."""
+    optimizer_class, options = optimizer
+    model = make_model()
+    opt = optimizer_class(model.named_parameters(), **options)
+    for step in range(steps):
+        model.loss(*global_batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return parameters(model)
+
+
+def train_ddp(ctx, optimizer, steps=STEPS) -> dict:
+    optimizer_class, options = optimizer
+    model = make_model()
+    ddp = DistributedDataParallel(model, ctx)
+    opt = optimizer_class(model.named_parameters(), **options)
+    for step in range(steps):
+        model.loss(*local_batch(step, ctx)).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        opt.zero_grad()
+    return parameters(model)
+
+
+def world_size():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_size()
+
+
+# ----------------------------------------------------------------------------------------
+# serial
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("numel, parts", [(10, 1), (10, 3), (7, 7), (1000003, 4)])
+def test_shard_ranges_are_contiguous_and_balanced(numel, parts):
+    ranges = shard_ranges(numel, parts)
+    assert ranges[0][0] == 0 and ranges[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    sizes = [stop - start for start, stop in ranges]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_parameter_server_needs_a_worker():
+    ctx = hpcpar.dist.single_process()
+    with pytest.raises(ValueError, match="servers must be an integer in 1..0"):
+        ParameterServer(make_model().named_parameters(), ctx, AdamW, servers=1)
+
+
+def test_unknown_mode_is_named():
+    with pytest.raises(ValueError, match="parallel.mode must be one of"):
+        make_mode("gossip", make_model(), hpcpar.dist.single_process(), AdamW)
+
+
+def test_mode_options_reads_the_parallel_section():
+    from hpcpar.train.config import ParallelSection
+
+    assert mode_options(ParallelSection()) == {"staleness": 0, "servers": 1, "local_steps": 4, "bucket_mb": 25.0,
+                                               "overlap": True}
+
+
+PS_SCRIPT = """
+import os, sys, time
+import numpy as np
+from hpcpar.dist import failfast
+failfast.install()
+import hpcpar
+from hpcpar.nn.gpt import GPT, GPTConfig
+from hpcpar.optim import AdamW
+from hpcpar.parallel.ps import ParameterServer
+
+ctx = hpcpar.init(device="cpu")
+model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8))
+ps = ParameterServer(model.named_parameters(), ctx, AdamW, servers=1, staleness=1, lr=1e-2)
+ps.serve()
+if ps.is_worker:
+    rng = np.random.default_rng(ctx.rank)
+    for step in range(6):
+        ids = rng.integers(0, 16, (2, 9))
+        model.loss(ids[:, :-1], ids[:, 1:]).backward()
+        if ctx.rank == 1 and step == 2 and os.environ.get("PS_RAISE") == "1":
+            raise RuntimeError("deliberate failure in worker one")
+        ps.push_pull()
+ps.shutdown()
+print(f"rank {ctx.rank} finished", flush=True)
+"""
+
+
+def run_ps_script(tmp_path, raise_in_worker: bool):
+    script = tmp_path / "ps_job.py"
+    script.write_text(PS_SCRIPT)
+    env = {**os.environ, "PS_RAISE": "1" if raise_in_worker else "0", "PYTHONPATH": REPO}
+    start = time.monotonic()
+    proc = subprocess.run([venv_bin("mpiexec"), "-n", "3", sys.executable, str(script)], capture_output=True,
+                          text=True, timeout=60, env=env)
+    return proc, time.monotonic() - start
+
+
+def test_a_raising_worker_ends_the_job_promptly(tmp_path):
+    proc, seconds = run_ps_script(tmp_path, raise_in_worker=True)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert seconds < 10, f"took {seconds:.1f}s to fail"
+    assert "rank 1 of 3 failed" in output and "deliberate failure in worker one" in output
+    assert "Traceback" in output and "finished" not in output
+
+
+def test_shutdown_ends_every_rank(tmp_path):
+    proc, seconds = run_ps_script(tmp_path, raise_in_worker=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(re.findall(r"rank (\d) finished", proc.stdout)) == ["0", "1", "2"]
+
+
+# ----------------------------------------------------------------------------------------
+# synchronous parameter server == data parallelism
+# ----------------------------------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.parametrize("optimizer, max_grad_norm", [(ADAMW, 0.0), (SGD_MOMENTUM, 0.0), (ADAMW, 0.05)],
+                         ids=["adamw", "sgd-momentum", "adamw-clipped"])
+def test_synchronous_ps_equals_data_parallel(servers, optimizer, max_grad_norm):
+    if servers >= world_size():
+        pytest.skip(f"{servers} servers need more than {world_size()} ranks")
+    if GLOBAL_BATCH % (world_size() - servers):
+        pytest.skip(f"the global batch {GLOBAL_BATCH} does not split over {world_size() - servers} workers")
+    ctx = hpcpar.init(device="cpu")
+    optimizer_class, options = optimizer
+    model = make_model()
+    ps = ParameterServer(model.named_parameters(), ctx, optimizer_class, servers=servers, staleness=0,
+                         max_grad_norm=max_grad_norm, **options)
+    workers = ctx.world_size - servers
+    assert ps.is_worker == (ctx.rank < workers)
+    ps.serve()
+    if ps.is_worker:
+        assert ps.ctx.dp_size == workers and ps.ctx.dp_rank == ctx.rank
+        for step in range(STEPS):
+            model.loss(*local_batch(step, ps.ctx)).backward()
+            ps.push_pull()
+            assert all(p.grad is None for p in model.parameters())
+    ps.shutdown()
+    if ps.is_worker:
+        if max_grad_norm:  # the serial answer with the averaged gradient clipped
+            reference = train_clipped_serial(optimizer, max_grad_norm)
+        else:
+            reference = train_ddp(ps.ctx, optimizer)  # DDP on the same workers ...
+            assert max_difference(reference, train_serial(optimizer)) <= 1e-10  # ... is one process
+        assert max_difference(parameters(model), reference) <= 1e-10
+        # Exact traffic: per step a 32-byte header and a gradient slice to each server; the stop header.
+        numel = sum(p.size for p in model.parameters())
+        assert ps.comm.stats.calls("isend") == STEPS * 2 * servers + servers
+        assert ps.comm.stats.bytes("isend") == (STEPS + 1) * servers * 32 + STEPS * numel * 8
+        assert ps.versions == [STEPS] * servers
+    else:
+        start, stop = ps.ranges[ps.server_index]
+        assert ps.shard.size == stop - start
+        assert ps.version == STEPS and len(ps.update_log) == STEPS * workers
+        assert {(r.worker, r.step) for r in ps.update_log} == {(w, s) for w in range(workers) for s in range(STEPS)}
+        assert all(r.staleness == 0 and r.lead == 0 and r.version == r.step + 1 for r in ps.update_log)
+
+
+def train_clipped_serial(optimizer, max_grad_norm):
+    from hpcpar.optim import clip_grad_norm
+
+    optimizer_class, options = optimizer
+    model = make_model()
+    opt = optimizer_class(model.named_parameters(), **options)
+    clipped = []
+    for step in range(STEPS):
+        model.loss(*global_batch(step)).backward()
+        clipped.append(clip_grad_norm(model.parameters(), max_grad_norm) > max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+    assert all(clipped)  # the test exercises clipping
+    return parameters(model)
+
+
+# ----------------------------------------------------------------------------------------
+# asynchronous parameter server: the staleness bound holds, training converges
+# ----------------------------------------------------------------------------------------
+PATTERN_VOCAB = CONFIG.vocab_size
+
+
+def pattern_batch(rng, rows):
+    """Sequences that count up modulo the vocabulary from a random start: learnable in a few steps."""
+    starts = rng.integers(0, PATTERN_VOCAB, (rows, 1))
+    ids = (starts + np.arange(CONFIG.block_size + 1)) % PATTERN_VOCAB
+    return ids[:, :-1], ids[:, 1:]
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_asynchronous_ps_respects_the_staleness_bound_and_trains(staleness):
+    steps, slow_seconds = 25, 0.02
+    ctx = hpcpar.init(device="cpu")
+    model = make_model()
+    ps = ParameterServer(model.named_parameters(), ctx, AdamW, servers=1, staleness=staleness, lr=1e-2)
+    workers = ps.num_workers
+    held_out = pattern_batch(np.random.default_rng(99), 16)
+    initial_loss = model.loss(*held_out).item()
+    ps.serve()
+    if ps.is_worker:
+        rng = np.random.default_rng([5, ctx.rank])
+        for step in range(steps):
+            if ctx.rank == 0:
+                time.sleep(slow_seconds)  # the straggler: the others run ahead until the bound stops them
+            model.loss(*pattern_batch(rng, 4)).backward()
+            ps.push_pull()
+    ps.shutdown()
+    if ps.is_worker:
+        final = parameters(model)
+        everyone = ps.ctx.dp.allgather_object(final)
+        assert all(max_difference(final, other) == 0 for other in everyone)  # all end with the final model
+        final_loss = model.loss(*held_out).item()
+        assert final_loss < 0.5 * initial_loss, (initial_loss, final_loss)
+    else:
+        log = ps.update_log
+        assert len(log) == steps * workers and ps.version == steps * workers
+        assert [r.version for r in log] == list(range(1, steps * workers + 1))
+        assert max(r.lead for r in log) == staleness  # the bound was reached (the straggler held the others) ...
+        assert all(r.lead <= staleness for r in log)  # ... and never exceeded
+        assert ps.max_staleness > 0
+        assert all(0 <= r.staleness <= (workers - 1) * (2 * staleness + 1) for r in log)
+        for w in range(workers):  # each worker's steps arrive in order
+            assert [r.step for r in log if r.worker == w] == list(range(steps))
+
+
+# ----------------------------------------------------------------------------------------
+# local SGD
+# ----------------------------------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("optimizer, average_state", [(SGD_PLAIN, False), (SGD_MOMENTUM, True)],
+                         ids=["sgd", "sgd-momentum-state-averaged"])
+def test_local_sgd_with_one_local_step_equals_data_parallel(optimizer, average_state):
+    if GLOBAL_BATCH % world_size():
+        pytest.skip(f"the global batch {GLOBAL_BATCH} does not split over {world_size()} ranks")
+    ctx = hpcpar.init(device="cpu")
+    optimizer_class, options = optimizer
+    model = make_model()
+    local = LocalSGD(model, ctx, optimizer_class(model.named_parameters(), **options), local_steps=1,
+                     average_optimizer_state=average_state)
+    ctx.reset_stats()
+    for step in range(STEPS):
+        model.loss(*local_batch(step, ctx)).backward()
+        local.step()
+    local.shutdown()
+    assert local.averages == STEPS and ctx.dp.stats.calls("allreduce") == STEPS
+    reference = train_ddp(ctx, optimizer)
+    assert max_difference(parameters(model), reference) <= 1e-10
+    assert max_difference(reference, train_serial(optimizer)) <= 1e-10
+
+
+@pytest.mark.mpi(min_size=2)
+def test_local_sgd_with_adamw_is_not_data_parallel():
+    """The stated condition is real: AdamW's update is not linear in the gradient."""
+    if GLOBAL_BATCH % world_size():
+        pytest.skip(f"the global batch {GLOBAL_BATCH} does not split over {world_size()} ranks")
+    ctx = hpcpar.init(device="cpu")
+    model = make_model()
+    local = LocalSGD(model, ctx, AdamW(model.named_parameters(), **ADAMW[1]), local_steps=1,
+                     average_optimizer_state=True)
+    for step in range(STEPS):
+        model.loss(*local_batch(step, ctx)).backward()
+        local.step()
+    assert max_difference(parameters(model), train_serial(ADAMW)) > 1e-6
+
+
+@pytest.mark.mpi(min_size=2)
+def test_local_sgd_averages_every_h_steps_and_at_shutdown():
+    ctx = hpcpar.init(device="cpu")
+    model = make_model()
+    optimizer = AdamW(model.named_parameters(), lr=1e-2)
+    local = LocalSGD(model, ctx, optimizer, local_steps=3, average_optimizer_state=True)
+    numel = sum(p.size for p in model.parameters())
+    ctx.reset_stats()
+    rng = np.random.default_rng([7, ctx.rank])
+    for step in range(7):
+        model.loss(*pattern_batch(rng, 2)).backward()
+        local.step()
+        diverged = max_difference(parameters(model), ctx.dp.allgather_object(parameters(model))[0]) > 0
+        assert diverged == (ctx.dp_rank != 0 and (step + 1) % 3 != 0)  # equal right after each average
+    assert local.averages == 2 and local.steps_since_average == 1
+    local.shutdown()
+    assert local.averages == 3
+    # one all-reduce per average: the parameters and Adam's two moments, float64
+    assert ctx.dp.stats.calls("allreduce") == 3 and ctx.dp.stats.bytes("allreduce") == 3 * 3 * numel * 8
+    final = parameters(model)
+    assert all(max_difference(final, other) == 0 for other in ctx.dp.allgather_object(final))
+    moments = {name: s["exp_avg"] for name, s in optimizer.state.items()}
+    assert all(max_difference(moments, other) == 0 for other in ctx.dp.allgather_object(moments))
+
+
+# ----------------------------------------------------------------------------------------
+# the uniform mode interface
+# ----------------------------------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", ["allreduce", "ps", "local_sgd"])
+def test_every_mode_through_make_mode(mode):
+    ctx = hpcpar.init(device="cpu")
+    workers = ctx.world_size - 1 if mode == "ps" else ctx.world_size
+    if GLOBAL_BATCH % workers:
+        pytest.skip(f"the global batch {GLOBAL_BATCH} does not split over {workers} workers")
+    model = make_model()
+    trainer = make_mode(mode, model, ctx, SGD, {"lr": 0.1}, staleness=0, servers=1, local_steps=1)
+    assert trainer.is_worker == (mode != "ps" or ctx.rank < workers)
+    trainer.serve()
+    if trainer.is_worker:
+        assert trainer.ctx.dp_size == workers and trainer.optimizer.lr == 0.1
+        for step in range(STEPS):
+            model.loss(*local_batch(step, trainer.ctx)).backward()
+            trainer.after_backward()
+            assert all(p.grad is None for p in model.parameters())
+    else:
+        assert trainer.ctx is None
+    trainer.shutdown()
+    if trainer.is_worker:
+        assert max_difference(parameters(model), train_serial(SGD_PLAIN)) <= 1e-10

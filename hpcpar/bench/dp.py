@@ -1,6 +1,6 @@
 """``hpcpar bench dp``: data-parallel gradient synchronisation and weak scaling of the GPT.
 
-    mpiexec -n 4 hpcpar bench dp [--steps 5] [--batch 8] [--bucket-mb 25]
+    mpiexec -n 4 hpcpar bench dp [--steps 5] [--batch 8] [--bucket-mb 2]
 
 For groups of 1, 2, 4 ... ranks (sub-communicators of the world; ranks outside the group
 wait at a barrier) each rank trains the GPT of ``hpcpar bench step`` on its own batch
@@ -42,6 +42,9 @@ def measure(ctx, batch: int, steps: int, bucket_mb: float, overlap: bool, seed: 
         ctx.dp.barrier()
         start = time.perf_counter()
         model.loss(ids[:, :-1], ids[:, 1:]).backward()
+        # Ranks finish backward at different moments; without this barrier the synchronisation
+        # time would include waiting for the slowest rank, which is not communication.
+        ctx.dp.barrier()
         before_sync = ddp.sync_seconds
         ddp.finish_grad_sync()
         sync = ddp.sync_seconds - before_sync
@@ -70,7 +73,8 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="hpcpar bench dp")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank (weak scaling)")
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--bucket-mb", type=float, default=2.0,
+                        help="bucket size (the 12 MiB of gradients in ~6 buckets: room to overlap)")
     args = parser.parse_args(argv)
 
     world = MPI.COMM_WORLD

@@ -1,7 +1,10 @@
 """Gradient compression for data parallelism, as pluggable bucket hooks.
 
 A compressor's ``start(comm, bucket)`` begins averaging ``bucket.flat`` over ``comm`` and
-returns something whose ``wait()`` gives the averaged flat buffer. Each compressor counts
+returns something whose ``wait()`` gives the averaged flat buffer. A linear compressor sets
+``sums_prescaled``: data parallelism then copies each gradient into the bucket already divided
+by the number of ranks (one pass it makes anyway), and the compressor only has to sum — no
+extra pass over the buffer to divide. Compressors with error feedback see raw gradients. Each compressor counts
 ``bytes_sent`` (what this rank put on the wire) next to ``bytes_uncompressed`` (what a
 plain all-reduce would have sent), so runs can report the saving.
 
@@ -28,6 +31,9 @@ class _Done:
     def __init__(self, result):
         self.result = result
 
+    def test(self) -> bool:
+        return True
+
     def wait(self):
         return self.result
 
@@ -38,12 +44,16 @@ class _Finish:
     def __init__(self, handle, finish):
         self.handle, self.finish = handle, finish
 
+    def test(self) -> bool:
+        return self.handle.test()
+
     def wait(self):
         return self.finish(self.handle.wait())
 
 
 class Compressor:
     name = "none"
+    sums_prescaled = False  # True: bucket.flat holds gradient / ranks, and start() sums it
 
     def __init__(self):
         self.bytes_sent = 0
@@ -63,13 +73,16 @@ class Compressor:
 
 
 class NoCompression(Compressor):
+    sums_prescaled = True
+
     def start(self, comm, bucket):
         self._count(bucket.flat.nbytes, bucket.flat)
-        return comm.iallreduce(bucket.flat, "mean", out=bucket.flat)
+        return comm.iallreduce(bucket.flat, "sum", out=bucket.flat)
 
 
 class FP16Compression(Compressor):
     name = "fp16"
+    sums_prescaled = True  # dividing before the cast also keeps the float16 sum from overflowing
 
     def start(self, comm, bucket):
         flat = bucket.flat
@@ -78,7 +91,6 @@ class FP16Compression(Compressor):
 
         def finish(summed):
             flat[...] = summed
-            flat.__itruediv__(comm.size)  # in place; `flat /= ...` would make flat local here
             return flat
 
         return _Finish(comm.iallreduce(half, "sum", out=half), finish)

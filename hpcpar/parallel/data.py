@@ -125,8 +125,7 @@ class DistributedDataParallel:
         for bucket in self.buckets:
             for slot, p in enumerate(bucket.params):
                 if slot not in bucket.ready:  # no gradient this step: contribute zeros, never hang
-                    bucket.view(slot)[...] = 0 if p.grad is None else p.grad
-                    bucket.ready.add(slot)
+                    self._copy_in(bucket, slot, p.grad)
         self._launch_ready_buckets()
         for bucket in self.buckets:
             averaged = bucket.pending.wait()
@@ -143,10 +142,24 @@ class DistributedDataParallel:
             return
         b, slot = self._where[id(param)]
         bucket = self.buckets[b]
-        bucket.view(slot)[...] = param.grad
-        bucket.ready.add(slot)
+        self._copy_in(bucket, slot, param.grad)
         if self.overlap:
             self._launch_ready_buckets()
+            # MPI libraries without a progress thread move a non-blocking collective forward
+            # only inside MPI calls: poll the buckets in flight while backward goes on.
+            for launched in self.buckets[:self._next_launch]:
+                launched.pending.test()
+
+    def _copy_in(self, bucket, slot: int, grad) -> None:
+        """Put a final gradient (None: zeros) into its bucket, divided by the ranks if the compressor sums."""
+        view = bucket.view(slot)
+        if grad is None:
+            view[...] = 0
+        elif self.compression.sums_prescaled:
+            get_array_module(view).multiply(grad, 1.0 / self.comm.size, out=view)
+        else:
+            view[...] = grad
+        bucket.ready.add(slot)
 
     def _launch_ready_buckets(self) -> None:
         """Launch full buckets in index order only: the same collective sequence on every rank."""

@@ -1,0 +1,35 @@
+"""The raw-MPI baseline: the C benchmark runs, and `hpcpar bench allreduce` prints both columns."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, venv_bin
+
+EXECUTABLE = os.path.join(REPO, "build", "allreduce_bench")
+LIBRARY = os.path.join(REPO, "build", "libhpcpar_native.so")
+needs_build = pytest.mark.skipif(not os.path.exists(LIBRARY), reason="build/ not built: run `make native`")
+
+
+@needs_build
+def test_c_benchmark_runs_at_two_ranks():
+    proc = subprocess.run([venv_bin("mpiexec"), "-n", "2", EXECUTABLE, "--quick", "--csv"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    header, *rows = [line.split(",") for line in proc.stdout.splitlines() if line]
+    assert header == ["ranks", "wait", "bytes", "iters", "avg_us", "busbw_gbs"]
+    assert [int(r[2]) for r in rows][:3] == [8, 128, 2048]
+    assert all(r[0] == "2" and float(r[4]) > 0 for r in rows)
+
+
+@needs_build
+def test_bench_allreduce_compares_hpcpar_with_c_in_the_same_processes():
+    proc = subprocess.run([venv_bin("mpiexec"), "-n", "2", sys.executable, "-m", "hpcpar", "bench", "allreduce",
+                           "--max-mib", "0.125", "--rounds", "1"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "C us" in lines[1] and "hpcpar us" in lines[1] and "ratio" in lines[1]
+    sizes = [line.split()[0] + " " + line.split()[1] for line in lines[3:]]
+    assert sizes == ["8 B", "32 B", "128 B", "512 B", "2 KiB", "8 KiB", "32 KiB", "128 KiB"]
+    assert all(float(line.split()[4]) > 0 for line in lines[3:])  # the ratio column

@@ -22,6 +22,7 @@ The files go to a fresh folder under ``--dir`` (default: the system temp folder)
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import os
 import shutil
 import tempfile
@@ -40,9 +41,9 @@ from .dp import BENCH_CONFIG
 from .timing import format_table, human_bytes, median
 
 
-def build(ctx, zero: bool, device: str):
+def build(ctx, zero: bool, device: str, config=BENCH_CONFIG):
     """The bench GPT and its optimizer with state from one step (the same batch on every rank)."""
-    model = GPT(BENCH_CONFIG, dtype=np.float32, device=device)
+    model = GPT(config, dtype=np.float32, device=device)
     if zero:
         optimizer = ZeroRedundancyOptimizer(model.named_parameters(), ctx.dp, AdamW, lr=1e-4)
     else:
@@ -69,13 +70,18 @@ def raw_write(path: str, data: np.ndarray) -> None:
         os.fsync(f.fileno())
 
 
-def measure(ctx, folder: str, repeats: int, zero: bool, device: str) -> dict:
+def measure(ctx, folder: str, repeats: int, zero: bool, device: str, config=BENCH_CONFIG) -> dict:
     comm = ctx.world.mpi
-    model, optimizer = build(ctx, zero, device)
+    model, optimizer = build(ctx, zero, device, config)
     root = os.path.join(folder, "ckpt")
     raw_path = os.path.join(folder, f"raw-{ctx.rank:05d}.bin")
-    times = {"save": [], "raw write": [], "load": [], "raw read": []}
+    times = {"save": [], "raw write": [], "load": [], "raw read": [], "async save": []}
     for repeat in range(repeats):
+        # What training waits for with checkpoint.async: the snapshot to host memory only.
+        pending = []
+        times["async save"].append(timed(comm, lambda: pending.append(
+            checkpoint.save(os.path.join(folder, "async"), repeat, model, optimizer, ctx, asynchronous=True, keep=1))))
+        pending[0].wait()
         times["save"].append(timed(comm, lambda: checkpoint.save(root, repeat, model, optimizer, ctx)))
         step_dir = os.path.join(root, step_dirname(repeat))
         written = os.path.getsize(os.path.join(step_dir, shard_filename(ctx.rank)))
@@ -101,14 +107,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--zero", action="store_true", help="optimizer state sharded by ZeRO-1 over the ranks")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
+    parser.add_argument("--n-layer", type=int, default=BENCH_CONFIG.n_layer)
+    parser.add_argument("--n-embd", type=int, default=BENCH_CONFIG.n_embd)
     args = parser.parse_args(argv)
+    config = replace(BENCH_CONFIG, n_layer=args.n_layer, n_embd=args.n_embd)
 
     ctx = init(device=args.device)
     comm = ctx.world.mpi
     folder = tempfile.mkdtemp(prefix="hpcpar-bench-ckpt-", dir=args.dir) if ctx.rank == 0 else None
     folder = comm.bcast(folder, root=0)
     try:
-        result = measure(ctx, folder, args.repeats, args.zero, ctx.device)
+        result = measure(ctx, folder, args.repeats, args.zero, ctx.device, config)
     finally:
         comm.Barrier()
         if ctx.rank == 0:
@@ -119,11 +128,11 @@ def main(argv: list[str]) -> None:
     gbs = lambda seconds: total / seconds / 1e9  # noqa: E731
     rows = [[what, human_bytes(total), result[what], result[raw], gbs(result[what]), gbs(result[raw]),
              result[raw] / result[what]]
-            for what, raw in (("save", "raw write"), ("load", "raw read"))]
+            for what, raw in (("save", "raw write"), ("async save", "raw write"), ("load", "raw read"))]
     shards, held = result["shard_bytes"], result["held_bytes"]
     print(format_table(
         ["", "bytes", "hpcpar s", "raw s", "hpcpar GB/s", "raw GB/s", "hpcpar/raw bw"], rows,
-        f"checkpoint of the bench GPT ({'ZeRO-1 ' if args.zero else ''}AdamW, {ctx.world_size} ranks, {ctx.device}) "
+        f"checkpoint of the GPT (layers {config.n_layer}, width {config.n_embd}; {'ZeRO-1 ' if args.zero else ''}AdamW, {ctx.world_size} ranks, {ctx.device}) "
         f"in {os.path.dirname(folder)}, median of {args.repeats}, time = slowest rank"), flush=True)
     print(f"shard bytes by rank: {', '.join(human_bytes(b) for b in shards)} (step folder "
           f"{human_bytes(result['folder_bytes'])} with index.h5 and manifest.json)\n"

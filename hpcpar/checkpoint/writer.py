@@ -30,6 +30,7 @@ import h5py
 import numpy as np
 
 from ..backend import to_host
+from ..dist.comm import wait_politely
 from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, VERSION, CheckpointError, file_checksum, fsync_path,
                        list_steps, shard_filename, step_dirname, write_json_atomically)
 from .pieces import model_pieces, optimizer_pieces, slab_slices
@@ -81,8 +82,11 @@ class SaveJob:
         everyone = [entries for entries, _ in gathered]
         for _, scalars in gathered:  # ZeRO ranks each know the step counts of their own parameters
             self.scalars.update(scalars)
-        owner = assign_writers(everyone)
-        self.tensors = _tensor_table(everyone, owner) if self.rank == 0 else None
+        owner, load = assign_writers(everyone)
+        # index.h5 needs only the plan, not the data: the rank with the fewest bytes to write
+        # makes it while the others write their shards.
+        self.index_writer = min(range(len(everyone)), key=lambda r: (load[r], -r))  # ties: not rank 0, which commits
+        self.tensors = _tensor_table(everyone, owner) if self.rank in (0, self.index_writer) else None
         mine = [p for p in pieces if owner[(p.key, p.slab)] == self.rank]
         # Host arrays to write: copies when the writer runs later (async), views otherwise.
         self.pieces = [(p, np.array(to_host(p.array), copy=True) if copy else to_host(p.array)) for p in mine]
@@ -90,20 +94,19 @@ class SaveJob:
     def run(self, comm) -> str:
         """Write this rank's shard, then commit on rank 0; collective over ``comm``."""
         start = time.perf_counter()
+        facts = {"files": {}, "rank_state": self.rank_state}
+        if self.rank == self.index_writer:
+            facts["files"][INDEX] = self._write_index()
         name = shard_filename(self.rank)
         path = os.path.join(self.tmp_dir, name)
-        datasets = {}
         with h5py.File(path, "w", libver="latest") as f:
             for n, (piece, array) in enumerate(self.pieces):
-                # Flat names in the root group: creating the intermediate groups of "model/x/y"
-                # took half the time of a save. index.h5 carries the readable hierarchy.
-                dataset = f"{n:05d}:{piece.key.replace('/', '|')}"
-                f.create_dataset(dataset, data=array)
-                datasets[(piece.key, piece.slab)] = dataset
+                f.create_dataset(dataset_name(n, piece.key), data=array)
         fsync_path(path)
-        facts = {"file": name, "bytes": os.path.getsize(path), "crc32": file_checksum(path),
-                 "datasets": [[k, [list(s) for s in slab], d] for (k, slab), d in datasets.items()],
-                 "rank_state": self.rank_state}
+        facts["files"][name] = {"bytes": os.path.getsize(path), "crc32": file_checksum(path)}
+        # Ranks finish their shards at different times; waiting politely first keeps the early
+        # ones from spinning in gather on the cores the late ones still write from.
+        wait_politely(comm.Ibarrier())
         gathered = comm.gather(facts, root=0)
         error = None
         if self.rank == 0:
@@ -111,24 +114,16 @@ class SaveJob:
                 self._commit(gathered)
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = f"{type(exc).__name__}: {exc}"
+        wait_politely(comm.Ibarrier())  # while rank 0 commits
         error = comm.bcast(error, root=0)
         if error:
             raise CheckpointError(f"checkpoint {self.step_dir} was not committed: {error}")
         self.seconds = time.perf_counter() - start
         return self.step_dir
 
-    # ----- rank 0 ---------------------------------------------------------------------
-    def _commit(self, gathered: list) -> None:
-        files, rank_state, where = {}, {}, {}
-        for rank, facts in enumerate(gathered):
-            files[facts["file"]] = {"bytes": facts["bytes"], "crc32": facts["crc32"]}
-            for key, slab, dataset in facts["datasets"]:
-                where[(key, tuple(map(tuple, slab)))] = (facts["file"], dataset)
-            rank_state[str(rank)] = facts["rank_state"]
-        for key, table in self.tensors.items():
-            for piece in table["pieces"]:
-                piece["file"], piece["dataset"] = where[(key, tuple(map(tuple, piece["slab"])))]
-
+    # ----- the index writer and rank 0 --------------------------------------------------
+    def _write_index(self) -> dict:
+        """index.h5: one virtual dataset per tensor at its global shape, over the planned shard datasets."""
         index_path = os.path.join(self.tmp_dir, INDEX)
         with h5py.File(index_path, "w", libver="latest") as index:
             index.attrs["step"] = self.step
@@ -142,17 +137,26 @@ class SaveJob:
                     layout[slab_slices(piece["slab"])] = source
                 index.create_virtual_dataset(key, layout)
         fsync_path(index_path)
-        files[INDEX] = {"bytes": os.path.getsize(index_path), "crc32": file_checksum(index_path)}
+        return {"bytes": os.path.getsize(index_path), "crc32": file_checksum(index_path)}
+
+    def _commit(self, gathered: list) -> None:
+        files, rank_state = {}, {}
+        for rank, facts in enumerate(gathered):
+            files.update(facts["files"])
+            rank_state[str(rank)] = facts["rank_state"]
 
         manifest = {"format": FORMAT, "version": VERSION, "step": self.step, "layout": self.layout,
                     "created": time.time(), "tensors": self.tensors, "scalars": self.scalars,
                     "files": files, "extra": self.shared_extra, "rank_state": rank_state}
         write_json_atomically(os.path.join(self.tmp_dir, MANIFEST), manifest)
         fsync_path(self.tmp_dir)
-        if os.path.exists(self.step_dir):  # re-saving a step: the old copy goes only once the new one is whole
-            shutil.rmtree(self.step_dir)
+        replaced = self.step_dir + ".old"
+        if os.path.exists(self.step_dir):  # re-saving a step: the old copy goes once the new one is in place
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(self.step_dir, replaced)
         os.rename(self.tmp_dir, self.step_dir)
         fsync_path(self.root)
+        shutil.rmtree(replaced, ignore_errors=True)
         latest_tmp = os.path.join(self.root, LATEST + ".tmp")
         with open(latest_tmp, "w") as f:
             f.write(step_dirname(self.step) + "\n")
@@ -166,7 +170,7 @@ class SaveJob:
 
 
 def assign_writers(everyone: list) -> dict:
-    """``{(key, slab): rank}``: one writer per distinct piece, evening out the bytes per rank.
+    """``({(key, slab): rank}, bytes per rank)``: one writer per distinct piece, evening out the bytes.
 
     Largest pieces first, each to the holder with the fewest bytes so far (ties: lowest rank),
     so data-parallel replicas split the writing instead of rank 0 writing everything.
@@ -184,20 +188,32 @@ def assign_writers(everyone: list) -> dict:
         rank = min(holders[piece], key=lambda r: (load[r], r))
         owner[piece] = rank
         load[rank] += sizes[piece]
-    return owner
+    return owner, load
+
+
+def dataset_name(n: int, key: str) -> str:
+    """The name of a rank's n-th piece in its shard file: flat, in the root group (creating the
+    intermediate groups of "model/x/y" took half the time of a save; index.h5 has the hierarchy)."""
+    return f"{n:05d}:{key.replace('/', '|')}"
 
 
 def _tensor_table(everyone: list, owner: dict) -> dict:
-    """``{key: {shape, dtype, pieces: [{slab, rank}]}}`` with each distinct slab once; checks coverage."""
+    """``{key: {shape, dtype, pieces: [{slab, rank, file, dataset}]}}``, each distinct slab once; checks coverage.
+
+    The dataset names are the ones each writer will give its pieces (in its own order).
+    """
     tensors = {}
     for rank, entries in enumerate(everyone):
+        written = 0
         for key, slab, shape, dtype in entries:
             table = tensors.setdefault(key, {"shape": list(shape), "dtype": dtype, "pieces": []})
             if list(shape) != table["shape"]:
                 raise CheckpointError(f"{key}: ranks disagree on its global shape ({table['shape']} vs {list(shape)})")
             slab = tuple(map(tuple, slab))
             if owner[(key, slab)] == rank:
-                table["pieces"].append({"slab": [list(s) for s in slab], "rank": rank})
+                table["pieces"].append({"slab": [list(s) for s in slab], "rank": rank, "file": shard_filename(rank),
+                                        "dataset": dataset_name(written, key)})
+                written += 1
     for key, table in tensors.items():
         covered = sum(int(np.prod([b - a for a, b in p["slab"]])) for p in table["pieces"])
         if covered != int(np.prod(table["shape"])):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 
 import numpy as np
 from mpi4py import MPI
@@ -27,8 +28,8 @@ from .timing import format_table, median
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 
 
-def run_case(ctx, schedule, chunks, m, batch, steps, sample):
-    model = GPT(BENCH_CONFIG, dtype=np.float32)
+def run_case(ctx, schedule, chunks, m, batch, steps, sample, config=BENCH_CONFIG):
+    model = GPT(config, dtype=np.float32)
     layers = len(model.layers())
     if ctx.pp_size * chunks > layers or (schedule == "interleaved" and m % ctx.pp_size):
         return None
@@ -56,7 +57,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--micro", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--n-layer", type=int, default=6,
+                        help="blocks; 6 (+ embedding + head = 8 layers) cut evenly into 2 and 4 stages, "
+                             "and 2 stages x 2 chunks (4 layers make the interleaved stages uneven)")
     args = parser.parse_args(argv)
+    config = replace(BENCH_CONFIG, n_layer=args.n_layer)
 
     world = MPI.COMM_WORLD
     waiting = Communicator(world, "world", wait_policy="yield")  # idle ranks must not spin on the busy cores
@@ -69,7 +74,7 @@ def main(argv: list[str]) -> None:
             ctx = init(pp=p, comm=group)
             for schedule, chunks in SCHEDULES:
                 for m in args.micro:
-                    result = run_case(ctx, schedule, chunks, m, args.batch, args.steps, sample)
+                    result = run_case(ctx, schedule, chunks, m, args.batch, args.steps, sample, config)
                     if result is None:
                         continue
                     step_s, bubble, theory, comm = result
@@ -80,5 +85,5 @@ def main(argv: list[str]) -> None:
     if world.Get_rank() == 0:
         cores = os.cpu_count()
         print(format_table(["schedule", "stages", "micro", "step ms", "bubble", "theory", "comm", "bubble/(theory+comm)"],
-                           rows, f"pipeline GPT (layers {BENCH_CONFIG.n_layer}, width {BENCH_CONFIG.n_embd}), batch "
+                           rows, f"pipeline GPT (layers {config.n_layer}, width {config.n_embd}), batch "
                            f"{args.batch}, balanced partition, median of {args.steps} steps, {cores} cores"), flush=True)

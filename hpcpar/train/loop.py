@@ -207,7 +207,7 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
         run.schedule.step()
         step += 1
         step_s = time.perf_counter() - t0
-        if step % job.train.log_interval == 0 or step == job.train.steps:
+        if step % job.train.log_interval == 0 or step == job.train.steps or step == start_step + 1:
             stats = run.engine.stats
             loss_mean = float(ctx.dp.allreduce(np.array([loss]), "mean")[0])
             memory = ctx.world.allgather_object(round(peak_memory_mb(), 1))

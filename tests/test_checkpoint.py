@@ -186,3 +186,12 @@ def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
     ctx = hpcpar.init(device="cpu")
     fresh = DataParallelRun(ctx)
     assert checkpoint.load_latest(root, fresh.model, fresh.optimizer, ctx)["step"] == 1
+
+
+@pytest.mark.skipif(h5py.get_config().mpi, reason="this h5py has parallel HDF5")
+def test_collective_save_without_parallel_hdf5_is_a_clear_error(tmp_path):
+    ctx = hpcpar.init(device="cpu")
+    run = DataParallelRun(ctx)
+    with pytest.raises(CheckpointError, match="needs h5py built against parallel HDF5"):
+        checkpoint.save(str(tmp_path), 1, run.model, run.optimizer, ctx, collective=True)
+    assert not os.path.exists(tmp_path / "step-00000001.tmp")  # refused before anything was written

@@ -152,3 +152,19 @@ def test_unused_parameters_contribute_zeros_instead_of_hanging():
     users = len(range(0, ctx.dp_size, 2))
     np.testing.assert_allclose(model.b.grad, np.full(3, 3.0 * users / ctx.dp_size), rtol=1e-14)
     np.testing.assert_allclose(model.a.grad, 2 * model.a.data, rtol=1e-14)
+
+
+def test_evaluation_counts_every_sample_once_and_equals_one_process():
+    """Uneven shards, no padded duplicates: the reduced metric is the single-process mean."""
+    from hpcpar.autograd import no_grad
+    from hpcpar.parallel import DistributedSampler, reduce_metric
+
+    ctx = hpcpar.init(device="cpu")
+    model = make_model()
+    n = 13  # not a multiple of 2 or 4: the shards differ by one
+    ids = np.random.default_rng(5).integers(0, 16, (n, 9))
+    with no_grad():
+        per_sample = [model.loss(ids[i:i + 1, :-1], ids[i:i + 1, 1:]).item() for i in range(n)]
+        mine = DistributedSampler(n, ctx.dp_size, ctx.dp_rank).eval_indices()
+        total = sum(per_sample[i] for i in mine)
+    assert reduce_metric(ctx.dp, total, len(mine)) == pytest.approx(np.mean(per_sample), abs=1e-12)

@@ -5,7 +5,8 @@
       step-00000100/
         manifest.json         format version, layout, step, tensors and their pieces, file checksums
         index.h5              one virtual dataset per tensor at its global shape (plain h5py reads it)
-        shard-00000.h5 ...    the pieces each rank wrote
+        shard-00000.h5 ...    the pieces each rank wrote (or shared.h5, written collectively with
+                              driver="mpio" where h5py has parallel HDF5: save(..., collective=True))
       step-00000200.tmp/      a save in progress or one that died: never read
 
 No pickle anywhere: arrays live in HDF5, everything else is JSON.
@@ -21,6 +22,7 @@ FORMAT = "hpcpar-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 INDEX = "index.h5"
+SHARED_FILE = "shared.h5"  # the one file of a collective (driver="mpio") save, instead of shard-R.h5
 LATEST = "latest"
 STEP_PATTERN = re.compile(r"^step-(\d{8})$")
 

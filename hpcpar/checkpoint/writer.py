@@ -15,7 +15,9 @@ A crash at any moment leaves at worst a ``.tmp`` folder that nothing reads.
 same on every rank), NumPy Generators (random streams, saved per rank), or plain JSON values.
 With ``asynchronous=True`` the state is first copied to host memory, then written and
 committed by a background thread on its own communicator; call ``wait()`` before the next
-save (``save`` does) and before exit (registered with atexit).
+save (``save`` does) and before exit (registered with atexit). With ``collective=True``, where
+h5py is built against parallel HDF5, all ranks write one ``shared.h5`` with ``driver="mpio"``
+instead of a file each (PyPI's h5py is serial: then it is a clear error).
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ import numpy as np
 
 from ..backend import to_host
 from ..dist.comm import wait_politely
-from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, VERSION, CheckpointError, file_checksum, fsync_path,
-                       list_steps, shard_filename, step_dirname, write_json_atomically)
+from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, SHARED_FILE, VERSION, CheckpointError, file_checksum,
+                       fsync_path, list_steps, shard_filename, step_dirname, write_json_atomically)
 from .pieces import model_pieces, optimizer_pieces, slab_slices
 
 
@@ -58,7 +60,12 @@ class SaveJob:
     """One checkpoint: built on the calling thread, written by ``run`` (possibly on another)."""
 
     def __init__(self, root: str, step: int, model, optimizer, ctx, extra=None, keep: int | None = None,
-                 copy: bool = False):
+                 copy: bool = False, collective: bool = False):
+        if collective and not h5py.get_config().mpi:  # the same verdict on every rank, before any waits
+            raise CheckpointError("collective=True writes one shared file with driver='mpio', which needs h5py "
+                                  "built against parallel HDF5 (h5py.get_config().mpi is False here); the "
+                                  "default file-per-rank layout works everywhere")
+        self.collective = collective
         named = _named(model)
         pieces = model_pieces(named)
         opt_pieces, self.scalars = optimizer_pieces(optimizer, named)
@@ -86,7 +93,8 @@ class SaveJob:
         # index.h5 needs only the plan, not the data: the rank with the fewest bytes to write
         # makes it while the others write their shards.
         self.index_writer = min(range(len(everyone)), key=lambda r: (load[r], -r))  # ties: not rank 0, which commits
-        self.tensors = _tensor_table(everyone, owner) if self.rank in (0, self.index_writer) else None
+        self.tensors = (_tensor_table(everyone, owner, SHARED_FILE if collective else None)
+                        if collective or self.rank in (0, self.index_writer) else None)
         mine = [p for p in pieces if owner[(p.key, p.slab)] == self.rank]
         # Host arrays to write: copies when the writer runs later (async), views otherwise.
         self.pieces = [(p, np.array(to_host(p.array), copy=True) if copy else to_host(p.array)) for p in mine]
@@ -97,13 +105,16 @@ class SaveJob:
         facts = {"files": {}, "rank_state": self.rank_state}
         if self.rank == self.index_writer:
             facts["files"][INDEX] = self._write_index()
-        name = shard_filename(self.rank)
-        path = os.path.join(self.tmp_dir, name)
-        with h5py.File(path, "w", libver="latest") as f:
-            for n, (piece, array) in enumerate(self.pieces):
-                f.create_dataset(dataset_name(n, piece.key), data=array)
-        fsync_path(path)
-        facts["files"][name] = {"bytes": os.path.getsize(path), "crc32": file_checksum(path)}
+        if self.collective:
+            self._write_shared_file(comm, facts)
+        else:
+            name = shard_filename(self.rank)
+            path = os.path.join(self.tmp_dir, name)
+            with h5py.File(path, "w", libver="latest") as f:
+                for n, (piece, array) in enumerate(self.pieces):
+                    f.create_dataset(dataset_name(n, piece.key), data=array)
+            fsync_path(path)
+            facts["files"][name] = {"bytes": os.path.getsize(path), "crc32": file_checksum(path)}
         # Ranks finish their shards at different times; waiting politely first keeps the early
         # ones from spinning in gather on the cores the late ones still write from.
         wait_politely(comm.Ibarrier())
@@ -120,6 +131,26 @@ class SaveJob:
             raise CheckpointError(f"checkpoint {self.step_dir} was not committed: {error}")
         self.seconds = time.perf_counter() - start
         return self.step_dir
+
+    def _write_shared_file(self, comm, facts: dict) -> None:
+        """All pieces in one file written collectively (``driver="mpio"``, parallel HDF5 only).
+
+        Creating datasets is collective in parallel HDF5: every rank creates every piece's
+        dataset in the same order (from the plan); then each writes its own pieces' data.
+        """
+        path = os.path.join(self.tmp_dir, SHARED_FILE)
+        mine = {(piece.key, piece.slab): array for piece, array in self.pieces}
+        with h5py.File(path, "w", driver="mpio", comm=comm) as f:
+            for key, table in self.tensors.items():
+                for piece in table["pieces"]:
+                    slab = tuple(map(tuple, piece["slab"]))
+                    dataset = f.create_dataset(piece["dataset"], shape=tuple(b - a for a, b in slab),
+                                               dtype=table["dtype"])
+                    if (key, slab) in mine:
+                        dataset[...] = mine[(key, slab)]
+        if self.rank == 0:
+            fsync_path(path)
+            facts["files"][SHARED_FILE] = {"bytes": os.path.getsize(path), "crc32": file_checksum(path)}
 
     # ----- the index writer and rank 0 --------------------------------------------------
     def _write_index(self) -> dict:
@@ -197,21 +228,23 @@ def dataset_name(n: int, key: str) -> str:
     return f"{n:05d}:{key.replace('/', '|')}"
 
 
-def _tensor_table(everyone: list, owner: dict) -> dict:
+def _tensor_table(everyone: list, owner: dict, shared_file: str | None = None) -> dict:
     """``{key: {shape, dtype, pieces: [{slab, rank, file, dataset}]}}``, each distinct slab once; checks coverage.
 
-    The dataset names are the ones each writer will give its pieces (in its own order).
+    The dataset names are the ones each writer will give its pieces (in its own order), in its
+    shard file, or in ``shared_file`` when all ranks write one file collectively.
     """
     tensors = {}
     for rank, entries in enumerate(everyone):
-        written = 0
+        written = 0 if shared_file is None else sum(1 for e in everyone[:rank] for _ in e)  # unique names
         for key, slab, shape, dtype in entries:
             table = tensors.setdefault(key, {"shape": list(shape), "dtype": dtype, "pieces": []})
             if list(shape) != table["shape"]:
                 raise CheckpointError(f"{key}: ranks disagree on its global shape ({table['shape']} vs {list(shape)})")
             slab = tuple(map(tuple, slab))
             if owner[(key, slab)] == rank:
-                table["pieces"].append({"slab": [list(s) for s in slab], "rank": rank, "file": shard_filename(rank),
+                table["pieces"].append({"slab": [list(s) for s in slab], "rank": rank,
+                                        "file": shared_file or shard_filename(rank),
                                         "dataset": dataset_name(written, key)})
                 written += 1
     for key, table in tensors.items():
@@ -252,7 +285,7 @@ atexit.register(wait)
 
 
 def save(root: str, step: int, model, optimizer, ctx, extra: dict | None = None, keep: int | None = None,
-         asynchronous: bool = False):
+         asynchronous: bool = False, collective: bool = False):
     """Write a checkpoint of ``model`` (a Module or (name, param) pairs) and ``optimizer``; collective.
 
     Returns the committed step folder, or an ``AsyncSave`` whose ``wait()`` returns it.
@@ -260,7 +293,7 @@ def save(root: str, step: int, model, optimizer, ctx, extra: dict | None = None,
     wait()  # one save at a time: the previous asynchronous one must be committed first
     if ctx.rank == 0:
         os.makedirs(root, exist_ok=True)
-    job = SaveJob(root, step, model, optimizer, ctx, extra, keep, copy=asynchronous)
+    job = SaveJob(root, step, model, optimizer, ctx, extra, keep, copy=asynchronous, collective=collective)
     if not asynchronous:
         return job.run(ctx.world.mpi)
     comm = _async_comm.get(id(ctx.world.mpi))

@@ -38,3 +38,23 @@ def venv_bin(name: str) -> str:
     """A program of the interpreter's environment (mpiexec, hpcpar), falling back to PATH."""
     candidate = os.path.join(os.path.dirname(sys.executable), name)
     return candidate if os.path.exists(candidate) else name
+
+
+@pytest.fixture(scope="session")
+def token_file(tmp_path_factory):
+    """A small token file of `hpcpar data prepare` (1 MB of the standard library), shared by the job tests."""
+    import subprocess
+
+    path = str(tmp_path_factory.mktemp("data") / "stdlib.h5")
+    subprocess.run([sys.executable, "-m", "hpcpar", "data", "prepare", "--out", path, "--max-mb", "1"], check=True,
+                   capture_output=True, timeout=120)
+    return path
+
+
+def final_parameters(ckpt_root: str) -> dict:
+    """The model tensors of the latest checkpoint under ``ckpt_root``, read through plain h5py."""
+    import h5py
+
+    step_dir = os.path.join(ckpt_root, open(os.path.join(ckpt_root, "latest")).read().strip())
+    with h5py.File(os.path.join(step_dir, "index.h5"), "r") as f:
+        return {k: f["model"][k][...] for k in f["model"]}

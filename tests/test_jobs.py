@@ -8,22 +8,13 @@ import subprocess
 import sys
 import time
 
-import h5py
 import numpy as np
 import pytest
 
-from conftest import REPO, venv_bin
+from conftest import REPO, final_parameters, venv_bin
 
 JOBS = sorted(glob.glob(os.path.join(REPO, "jobs", "*.toml")))
 RANKS = {"gpt-3d": 8}
-
-
-@pytest.fixture(scope="module")
-def token_file(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("data") / "stdlib.h5")
-    subprocess.run([sys.executable, "-m", "hpcpar", "data", "prepare", "--out", path, "--max-mb", "2"], check=True,
-                   capture_output=True, timeout=120)
-    return path
 
 
 def train(job, tmp, token_file, *overrides, ranks=4, timeout=240, wait=True):
@@ -70,12 +61,6 @@ def test_bad_job_files_fail_before_any_rank_waits(tmp_path, token_file, override
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcpar train: error")]
     assert len(errors) == 1 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
-
-
-def final_parameters(ckpt):
-    step_dir = os.path.join(ckpt, open(os.path.join(ckpt, "latest")).read().strip())
-    with h5py.File(os.path.join(step_dir, "index.h5"), "r") as f:
-        return {k: f["model"][k][...] for k in f["model"]}
 
 
 def test_stop_signal_checkpoints_and_the_resumed_run_matches(tmp_path, token_file):

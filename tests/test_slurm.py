@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, final_parameters
 
 pytestmark = pytest.mark.slurm
 
@@ -117,26 +117,12 @@ SMALL = ["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "train
          "--set", "train.log_interval=1", "--set", "checkpoint.interval=0"]
 
 
-@pytest.fixture(scope="module")
-def token_file(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("data") / "stdlib.h5")
-    subprocess.run([sys.executable, "-m", "hpcpar", "data", "prepare", "--out", path, "--max-mb", "1"], check=True,
-                   capture_output=True, timeout=120)
-    return path
-
-
 def job_args(tmp, token_file, steps):
     return [os.path.join(REPO, "jobs", "gpt-dp.toml"), *SMALL, "--set", f"train.steps={steps}",
             "--set", f'data.path="{token_file}"', "--set", f'checkpoint.dir="{tmp}/ckpt"',
             "--set", f'train.metrics="{tmp}/metrics.jsonl"']
 
 
-def final_parameters(ckpt):
-    import h5py
-
-    step_dir = os.path.join(ckpt, open(os.path.join(ckpt, "latest")).read().strip())
-    with h5py.File(os.path.join(step_dir, "index.h5"), "r") as f:
-        return {k: f["model"][k][...] for k in f["model"]}
 
 
 def test_train_sbatch_completes_and_checkpoints(slurm_cluster, tmp_path, token_file):

@@ -124,3 +124,16 @@ def test_object_calls_have_their_own_names(comm):
 def test_unknown_reduce_op_is_named(comm):
     with pytest.raises(ValueError, match="'median'"):
         comm.allreduce(np.ones(2), "median")
+
+
+def test_bfloat16_moves_as_words_and_reduces_in_float32(comm):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = rank_data(comm.rank, (4, 3)).astype(ml_dtypes.bfloat16)
+    expected = everyone(comm, (4, 3)).astype(ml_dtypes.bfloat16).astype(np.float32).sum(0).astype(ml_dtypes.bfloat16)
+    assert comm.allreduce(x).dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(comm.allreduce(x, out=x.copy()), expected)
+    np.testing.assert_array_equal(comm.iallreduce(x).wait(), expected)
+    np.testing.assert_array_equal(comm.allgather(x)[comm.size - 1], rank_data(comm.size - 1, (4, 3)).astype(x.dtype))
+    y = x.copy()
+    comm.broadcast(y, root=0)
+    np.testing.assert_array_equal(y, rank_data(0, (4, 3)).astype(x.dtype))

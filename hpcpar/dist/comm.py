@@ -138,10 +138,17 @@ def _require_contiguous(array, what: str) -> None:
             "pass xp.ascontiguousarray(x) and read the result from the returned array")
 
 
+def _is_bfloat16(dtype) -> bool:
+    """bfloat16 (ml_dtypes on CPUs) has no MPI datatype: it moves as 16-bit words, reduces in float32."""
+    return np.dtype(dtype).name == "bfloat16"
+
+
 class _Staged:
     """The buffer MPI actually touches for ``array``: the array itself, or a host copy.
 
-    ``device_out`` is where results go back to on the GPU when staged.
+    ``device`` is where results go back to on the GPU when staged; ``buffer`` is what MPI is
+    handed (bfloat16 as raw 16-bit words: only data-movement calls see it, reductions of
+    bfloat16 go through float32 in the Communicator).
     """
 
     def __init__(self, array, cuda_aware: bool, copy_in: bool = True):
@@ -157,6 +164,10 @@ class _Staged:
     @property
     def staged(self) -> bool:
         return self.device is not None and self.host is not self.device
+
+    @property
+    def buffer(self):
+        return self.host.view(np.uint16) if _is_bfloat16(self.host.dtype) else self.host
 
     def finish(self):
         """Copy a staged result back to the device buffer; return the user-visible array."""
@@ -240,21 +251,28 @@ class Communicator:
     # ----- collectives --------------------------------------------------------------
     def allreduce(self, x, op: str = "sum", out=None):
         """Reduce ``x`` over all ranks; ``out=x`` reduces in place. ``mean`` divides by size."""
+        if _is_bfloat16(x.dtype):
+            return _into(out, self.allreduce(x.astype(np.float32), op).astype(x.dtype))
         start = time.perf_counter()
         staged, finish = self._prepare_allreduce("allreduce", x, op, out)
         if self.wait_policy == "spin":  # the library's blocking path: what raw MPI users time
-            self.mpi.Allreduce(MPI.IN_PLACE, staged.host, REDUCE_OPS[op])
+            self.mpi.Allreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op])
         else:
-            self._wait(self.mpi.Iallreduce(MPI.IN_PLACE, staged.host, REDUCE_OPS[op]))
+            self._wait(self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op]))
         result = finish()
         self.stats.add("allreduce", x.nbytes, time.perf_counter() - start)
         return result
 
     def iallreduce(self, x, op: str = "sum", out=None) -> Handle:
         """Start an all-reduce; the returned handle's ``wait()`` gives the result."""
+        if _is_bfloat16(x.dtype):
+            handle = self.iallreduce(x.astype(np.float32), op)
+            inner = handle._finish
+            handle._finish = lambda: _into(out, inner().astype(x.dtype))
+            return handle
         start = time.perf_counter()
         staged, finish = self._prepare_allreduce("iallreduce", x, op, out)
-        request = self.mpi.Iallreduce(MPI.IN_PLACE, staged.host, REDUCE_OPS[op])
+        request = self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op])
         self.stats.add("iallreduce", x.nbytes, time.perf_counter() - start)
         return Handle(self, "iallreduce", request, finish)
 
@@ -282,6 +300,8 @@ class Communicator:
     def reduce_scatter(self, x, op: str = "sum"):
         """Reduce ``x`` (first axis divisible by size) and return this rank's 1/size block of rows."""
         mpi_op = _reduce_op(op)
+        if _is_bfloat16(x.dtype):
+            return self.reduce_scatter(x.astype(np.float32), op).astype(x.dtype)
         debug.check_collective(self, "reduce_scatter", x)
         if x.shape[0] % self.size:
             raise ValueError(f"reduce_scatter: first axis {x.shape[0]} is not divisible by {self.size} ranks")
@@ -290,7 +310,7 @@ class Communicator:
         x = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
         out = xp.empty((x.shape[0] // self.size,) + x.shape[1:], dtype=x.dtype)
         send, recv = _Staged(x, self.cuda_aware), _Staged(out, self.cuda_aware, copy_in=False)
-        self._wait(self.mpi.Ireduce_scatter_block(send.host, recv.host, mpi_op))
+        self._wait(self.mpi.Ireduce_scatter_block(send.buffer, recv.buffer, mpi_op))
         result = recv.finish()
         if op == "mean":
             result /= self.size
@@ -305,7 +325,7 @@ class Communicator:
         x = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
         out = xp.empty((self.size,) + x.shape, dtype=x.dtype)
         send, recv = _Staged(x, self.cuda_aware), _Staged(out, self.cuda_aware, copy_in=False)
-        self._wait(self.mpi.Iallgather(send.host, recv.host))
+        self._wait(self.mpi.Iallgather(send.buffer, recv.buffer))
         result = recv.finish()
         self.stats.add("allgather", x.nbytes, time.perf_counter() - start)
         return result
@@ -316,7 +336,7 @@ class Communicator:
         _require_contiguous(x, "broadcast")
         start = time.perf_counter()
         staged = _Staged(x, self.cuda_aware, copy_in=self.rank == root)
-        self._wait(self.mpi.Ibcast(staged.host, root=root))
+        self._wait(self.mpi.Ibcast(staged.buffer, root=root))
         staged.finish()
         self.stats.add("broadcast", x.nbytes, time.perf_counter() - start)
         return x
@@ -333,7 +353,7 @@ class Communicator:
         start = time.perf_counter()
         x = x if x.flags.c_contiguous else get_array_module(x).ascontiguousarray(x)
         staged = _Staged(x, self.cuda_aware)
-        request = self.mpi.Isend(staged.host, dest=dest, tag=tag)
+        request = self.mpi.Isend(staged.buffer, dest=dest, tag=tag)
         self.stats.add(_op_name, x.nbytes, time.perf_counter() - start)
         # The staged host copy must outlive the request: the handle keeps it alive.
         return Handle(self, _op_name, request, lambda: x, keepalive=staged)
@@ -342,7 +362,7 @@ class Communicator:
         _require_contiguous(buf, _op_name)
         start = time.perf_counter()
         staged = _Staged(buf, self.cuda_aware, copy_in=False)
-        request = self.mpi.Irecv(staged.host, source=source, tag=tag)
+        request = self.mpi.Irecv(staged.buffer, source=source, tag=tag)
         self.stats.add(_op_name, buf.nbytes, time.perf_counter() - start)
         return Handle(self, _op_name, request, staged.finish)
 
@@ -376,6 +396,14 @@ class Communicator:
     def split(self, color: int, key: int, name: str) -> "Communicator":
         return Communicator(self.mpi.Split(color, key), name, cuda_aware=self.cuda_aware,
                             wait_policy=self.wait_policy)
+
+
+def _into(out, result):
+    """``result`` written into ``out`` when one was given (the in-place contract), else itself."""
+    if out is None:
+        return result
+    out[...] = result
+    return out
 
 
 def _reduce_op(op: str):

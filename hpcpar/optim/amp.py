@@ -78,6 +78,10 @@ class MixedPrecision:
         self.master_dtype = np.dtype(master_dtype)
         self.model_params = [param for _, param in named]
         self.master = [(name, Parameter(param.data.astype(self.master_dtype), name=name)) for name, param in named]
+        for param, (_, master) in zip(self.model_params, self.master):
+            for attr in ("global_shape", "global_start"):  # a tensor-parallel shard's master is the same shard
+                if hasattr(param, attr):
+                    setattr(master, attr, getattr(param, attr))
         self._unscaled = False
 
     @property

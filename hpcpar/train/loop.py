@@ -97,7 +97,7 @@ class Logger:
 
 
 def evaluate(run: Run) -> float:
-    """Mean loss (or error rate for the cnn, reported as accuracy) over the fixed evaluation batches."""
+    """Mean loss over the fixed evaluation batches (and accuracy for the cnn), over all dp replicas."""
     ctx, model = run.ctx, run.model
     was_training = model.training
     model.eval()
@@ -118,11 +118,10 @@ def evaluate(run: Run) -> float:
 
 
 def clip(run: Run, max_norm: float) -> float:
-    if run.amp is not None:
+    """Clip by the global norm of the whole model, however it is split; returns the norm."""
+    if run.amp is not None:  # the float32 master gradients, unscaled
         run.amp.unscale_grads()
-        from ..optim import clip_grad_norm
-
-        return clip_grad_norm(run.amp.master_parameters(), max_norm)
+        return clip_grad_norm_parallel(run.amp.named_master_parameters(), max_norm, run.ctx)
     if hasattr(run.optimizer, "clip_grad_norm"):  # ZeRO-1: each rank clips its shard by the global norm
         run.optimizer.reduce_gradients()
         return run.optimizer.clip_grad_norm(max_norm)

@@ -106,9 +106,11 @@ def build(job: Job, ctx) -> Run:
     p = job.parallel
     dtype = compute_dtype(job)
     mixed = job.train.precision in ("fp16", "bf16")
-    if mixed and (p.pp > 1 or p.zero):
-        raise JobError(job.source, [("train.precision", f"{job.train.precision} runs with pp = 1 and zero = false "
-                                                        "(the pipeline engine does not scale losses); use fp32")])
+    if mixed and (p.pp > 1 or p.zero or p.mode != "allreduce"):
+        raise JobError(job.source, [("train.precision", f"{job.train.precision} runs with pp = 1, zero = false and "
+                                                        "mode = \"allreduce\" (the pipeline engine does not scale "
+                                                        "losses; ZeRO-1 and the async modes step the model's own "
+                                                        "parameters, not float32 masters); use fp32")])
     model = build_model(job, ctx, dtype)
     mode = None
     if p.mode != "allreduce":  # parameter server or local SGD: they own the dp exchange and the step

@@ -82,7 +82,7 @@ def test_stop_signal_checkpoints_and_the_resumed_run_matches(tmp_path, token_fil
     assert 3 <= stopped_at < 30
 
     resumed = train(job, tmp_path / "stopped", token_file, *common, "checkpoint.resume=true")
-    assert resumed.returncode == 0 and f"resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
     a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / "stopped" / "ckpt")
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 

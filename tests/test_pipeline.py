@@ -3,7 +3,6 @@ import json
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import hpcpar
 from hpcpar.autograd import no_grad

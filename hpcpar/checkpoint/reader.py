@@ -7,7 +7,6 @@ ranks share the work): a missing shard would otherwise read silently as fill val
 """
 from __future__ import annotations
 
-import math
 import os
 
 import h5py

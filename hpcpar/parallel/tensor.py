@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..autograd import Function, Tensor
+from ..autograd import Function, Parameter, Tensor
 from ..autograd import ops
 from ..autograd.ops._common import scatter_add_rows
 from ..backend import get_array_module

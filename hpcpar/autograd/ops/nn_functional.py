@@ -150,7 +150,6 @@ class LayerNorm(Function):
 
     def backward(self, grad):
         # dx = rstd * (gx - mean(gx) - xhat * mean(gx * xhat)), with gx = grad * weight
-        xp = self.xp(grad)
         xhat, weight = self.xhat, self.weight
         dim = xhat.shape[-1]
         grads = []

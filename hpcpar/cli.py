@@ -41,7 +41,8 @@ def _data(args) -> int:
 def _train(args) -> int:
     from mpi4py import MPI
 
-    from .train.config import JobError, load_job, validate
+    from .train.config import JobError, load_job
+    from .train.validate import validate
     from .train.loop import StopRequest, train
 
     stop = StopRequest()  # first: until the handlers are in, SLURM's USR1 would kill the rank

@@ -32,7 +32,8 @@ from .bench.timing import format_table
 from .dist.comm import Communicator
 from .dist.context import init
 from .train.build import build
-from .train.config import JobError, load_job, validate
+from .train.config import JobError, load_job
+from .train.validate import validate
 
 
 def factorisations(n: int) -> list[tuple[int, int, int]]:

@@ -1,0 +1,140 @@
+"""Validating a job against the world: the checks that need several keys together and the world size.
+
+``load_job`` (config.py) has already checked each key on its own; ``validate`` checks the
+dp x pp x tp layout, heads and vocabulary divisible by tp, batch divisible by dp and
+micro-batches, pipeline stages versus layers, modes that exclude each other, and the data
+file, and reports every problem in one ``JobError``. A pure function of the job and the
+world size: every rank reaches the same verdict before any rank waits on another.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from .config import BYTE_VOCAB, Job, JobError, toml_value
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def validate(job: Job, world_size: int) -> Job:
+    """Check the keys together and against ``world_size``; return the job with ``parallel.dp`` filled in."""
+    from ..dist.context import LayoutError, resolve_layout
+
+    problems = []
+    p, m = job.parallel, job.model
+
+    # the layout
+    workers = world_size - p.servers if p.mode == "ps" else world_size
+    dp = None  # stays None when the layout does not fit: the batch checks below need it
+    if p.mode == "ps" and workers < 1:
+        problems.append(("parallel.servers", f"{p.servers} server(s) leave no worker among {world_size} ranks; "
+                                             f"launch more than {p.servers} ranks or lower parallel.servers"))
+    else:
+        try:
+            dp, _, _ = resolve_layout(workers, p.dp, p.pp, p.tp)
+        except LayoutError as err:
+            keys = "parallel.dp, parallel.pp, parallel.tp" if p.dp is not None else "parallel.pp, parallel.tp"
+            servers = (f" (mode \"ps\": the grid holds the workers, {world_size} ranks minus {p.servers} "
+                       f"server(s))" if p.mode == "ps" else "")
+            problems.append((keys, f"{err}{servers}"))
+    if p.mode != "allreduce" and (p.pp > 1 or p.tp > 1):
+        problems.append(("parallel.mode", f"{toml_value(p.mode)} runs data parallel only, but pp = {p.pp} and "
+                                          f"tp = {p.tp}; set pp = tp = 1 or mode = \"allreduce\""))
+    if p.zero and p.mode != "allreduce":
+        problems.append(("parallel.zero", f"ZeRO shards optimizer state across all-reducing replicas; "
+                                          f"mode = {toml_value(p.mode)} needs zero = false"))
+    if p.zero and p.compression != "none":
+        problems.append(("parallel.zero", f"ZeRO reduce-scatters gradients itself and cannot use "
+                                          f"compression = {toml_value(p.compression)}; set one of them off"))
+    if p.compression != "none" and p.mode != "allreduce":
+        problems.append(("parallel.compression", f"compression hooks into the gradient all-reduce; mode = "
+                                                 f"{toml_value(p.mode)} needs compression = \"none\""))
+
+    # model against tensor parallelism and the pipeline
+    if m.kind == "gpt":
+        if m.n_embd % m.n_head:
+            problems.append(("model.n_head", f"n_embd = {m.n_embd} is not divisible by n_head = {m.n_head} "
+                                             f"(head size {m.n_embd / m.n_head:g}); n_head must divide n_embd: "
+                                             f"one of {_divisors(m.n_embd)}"))
+        if m.n_head % p.tp:
+            problems.append(("parallel.tp", f"n_head = {m.n_head} is not divisible by tp = {p.tp}: each tp rank "
+                                            f"holds whole heads; use tp in {_divisors(m.n_head)}"))
+        if m.vocab_size % p.tp:
+            problems.append(("parallel.tp", f"vocab_size = {m.vocab_size} is not divisible by tp = {p.tp}: the "
+                                            f"embedding is split by rows; use tp in {_divisors(m.vocab_size)} "
+                                            f"or pad model.vocab_size"))
+    elif p.tp > 1:
+        problems.append(("parallel.tp", f"tensor parallelism splits the GPT's heads and MLP; model.kind = "
+                                        f"\"cnn\" needs tp = 1, got {p.tp}"))
+    if (m.kind == "gpt") != (job.data.kind == "text"):
+        want = "text" if m.kind == "gpt" else "digits"
+        problems.append(("data.kind", f"model.kind = {toml_value(m.kind)} trains on data.kind = "
+                                      f"{toml_value(want)}, got {toml_value(job.data.kind)}"))
+    layers, stages = job.num_layers, p.pp * p.chunks
+    if stages > layers:
+        problems.append(("parallel.pp", f"pp x chunks = {p.pp} x {p.chunks} = {stages} stages, but the model has "
+                                        f"only {layers} layers to cut"
+                                        + (f" (n_layer + 2 = {m.n_layer} + 2)" if m.kind == "gpt" else "")
+                                        + "; lower pp or chunks or add layers"))
+    if not isinstance(p.partition, str):
+        if len(p.partition) != stages:
+            problems.append(("parallel.partition", f"{len(p.partition)} per-stage counts for pp x chunks = "
+                                                   f"{stages} stages; give {stages}"))
+        elif sum(p.partition) != layers:
+            problems.append(("parallel.partition", f"per-stage counts {list(p.partition)} add up to "
+                                                   f"{sum(p.partition)}, but the model has {layers} layers"))
+    if p.schedule == "interleaved" and p.micro_batches % p.pp:
+        problems.append(("parallel.micro_batches", f"the interleaved schedule needs micro_batches divisible by pp: "
+                                                   f"{p.micro_batches} % {p.pp} != 0; use "
+                                                   f"{(p.micro_batches // p.pp + 1) * p.pp}"))
+
+    # the batch
+    b = job.data.batch_size
+    if dp is not None and b % dp:
+        problems.append(("data.batch_size", f"{b} is not divisible by dp = {dp}: every replica takes an equal "
+                                            f"share; use a multiple of {dp}"))
+    elif dp is not None and (b // dp) % p.micro_batches:
+        problems.append(("parallel.micro_batches", f"each of the dp = {dp} replicas gets {b // dp} samples, not "
+                                                   f"divisible into {p.micro_batches} micro-batches; use "
+                                                   f"micro_batches in {_divisors(b // dp)} or data.batch_size = "
+                                                   f"{dp * p.micro_batches * max(1, b // (dp * p.micro_batches))}"))
+
+    # optimizer schedule (a warm-up longer than train.steps is fine: a shortened run of a job stays in it)
+    if job.schedule.min_lr > job.optimizer.lr:
+        problems.append(("schedule.min_lr", f"{job.schedule.min_lr:g} is above optimizer.lr = "
+                                            f"{job.optimizer.lr:g}; the cosine decays from lr down to min_lr"))
+
+    if job.data.kind == "text":
+        problems += _check_token_file(job)
+    if problems:
+        raise JobError(job.source, problems)
+    return replace(job, parallel=replace(p, dp=dp), world_size=world_size)
+
+
+def _check_token_file(job: Job) -> list[tuple[str, str]]:
+    path, m = job.data.path, job.model
+    if not os.path.exists(path):
+        if job.data.prepare_if_missing:
+            info = {"vocab_size": BYTE_VOCAB}  # what `hpcpar data prepare` will make
+        else:
+            return [("data.path", f"{toml_value(path)} does not exist (relative paths start at the current folder: "
+                                  f"{os.path.abspath(path)}); make it with `hpcpar data prepare --out {path}` "
+                                  f"or set data.prepare_if_missing = true")]
+    else:
+        from ..data.loader import dataset_info
+
+        try:
+            info = dataset_info(path)
+        except (OSError, KeyError, ValueError) as err:
+            return [("data.path", f"{toml_value(path)} is not a token file of `hpcpar data prepare`: {err}")]
+    problems = []
+    if m.kind == "gpt" and m.vocab_size < info["vocab_size"]:
+        problems.append(("model.vocab_size", f"{m.vocab_size} is smaller than the vocab_size {info['vocab_size']} "
+                                             f"of {path}; use at least {info['vocab_size']}"))
+    for split in ("train", "val"):
+        if split in info and info[split] <= m.block_size:
+            problems.append(("data.path", f"the {split} split of {path} has {info[split]} tokens, not more than "
+                                          f"model.block_size = {m.block_size}; prepare more text"))
+    return problems

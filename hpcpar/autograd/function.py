@@ -7,6 +7,7 @@ returns one gradient (or None) per tensor input. ``apply`` wires it into the gra
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 
 from ..backend import get_array_module
 
@@ -41,16 +42,18 @@ def unbroadcast(grad, shape):
     return grad
 
 
-class Function:
+class Function(ABC):
     """One node of the graph: ``parents`` are the input Tensors, set by ``apply``."""
 
     __slots__ = ("parents", "__dict__")
 
-    def forward(self, *arrays, **kwargs):  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def forward(self, *arrays, **kwargs):
+        """The op on raw arrays; saves on ``self`` only what ``backward`` needs."""
 
-    def backward(self, grad):  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def backward(self, grad):
+        """One gradient (or None) per input, from the gradient of the output."""
 
     @classmethod
     def apply(cls, *inputs, **kwargs):

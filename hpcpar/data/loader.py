@@ -19,6 +19,8 @@ merged into one contiguous read, distant ones are read separately.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import h5py
 import numpy as np
 
@@ -104,7 +106,7 @@ class TokenDataset:
         return {**self.__dict__, "_file": None, "_tokens": None}
 
 
-class GlobalBatches:
+class GlobalBatches(ABC):
     """Step k's global batch is ``global_selection(k)``; this dp replica yields its contiguous share of it."""
 
     def __init__(self, global_batch: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0):
@@ -116,11 +118,13 @@ class GlobalBatches:
         self.local_batch = global_batch // dp_size
         self.step = 0  # the next step to hand out
 
-    def global_selection(self, step: int) -> np.ndarray:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def global_selection(self, step: int) -> np.ndarray:
+        """The sample rows of step ``step``'s whole global batch (the same on every rank)."""
 
-    def fetch(self, rows: np.ndarray):  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def fetch(self, rows: np.ndarray):
+        """The data of ``rows``."""
 
     def rows(self, step: int) -> np.ndarray:
         """This replica's part of step ``step``'s global selection."""

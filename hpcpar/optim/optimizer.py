@@ -6,6 +6,8 @@ iterable of Parameters (keyed ``"0"``, ``"1"``, ...).
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 from ..autograd import Tensor
@@ -25,7 +27,7 @@ def named_parameter_list(params) -> list[tuple[str, Tensor]]:
     return named
 
 
-class Optimizer:
+class Optimizer(ABC):
     """Subclasses list their ``hyperparameters`` (float attributes, ``lr`` first) and define ``update``."""
 
     hyperparameters: tuple[str, ...] = ("lr",)
@@ -42,9 +44,9 @@ class Optimizer:
         # Per-parameter state: arrays (in the parameter's dtype, on its device) and int counts.
         self.state: dict[str, dict] = {name: {} for name in self.names}
 
-    def update(self, param, grad, state: dict) -> None:  # pragma: no cover - interface
+    @abstractmethod
+    def update(self, param, grad, state: dict) -> None:
         """Update the array ``param`` in place from ``grad``, keeping what it needs in ``state``."""
-        raise NotImplementedError
 
     def step(self) -> None:
         """One update of every parameter that has a gradient (the others are left alone)."""

@@ -20,6 +20,8 @@ with blocking calls: their second round depends on the first.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 from ..backend import get_array_module
@@ -51,7 +53,7 @@ class _Finish:
         return self.finish(self.handle.wait())
 
 
-class Compressor:
+class Compressor(ABC):
     name = "none"
     sums_prescaled = False  # True: bucket.flat holds gradient / ranks, and start() sums it
 
@@ -59,8 +61,9 @@ class Compressor:
         self.bytes_sent = 0
         self.bytes_uncompressed = 0
 
-    def start(self, comm, bucket):  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def start(self, comm, bucket):
+        """Begin averaging ``bucket.flat`` over ``comm``; return something whose ``wait()`` gives it."""
 
     @property
     def ratio(self) -> float:

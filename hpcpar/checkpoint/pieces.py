@@ -100,6 +100,19 @@ def optimizer_pieces(optimizer, named_parameters) -> tuple[list[Piece], dict]:
     return pieces, scalars
 
 
+def zero_param_slabs(zero):
+    """For each run of this rank's ZeRO shard inside one parameter, cut into rectangular slabs:
+    (name, param, global shape, global slab, local shape, offset of the run in the flat shard)."""
+    for name, param, lo, hi, shard_offset in zero_param_ranges(zero):
+        shape, param_slab = global_slab(param)
+        offset = shard_offset
+        for local in flat_range_to_slabs(param.shape, lo, hi):
+            glob = tuple((a + p0, b + p0) for (a, b), (p0, _) in zip(local, param_slab))
+            local_shape = tuple(b - a for a, b in local)
+            yield name, param, shape, glob, local_shape, offset
+            offset += math.prod(local_shape)
+
+
 def zero_param_ranges(zero):
     """For each parameter: (name, param, local flat range covered by this rank's shard) if any."""
     begin = zero.comm.rank * zero.shard_size
@@ -113,18 +126,11 @@ def zero_param_ranges(zero):
 def _zero_pieces(zero) -> tuple[list[Piece], dict]:
     state = zero.optimizer.state["shard"]
     pieces, scalars = [], {}
-    for name, param, lo, hi, shard_offset in zero_param_ranges(zero):
-        shape, param_slab = global_slab(param)
+    for name, *_ in zero_param_ranges(zero):
+        scalars.update({f"optim/{name}/{key}": int(v) for key, v in state.items() if np.ndim(v) == 0})
+    for name, _, shape, glob, local_shape, offset in zero_param_slabs(zero):
         for key, value in state.items():
-            if np.ndim(value) == 0:
-                scalars[f"optim/{name}/{key}"] = int(value)
-                continue
-            flat = value[shard_offset: shard_offset + hi - lo]
-            used = 0
-            for local in flat_range_to_slabs(param.shape, lo, hi):
-                size = math.prod(stop - start for start, stop in local)
-                glob = tuple((start + p0, stop + p0) for (start, stop), (p0, _) in zip(local, param_slab))
-                pieces.append(Piece(f"optim/{name}/{key}", shape, glob,
-                                    flat[used: used + size].reshape(tuple(b - a for a, b in local))))
-                used += size
+            if np.ndim(value):
+                block = value[offset: offset + math.prod(local_shape)].reshape(local_shape)
+                pieces.append(Piece(f"optim/{name}/{key}", shape, glob, block))
     return pieces, scalars

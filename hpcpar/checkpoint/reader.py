@@ -14,7 +14,7 @@ import numpy as np
 
 from ..backend import to_device
 from .manifest import INDEX, CheckpointError, list_steps, read_manifest, resolve_step_dir, step_dirname, verify_files
-from .pieces import flat_range_to_slabs, global_slab, slab_slices, zero_param_ranges
+from .pieces import global_slab, slab_slices, zero_param_slabs
 
 
 def verify_collectively(step_dir: str, manifest: dict, comm) -> None:
@@ -75,14 +75,9 @@ def _load_zero(index, manifest, zero, what):
             state[key] = int(manifest["scalars"][first])
             continue
         flat = np.zeros(zero.shard_size, dtype=zero.shard.dtype)
-        for name, param, lo, hi, shard_offset in zero_param_ranges(zero):
-            shape, param_slab = global_slab(param)
-            used = shard_offset
-            for local in flat_range_to_slabs(param.shape, lo, hi):
-                glob = tuple((a + p0, b + p0) for (a, b), (p0, _) in zip(local, param_slab))
-                block = _read(index, manifest, f"optim/{name}/{key}", shape, glob, what).reshape(-1)
-                flat[used: used + block.size] = block
-                used += block.size
+        for name, _, shape, glob, local_shape, offset in zero_param_slabs(zero):
+            block = _read(index, manifest, f"optim/{name}/{key}", shape, glob, what).reshape(-1)
+            flat[offset: offset + block.size] = block
         state[key] = to_device(flat, xp)
     zero.optimizer.state["shard"] = state
 

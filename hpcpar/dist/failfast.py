@@ -11,9 +11,14 @@ import os
 import runpy
 import sys
 import threading
+import time
 import traceback
 
 ABORT_EXIT_CODE = 1
+# Seconds between printing the traceback and MPI_Abort. The launcher forwards a rank's
+# stderr through its proxy asynchronously; an immediate abort kills the proxy first about
+# once in 25 failures on a loaded machine, and the job then ends with no message at all.
+ABORT_GRACE_SECONDS = float(os.environ.get("HPCPAR_ABORT_GRACE_S", "0.5"))
 
 
 class ExitStatus(Exception):
@@ -39,6 +44,7 @@ def _abort(exc_type, exc, tb) -> None:
     sys.stderr.flush()
     sys.stdout.flush()
     if world.Get_size() > 1:
+        time.sleep(ABORT_GRACE_SECONDS)
         world.Abort(ABORT_EXIT_CODE)
     os._exit(ABORT_EXIT_CODE)
 

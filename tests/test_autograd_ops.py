@@ -45,6 +45,9 @@ def _two_piece_split(x):
 
 IDS = np.array([[1, 0, 1], [3, 1, 1]])
 TARGETS = np.array([[2, -100, 0], [4, 4, -100]])
+# an attention-dropout scale with p = 0.25: 0 or 4/3, half the positions dropped
+ATTENTION_KEEP = (np.random.default_rng(5).random((2, 2, 4, 4)) >= 0.5) / 0.75
+
 CASES = {  # name: (function of tensors, input shapes, "positive" when inputs must be > 0)
     "add broadcast (3,4)+(4,)": (ops.add, [(3, 4), (4,)], False),
     "sub broadcast (2,1,4)-(3,1)": (ops.sub, [(2, 1, 4), (3, 1)], False),
@@ -97,6 +100,7 @@ CASES = {  # name: (function of tensors, input shapes, "positive" when inputs mu
     "linear no bias": (ops.linear, [(3, 4), (4, 2)], False),
     "attention causal": (ops.attention, [(2, 2, 4, 3)] * 3, False),
     "attention full": (lambda q, k, v: ops.attention(q, k, v, causal=False), [(1, 2, 3, 2)] * 3, False),
+    "attention dropout": (lambda q, k, v: ops.attention(q, k, v, keep=ATTENTION_KEEP), [(2, 2, 4, 3)] * 3, False),
     "conv2d stride 2 padding 1": (lambda x, w, b: ops.conv2d(x, w, b, stride=2, padding=1),
                                   [(2, 2, 5, 5), (3, 2, 3, 3), (3,)], False),
     "conv2d no bias": (ops.conv2d, [(1, 2, 4, 3), (2, 2, 2, 2)], False),

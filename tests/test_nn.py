@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hpcpar.autograd import Parameter, Tensor
-from hpcpar.nn import (GPT, DigitsCNN, Dropout, GPTConfig, Linear, Module, ModuleList, Sequential, ReLU, init)
+from hpcpar.nn import (GPT, DigitsCNN, Dropout, GPTConfig, HeadDropout, Linear, Module, ModuleList, Sequential, ReLU, init)
 
 TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.0, seed=3)
 
@@ -243,7 +243,7 @@ def test_gpt_layers_compose_to_forward_and_backward_stage_by_stage():
 def test_gpt_dropout_uses_the_model_stream():
     model = tiny_gpt(dropout=0.5)
     ids, _ = batch()
-    assert all(m.rng is model.rng for _, m in model.named_modules() if isinstance(m, Dropout))
+    assert all(m.rng is model.rng for _, m in model.named_modules() if isinstance(m, (Dropout, HeadDropout)))
     first, second = model(ids).data, model(ids).data
     assert not np.allclose(first, second)  # training: fresh masks
     model.rng = np.random.default_rng(42)
@@ -252,6 +252,32 @@ def test_gpt_dropout_uses_the_model_stream():
     np.testing.assert_array_equal(model(ids).data, replay)
     model.eval()
     np.testing.assert_array_equal(model(ids).data, tiny_gpt(dropout=0.0)(ids).data)
+
+
+def test_head_dropout_streams_are_per_head_and_layout_independent():
+    p = 0.3
+    whole = HeadDropout(p, range(0, 4), rng=np.random.default_rng(9))
+    second_half = HeadDropout(p, range(2, 4), rng=np.random.default_rng(9))  # a tp rank holding heads 2 and 3
+    keep = whole(2, 5, np.float64, np)
+    assert keep.shape == (2, 4, 5, 5) and set(np.unique(keep)) == {0.0, 1 / (1 - p)}
+    np.testing.assert_array_equal(second_half(2, 5, np.float64, np), keep[:, 2:])
+    assert all(not np.array_equal(keep[:, 0], keep[:, h]) for h in (1, 2, 3))  # every head its own mask
+    assert not np.array_equal(whole(2, 5, np.float64, np), keep)  # each call a fresh key from the stream
+    assert abs(np.mean(keep == 0) - p) < 0.1
+    whole.eval()
+    assert whole(2, 5, np.float64, np) is None
+
+
+def test_gpt_attention_dropout_alone_changes_training_only():
+    model = tiny_gpt(dropout=0.0, attn_dropout=0.5)
+    assert model.config.attn_dropout == 0.5 and tiny_gpt(dropout=0.2).config.attn_dropout == 0.2
+    ids, _ = batch()
+    plain = tiny_gpt(dropout=0.0)(ids).data
+    assert not np.allclose(model(ids).data, plain)
+    model.eval()
+    np.testing.assert_array_equal(model(ids).data, plain)
+    with pytest.raises(ValueError, match="attn_dropout"):
+        GPTConfig(attn_dropout=1.0)
 
 
 def test_gpt_generate():

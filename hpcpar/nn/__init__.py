@@ -2,11 +2,11 @@
 from . import init
 from .cnn import DigitsCNN
 from .gpt import GPT, Block, CausalSelfAttention, GPTConfig, GPTEmbedding, GPTHead, MLP
-from .layers import GELU, AvgPool2d, Conv2d, Dropout, Embedding, Flatten, LayerNorm, Linear, MaxPool2d, ReLU
+from .layers import GELU, AvgPool2d, Conv2d, Dropout, Embedding, Flatten, HeadDropout, LayerNorm, Linear, MaxPool2d, ReLU
 from .module import IncompatibleKeys, Module, ModuleList, Sequential
 
 __all__ = [
     "AvgPool2d", "Block", "CausalSelfAttention", "Conv2d", "DigitsCNN", "Dropout", "Embedding", "Flatten", "GELU",
-    "GPT", "GPTConfig", "GPTEmbedding", "GPTHead", "IncompatibleKeys", "LayerNorm", "Linear", "MLP", "MaxPool2d",
+    "GPT", "GPTConfig", "GPTEmbedding", "GPTHead", "HeadDropout", "IncompatibleKeys", "LayerNorm", "Linear", "MLP", "MaxPool2d",
     "Module", "ModuleList", "ReLU", "Sequential", "init",
 ]

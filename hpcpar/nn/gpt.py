@@ -15,7 +15,7 @@ from ..autograd import Tensor, no_grad
 from ..autograd import ops
 from ..backend import array_module, resolve_device, to_device, to_host
 from . import init
-from .layers import Dropout, Embedding, LayerNorm, Linear
+from .layers import Dropout, Embedding, HeadDropout, LayerNorm, Linear
 from .module import Module, ModuleList
 # The module, not its names: hpcpar.parallel.tensor builds on hpcpar.nn, which exports this GPT.
 from ..parallel import tensor as tensor_parallel
@@ -28,7 +28,8 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 256
-    dropout: float = 0.0
+    dropout: float = 0.0  # embeddings and residual branches
+    attn_dropout: float | None = None  # attention probabilities; None: the same as dropout (as in GPT-2)
     bias: bool = True  # biases in Linear and LayerNorm
     tie_weights: bool = True  # the lm head reuses the token embedding
     seed: int = 0  # parameter initialisation and the dropout stream
@@ -41,8 +42,11 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
                              f"the head size would be {self.n_embd / self.n_head:g}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if self.attn_dropout is None:
+            self.attn_dropout = self.dropout
+        for field in ("dropout", "attn_dropout"):
+            if not 0.0 <= getattr(self, field) < 1.0:
+                raise ValueError(f"GPTConfig.{field} must be in [0, 1), got {getattr(self, field)}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,13 +76,15 @@ class CausalSelfAttention(Module):
 
     qkv's columns are laid out head by head, ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (as Megatron
     does), so a contiguous block of columns is a set of whole heads and tensor parallelism is
-    just a column split of the same weight.
+    just a column split of the same weight. Attention dropout is this sharded region's dropout:
+    each head draws its own mask (``HeadDropout``).
     """
 
     def __init__(self, config: GPTConfig, dtype, xp, tp=None):
         super().__init__()
         start, stop = tensor_parallel.shard_range(config.n_head, tp, "n_head")
         self.local_heads = stop - start
+        self.attn_drop = HeadDropout(config.attn_dropout, range(start, stop))
         self.head_size = config.n_embd // config.n_head
         self.qkv = tensor_parallel.ColumnParallelLinear(config.n_embd, 3 * config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
         self.proj = tensor_parallel.RowParallelLinear(config.n_embd, config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
@@ -90,7 +96,8 @@ class CausalSelfAttention(Module):
         qkv = ops.reshape(self.qkv(x), (B, T, nh, 3, hs))  # (B, T, 3 nh hs) -> (B, T, nh, 3, hs)
         qkv = ops.transpose(qkv, (3, 0, 2, 1, 4))  # -> (3, B, nh, T, hs)
         q, k, v = ops.split(qkv, 3, axis=0)  # each (1, B, nh, T, hs)
-        y = ops.attention(*(ops.reshape(t, (B, nh, T, hs)) for t in (q, k, v)), causal=True)  # (B, nh, T, hs)
+        keep = self.attn_drop(B, T, x.dtype, x.xp)  # None unless training with attn_dropout > 0
+        y = ops.attention(*(ops.reshape(t, (B, nh, T, hs)) for t in (q, k, v)), causal=True, keep=keep)  # (B, nh, T, hs)
         y = ops.reshape(ops.transpose(y, (0, 2, 1, 3)), (B, T, nh * hs))  # -> (B, T, nh, hs) -> (B, T, nh hs)
         return self.drop(self.proj(y))
 
@@ -180,14 +187,14 @@ class GPT(Module):
 
     @property
     def rng(self):
-        """The generator every Dropout of this model draws from; assigning it rewires them all."""
+        """The generator every Dropout (and HeadDropout) of this model draws from; assigning it rewires them all."""
         return self._rng
 
     @rng.setter
     def rng(self, generator):
         object.__setattr__(self, "_rng", generator)
         for _, module in self.named_modules():
-            if isinstance(module, Dropout):
+            if isinstance(module, (Dropout, HeadDropout)):
                 module.rng = generator
 
     def layers(self) -> list:

@@ -91,6 +91,44 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
+class HeadDropout(Module):
+    """Attention-probability dropout with one keyed stream per attention head.
+
+    Heads are what tensor parallelism splits, so this is the dropout of a sharded region: a
+    tp rank draws the masks of its own heads only, and they differ from every other rank's.
+    Each call takes one key from the model's shared stream (``rng``, the same on every tp
+    rank, so the key agrees without communication); head ``g`` then draws its (B, T, T) mask
+    from a generator seeded with (key, g). The masks depend on the global head index and not
+    on the layout, so a tp = 4 model drops exactly what the unsharded model drops. (Megatron
+    seeds one generator per tp rank instead; its masks change whenever tp does.) Resuming
+    restores the shared stream, and with it every key.
+    """
+
+    def __init__(self, p: float, heads: range, rng=None):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p, self.heads, self.rng = p, heads, rng
+
+    def forward(self, batch: int, steps: int, dtype, xp):
+        """The (B, local heads, T, T) scales (0 or 1/(1-p)) for ``ops.attention``, or None when off."""
+        if not self.training or self.p == 0.0:
+            return None
+        if self.rng is None:
+            raise RuntimeError("HeadDropout in training mode needs a generator: set layer.rng (models set model.rng)")
+        key = int(self.rng.integers(2**63))
+        draw_dtype = dtype if np.dtype(dtype).name in ("float32", "float64") else "float32"  # what generators draw
+        keep = xp.empty((batch, len(self.heads), steps, steps), dtype=dtype)
+        for local, head in enumerate(self.heads):
+            seed = int(np.random.SeedSequence([key, head]).generate_state(1, np.uint64)[0])
+            draws = xp.random.default_rng(seed).random((batch, steps, steps), dtype=draw_dtype)
+            xp.multiply(draws >= self.p, keep.dtype.type(1.0 / (1.0 - self.p)), out=keep[:, local])
+        return keep
+
+    def extra_repr(self):
+        return f"p={self.p}, heads={self.heads.start}..{self.heads.stop - 1}"
+
+
 class Conv2d(Module):
     """NCHW convolution with weight of shape (out_channels, in_channels, k, k)."""
 

@@ -175,7 +175,8 @@ class ModelSection:
     n_layer: int = _key(4, INTEGER, "transformer blocks", check=at_least(1), applies=GPT_ONLY)
     n_head: int = _key(4, INTEGER, "attention heads", check=at_least(1), applies=GPT_ONLY)
     n_embd: int = _key(256, INTEGER, "embedding width", check=at_least(1), applies=GPT_ONLY)
-    dropout: float = _key(0.0, NUMBER, "dropout probability", check=in_range(0.0, 1.0), applies=GPT_ONLY)
+    dropout: float = _key(0.0, NUMBER, "dropout probability (embeddings, residual branches, attention)",
+                          check=in_range(0.0, 1.0), applies=GPT_ONLY)
     bias: bool = _key(True, BOOLEAN, "biases in Linear and LayerNorm", applies=GPT_ONLY)
     tie_weights: bool = _key(True, BOOLEAN, "the lm head reuses the token embedding", applies=GPT_ONLY)
     channels: tuple = _key((16, 32), INTEGER_PAIR, "channels of the two convolutions", check=each(at_least(1)),

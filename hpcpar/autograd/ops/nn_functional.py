@@ -210,9 +210,13 @@ class Linear(Function):
 
 
 class Attention(Function):
-    """softmax(q k^T / sqrt(hs) + causal mask) v over (B, H, T, hs), probabilities kept for backward."""
+    """softmax(q k^T / sqrt(hs) + causal mask) v over (B, H, T, hs), probabilities kept for backward.
 
-    def forward(self, q, k, v, causal=True):
+    ``keep`` (B, H, T, T), optional: the attention-dropout scale (0 or 1/(1-p)) applied to the
+    probabilities before they weight ``v``.
+    """
+
+    def forward(self, q, k, v, causal=True, keep=None):
         if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
             raise ValueError(f"attention: q, k, v must share one (B, H, T, hs) shape, "
                              f"got {q.shape}, {k.shape}, {v.shape}")
@@ -224,15 +228,21 @@ class Attention(Function):
         if causal:  # -inf above the diagonal: a key after the query gets probability 0
             probs += xp.where(xp.tri(steps, dtype=bool), q.dtype.type(0), q.dtype.type(-xp.inf))
         _softmax(probs, -1, in_place=True)
-        out = probs @ v  # (B, H, T, T) @ (B, H, T, hs) -> (B, H, T, hs)
-        self.q_scaled, self.k, self.v, self.probs, self.out = q_scaled, k, v, probs, out
+        if keep is not None and keep.shape != probs.shape:
+            raise ValueError(f"attention: dropout scale of shape {keep.shape} does not fit probabilities {probs.shape}")
+        weights = probs if keep is None else probs * keep
+        out = weights @ v  # (B, H, T, T) @ (B, H, T, hs) -> (B, H, T, hs)
+        self.q_scaled, self.k, self.v, self.probs, self.keep, self.out = q_scaled, k, v, probs, keep, out
         return out
 
     def backward(self, grad):
-        probs = self.probs
-        grad_v = probs.swapaxes(-1, -2) @ grad
-        d_scores = grad @ self.v.swapaxes(-1, -2)  # d probs, (B, H, T, T)
-        # Softmax backward needs sum_j dP_ij P_ij = grad_i . out_i: a (T, hs) product, not (T, T).
+        probs, keep = self.probs, self.keep
+        grad_v = (probs if keep is None else probs * keep).swapaxes(-1, -2) @ grad
+        d_scores = grad @ self.v.swapaxes(-1, -2)  # d weights, (B, H, T, T)
+        if keep is not None:
+            d_scores *= keep  # d probs
+        # Softmax backward needs sum_j dP_ij P_ij = grad_i . out_i (with dropout too, since
+        # out_i = sum_j keep_ij P_ij v_j): a (T, hs) product, not (T, T).
         d_scores -= (grad * self.out).sum(axis=-1, keepdims=True)
         d_scores *= probs  # masked positions have probability 0, so their gradient is 0
         grad_q = d_scores @ self.k
@@ -293,6 +303,9 @@ def linear(x, weight, bias=None):
     return Linear.apply(x, weight) if bias is None else Linear.apply(x, weight, bias)
 
 
-def attention(q, k, v, causal=True):
-    """Scaled dot-product attention over (B, H, T, hs) inputs, causal by default."""
-    return Attention.apply(q, k, v, causal=causal)
+def attention(q, k, v, causal=True, keep=None):
+    """Scaled dot-product attention over (B, H, T, hs) inputs, causal by default.
+
+    ``keep``: an optional (B, H, T, T) array of attention-dropout scales (``nn.HeadDropout``).
+    """
+    return Attention.apply(q, k, v, causal=causal, keep=keep)

@@ -2,7 +2,7 @@
 
 The model is ``PipelineParallel(GPT(config, tp=ctx.tp), ctx)``: tensor parallelism inside the
 layers, pipeline stages across pp, gradient averaging across dp; gradients are clipped by the
-global norm (each element counted once across tp and pp) before AdamW.
+global norm (each element counted once across tp and pp) before AdamW, or ZeRO-1's sharded AdamW.
 """
 import numpy as np
 import pytest
@@ -14,7 +14,8 @@ from hpcpar.checkpoint.pieces import global_slab, slab_slices
 from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.optim import AdamW, clip_grad_norm
 from hpcpar.parallel.pipeline import PipelineParallel
-from hpcpar.parallel.tensor import clip_grad_norm_parallel
+from hpcpar.parallel.tensor import clip_grad_norm_parallel, counts_toward_norm, sum_over_model_parallel
+from hpcpar.parallel.zero import ZeroRedundancyOptimizer
 
 CONFIG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=4, n_embd=16, seed=21)
 STEPS, BATCH, MICRO, CLIP = 3, 8, 2, 0.5
@@ -39,9 +40,26 @@ def reference():
     return dict(model.named_parameters()), losses
 
 
-def build(ctx):
-    pipe = PipelineParallel(GPT(CONFIG, np.float64, tp=ctx.tp), ctx, schedule="1f1b", micro_batches=MICRO)
+def build(ctx, zero=False):
+    """The 3D model and AdamW; with ``zero`` the optimizer state is sharded over dp (ZeRO-1),
+    which then does the dp reduction of gradients instead of the pipeline."""
+    pipe = PipelineParallel(GPT(CONFIG, np.float64, tp=ctx.tp), ctx, schedule="1f1b", micro_batches=MICRO,
+                            dp_average=not zero)
+    if zero:
+        return pipe, ZeroRedundancyOptimizer(pipe.named_parameters(), ctx.dp, AdamW, lr=1e-2, weight_decay=0.1)
     return pipe, AdamW(pipe.named_parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def clip_and_step(pipe, optimizer, ctx):
+    if isinstance(optimizer, ZeroRedundancyOptimizer):  # each rank clips its shard by the global norm
+        optimizer.reduce_gradients()
+        optimizer.clip_grad_norm(CLIP, counts=lambda p: counts_toward_norm(p, ctx, pipe.owns_for_norm),
+                                 model_parallel_sum=sum_over_model_parallel(ctx))
+        optimizer.step(reduce=False)
+    else:
+        clip_grad_norm_parallel(pipe.named_parameters(), CLIP, ctx, owns=pipe.owns_for_norm)
+        optimizer.step()
+    optimizer.zero_grad()
 
 
 def train(ctx, steps=range(STEPS), built=None):
@@ -51,9 +69,7 @@ def train(ctx, steps=range(STEPS), built=None):
     for step in steps:
         ids, targets = data(step)
         loss = pipe.train_step(ids[rows], targets[rows])
-        clip_grad_norm_parallel(pipe.named_parameters(), CLIP, ctx, owns=pipe.owns_for_norm)
-        optimizer.step()
-        optimizer.zero_grad()
+        clip_and_step(pipe, optimizer, ctx)
         losses.append(ctx.dp.allreduce(np.array([loss]), "mean")[0])
     return pipe, losses
 
@@ -72,12 +88,12 @@ def assert_matches(pipe, losses, expected_params, expected_losses, label, tol=1e
         assert diff <= tol, (label, name, diff)
 
 
-def check_layout(world, dp, pp, tp):
+def check_layout(world, dp, pp, tp, zero=False):
     ctx = layout_context(world, dp, pp, tp)
     if ctx is not None:
         params, ref_losses = reference()
-        pipe, losses = train(ctx)
-        assert_matches(pipe, losses, params, ref_losses, f"{dp}x{pp}x{tp}")
+        pipe, losses = train(ctx, built=build(ctx, zero))
+        assert_matches(pipe, losses, params, ref_losses, f"{dp}x{pp}x{tp}{' zero' if zero else ''}")
     world.Barrier()
 
 
@@ -88,9 +104,17 @@ def test_layouts_on_four_ranks_equal_one_process(world, layout):
     check_layout(world, *layout)
 
 
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("layout", [(2, 2, 1), (2, 1, 2), (4, 1, 1)])
+def test_zero_1_with_clipping_on_four_ranks_equals_one_process(world, layout):
+    """ZeRO-1's clip counts tp-replicated and tied weights once and completes the norm over tp and pp."""
+    check_layout(world, *layout, zero=True)
+
+
 @pytest.mark.mpi(min_size=8)
-def test_2x2x2_equals_one_process(world):
-    check_layout(world, 2, 2, 2)
+@pytest.mark.parametrize("zero", [False, True])
+def test_2x2x2_equals_one_process(world, zero):
+    check_layout(world, 2, 2, 2, zero)
 
 
 @pytest.mark.mpi(min_size=4)

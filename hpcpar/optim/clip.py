@@ -23,8 +23,13 @@ def clip_grad_norm(params, max_norm: float, allreduce_sum=None) -> float:
     local = float(sum(squares))  # one device-to-host transfer
     total = float(allreduce_sum(local)) if allreduce_sum is not None else local
     norm = math.sqrt(total)
+    scale_to_norm(grads, norm, max_norm)
+    return norm
+
+
+def scale_to_norm(grads, norm: float, max_norm: float) -> None:
+    """Scale ``grads`` in place by max_norm / norm when their joint ``norm`` exceeds ``max_norm``."""
     scale = max_norm / (norm + 1e-6)
     if scale < 1.0:
         for grad in grads:
             grad *= scale
-    return norm

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..autograd import Parameter
 from ..backend import get_array_module
-from ..optim.clip import clip_grad_norm
+from ..optim.clip import scale_to_norm
 from ..optim.optimizer import named_parameter_list
 
 
@@ -77,10 +77,34 @@ class ZeroRedundancyOptimizer:
         self.shard.grad = self.comm.reduce_scatter(self._flat_grad, "mean")
         return self.shard.grad
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip by the global norm: each rank holds one shard, the sum of squares is completed over dp."""
-        return clip_grad_norm([self.shard], max_norm,
-                              allreduce_sum=lambda s: self.comm.allreduce(np.array([s]), "sum")[0])
+    def clip_grad_norm(self, max_norm: float, counts=None, model_parallel_sum=None) -> float:
+        """Clip the reduced shard by the global norm; returns the norm.
+
+        The sum of squares is completed over dp (each rank holds one shard), then, when the
+        model itself is split, over its other pieces by ``model_parallel_sum`` (tp and pp:
+        ``parallel.tensor.sum_over_model_parallel``). ``counts(param)`` says whether this rank
+        counts a parameter's elements, so that a tp-replicated or tied weight counts once
+        (``parallel.tensor.counts_toward_norm``).
+        """
+        local = self._counted_squares(counts or (lambda param: True))
+        total = float(self.comm.allreduce(np.array([local], dtype=np.float64), "sum")[0])
+        if model_parallel_sum is not None:
+            total = model_parallel_sum(total)
+        norm = math.sqrt(total)
+        scale_to_norm([self.shard.grad], norm, max_norm)
+        return norm
+
+    def _counted_squares(self, counts) -> float:
+        """Sum of squares of the shard's gradient over the parameters ``counts`` accepts."""
+        start, grad = self.comm.rank * self.shard_size, self.shard.grad
+        xp = get_array_module(grad)
+        pieces = []
+        for p, offset in zip(self.params, self.offsets):
+            lo, hi = max(offset, start), min(offset + p.size, start + self.shard_size)
+            if lo < hi and counts(p):
+                piece = grad[lo - start: hi - start].astype(np.promote_types(grad.dtype, np.float32), copy=False)
+                pieces.append(xp.dot(piece, piece))
+        return float(sum(pieces)) if pieces else 0.0  # one device-to-host transfer
 
     def step(self, reduce: bool = True) -> None:
         if reduce:

@@ -161,3 +161,75 @@ def test_bfloat16_without_scaling():
         assert amp.step(optimizer)
     assert all(p.dtype == ml_dtypes.bfloat16 for p in model.parameters())
     assert losses[-1] < losses[0]
+
+
+# ----- mixed precision through the pipeline engine (two stages) --------------------------
+
+def pipeline_amp_run(ctx, dtype, scaler, steps=3, poison_stage_0_at=None):
+    """pp = 2 training of the float16/bfloat16 GPT with float32 masters; returns (pipe, amp, steps taken)."""
+    from hpcpar.parallel.pipeline import PipelineParallel
+
+    pipe = PipelineParallel(GPT(CONFIG, dtype=dtype), ctx, schedule="1f1b", micro_batches=1)
+    amp = MixedPrecision(pipe.named_parameters(), scaler)
+    pipe.backward_loss = amp.backward
+    optimizer = AdamW(amp.named_master_parameters(), lr=1e-2)
+    taken = []
+    for step, (ids, targets) in enumerate(data(steps)):
+        pipe.train_step(ids, targets)
+        if step == poison_stage_0_at and ctx.pp_rank == 0:
+            pipe.named_parameters()[0][1].grad[0, 0] = np.inf
+        taken.append(amp.step(optimizer, allreduce_max=lambda v: float(ctx.world.allreduce(np.array([v]), "max")[0])))
+    return pipe, amp, taken
+
+
+def single_process_amp_run(dtype, scaler, steps=3):
+    model = GPT(CONFIG, dtype=dtype)
+    amp = MixedPrecision(model, scaler)
+    optimizer = AdamW(amp.named_master_parameters(), lr=1e-2)
+    for ids, targets in data(steps):
+        amp.backward(model.loss(ids, targets))
+        amp.step(optimizer)
+    return dict(amp.named_master_parameters())
+
+
+def two_stage_context(world):
+    import hpcpar
+    from mpi4py import MPI
+
+    group = world.Split(0 if world.Get_rank() < 2 else MPI.UNDEFINED, world.Get_rank())
+    return None if group == MPI.COMM_NULL else hpcpar.init(dp=1, pp=2, tp=1, comm=group, device="cpu")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_pipeline_mixed_precision_equals_one_process(world, precision):
+    """Loss scaling seeds the last stage's backward; the scaled gradients cross the stages.
+
+    With one micro-batch the two stages do the single process's arithmetic, except that the
+    tied embedding's gradient is rounded in another order (each stage's part alone, then their
+    sum, instead of one running sum). That shows in bfloat16's 8-bit mantissa, so the float32
+    masters agree to well under one step's change (lr 1e-2), not bit for bit.
+    """
+    if precision == "bfloat16":
+        dtype, scaler, tol = pytest.importorskip("ml_dtypes").bfloat16, None, 1e-3
+    else:
+        dtype, scaler, tol = np.float16, DynamicLossScaler(init_scale=1024.0), 1e-4
+    ctx = two_stage_context(world)
+    if ctx is not None:
+        pipe, amp, taken = pipeline_amp_run(ctx, dtype, scaler)
+        expected = single_process_amp_run(dtype, DynamicLossScaler(init_scale=1024.0) if scaler else None)
+        assert taken == [True, True, True]
+        for name, master in amp.named_master_parameters():
+            np.testing.assert_allclose(master.data, expected[name].data, rtol=0, atol=tol, err_msg=name)
+        assert all(p.dtype == dtype for _, p in pipe.named_parameters())
+    world.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pipeline_overflow_on_one_stage_skips_the_step_on_both(world):
+    ctx = two_stage_context(world)
+    if ctx is not None:
+        _, amp, taken = pipeline_amp_run(ctx, np.float16, DynamicLossScaler(init_scale=1024.0), poison_stage_0_at=1)
+        assert taken == [True, False, True]  # the last stage's gradients were finite: it skipped all the same
+        assert amp.scale == 512.0
+    world.Barrier()

@@ -3,6 +3,7 @@ a stop signal checkpoints and the resumed run ends where an uninterrupted one do
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +46,33 @@ def test_every_shipped_job_runs(job, tmp_path, token_file):
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records if "loss" in r] == [1, 3, 6]
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+
+
+@pytest.mark.parametrize("layout", [["parallel.dp=2", "parallel.pp=2"], ["parallel.dp=2", "parallel.pp=2", "parallel.zero=true"],
+                                    ["parallel.dp=2", "parallel.tp=2", "parallel.pp=1", "parallel.zero=true"]],
+                         ids=["dp2-pp2", "dp2-pp2-zero", "dp2-tp2-zero"])
+def test_bfloat16_trains_with_pipelines_and_zero_and_resumes_exactly(tmp_path, token_file, layout):
+    """Mixed precision under pipelines and ZeRO-1: the loss falls, and a run stopped at step 4
+    and resumed ends with the float32 masters of an uninterrupted run, bit for bit."""
+    pytest.importorskip("ml_dtypes")
+    job = os.path.join(REPO, "jobs", "gpt-pp.toml")
+    common = [*layout, "train.precision=\"bf16\"", "model.n_layer=2", "model.n_embd=32", "parallel.micro_batches=2",
+              "train.log_interval=1", "train.eval_interval=0", "train.sample_tokens=0", "checkpoint.interval=4"]
+    straight = train(job, tmp_path / "straight", token_file, *common, "train.steps=8")
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    losses = [json.loads(line)["loss"] for line in open(tmp_path / "straight" / "metrics.jsonl") if '"loss"' in line]
+    assert len(losses) == 8 and all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+    # the same job interrupted after its step-4 checkpoint: that checkpoint alone, then resume
+    shutil.copytree(tmp_path / "straight" / "ckpt" / "step-00000004", tmp_path / "stopped" / "ckpt" / "step-00000004")
+    (tmp_path / "stopped" / "ckpt" / "latest").write_text("step-00000004\n")
+    resumed = train(job, tmp_path / "stopped", token_file, *common, "train.steps=8", "checkpoint.resume=true")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout and "step     8/8" in resumed.stdout
+    a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / "stopped" / "ckpt")
+    assert a.keys() == b.keys() and all(a[k].dtype == np.float32 for k in a)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
 @pytest.mark.parametrize("overrides, message", [

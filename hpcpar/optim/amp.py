@@ -18,7 +18,10 @@ float16 is for GPUs: NumPy multiplies float16 matrices without BLAS (a step of t
 took ~80x longer than in float32). CuPy has no bfloat16 matmul, so on GPUs use float16.
 
 A data-parallel wrapper all-reduces the model's gradients between ``backward`` and
-``step`` and passes ``allreduce_max`` so every rank takes the same skip decision.
+``step`` and passes ``allreduce_max`` so every rank takes the same skip decision. A pipeline
+seeds the last stage's backward with ``backward`` (``PipelineParallel(backward_loss=...)``);
+the gradients it passes upstream are then scaled too. ZeRO-1 can be the optimizer: its flat
+buffer then holds the float32 masters.
 """
 from __future__ import annotations
 
@@ -125,15 +128,16 @@ class MixedPrecision:
         local = 0.0 if all_finite else 1.0
         return bool(allreduce_max(local) if allreduce_max is not None else local)
 
-    def step(self, optimizer, allreduce_max=None) -> bool:
+    def step(self, optimizer, allreduce_max=None, **step_options) -> bool:
         """Step ``optimizer`` on the master weights and copy them into the model, or skip on overflow.
 
         Updates the scaler and clears the model's and master's gradients either way; returns
-        whether the step was taken.
+        whether the step was taken. ``step_options`` go to ``optimizer.step`` (ZeRO-1's
+        ``reduce=False`` after its gradients were reduced for clipping).
         """
         overflow = self.found_inf(allreduce_max)
         if not overflow:
-            optimizer.step()
+            optimizer.step(**step_options)
             self.copy_to_model()
         if self.scaler is not None:
             self.scaler.update(overflow)

@@ -106,10 +106,9 @@ def build(job: Job, ctx) -> Run:
     p = job.parallel
     dtype = compute_dtype(job)
     mixed = job.train.precision in ("fp16", "bf16")
-    if mixed and (p.pp > 1 or p.zero or p.mode != "allreduce"):
-        raise JobError(job.source, [("train.precision", f"{job.train.precision} runs with pp = 1, zero = false and "
-                                                        "mode = \"allreduce\" (the pipeline engine does not scale "
-                                                        "losses; ZeRO-1 and the async modes step the model's own "
+    if mixed and p.mode != "allreduce":
+        raise JobError(job.source, [("train.precision", f"{job.train.precision} runs with mode = \"allreduce\" "
+                                                        "(the parameter server and local SGD step the model's own "
                                                         "parameters, not float32 masters); use fp32")])
     model = build_model(job, ctx, dtype)
     mode = None
@@ -124,14 +123,15 @@ def build(job: Job, ctx) -> Run:
         ctx = mode.ctx  # the workers' own context (for ps: dp = world - servers)
     train, evaluation = build_data(job, ctx)
     amp = None
-    if mixed:
-        amp = MixedPrecision(model, scaler=DynamicLossScaler() if job.train.precision == "fp16" else None)
-
     if p.pp > 1:
         engine = PipelineEngine(model, ctx, schedule=p.schedule, micro_batches=p.micro_batches, chunks=p.chunks,
                                 partition=p.partition, bucket_mb=p.bucket_mb, dp_average=not p.zero,
                                 sample_input=_sample(train, p.micro_batches) if p.partition == "balanced" else None)
+        if mixed:  # masters for this stage's parameters only
+            amp = mixed_precision(job, engine.named_parameters())
+            engine.pipe.backward_loss = amp.backward
     else:
+        amp = mixed_precision(job, model.named_parameters()) if mixed else None
         compressor = None
         if p.compression != "none":
             options = {"topk": {"ratio": p.compression_ratio}, "powersgd": {"rank": p.powersgd_rank}}
@@ -151,6 +151,11 @@ def build(job: Job, ctx) -> Run:
     schedule = WarmupCosine(optimizer, warmup_steps=min(job.schedule.warmup_steps, job.train.steps),
                             total_steps=job.train.steps, min_lr=job.schedule.min_lr)
     return Run(job, ctx, model, engine, optimizer, schedule, train, evaluation, amp, mode)
+
+
+def mixed_precision(job: Job, named) -> MixedPrecision:
+    """float32 masters for ``named``; fp16 scales the loss, bf16 (float32's range) needs no scaling."""
+    return MixedPrecision(named, scaler=DynamicLossScaler() if job.train.precision == "fp16" else None)
 
 
 def _sample(batches, micro_batches: int):

@@ -27,7 +27,7 @@ import numpy as np
 from .. import checkpoint
 from ..autograd import no_grad
 from ..dist.context import init
-from ..parallel.tensor import clip_grad_norm_parallel
+from ..parallel.tensor import clip_grad_norm_parallel, counts_toward_norm, sum_over_model_parallel
 from .build import Run, build
 from .config import Job
 
@@ -118,14 +118,21 @@ def evaluate(run: Run) -> float:
 
 
 def clip(run: Run, max_norm: float) -> float:
-    """Clip by the global norm of the whole model, however it is split; returns the norm."""
-    if run.amp is not None:  # the float32 master gradients, unscaled
+    """Clip by the global norm of the whole model, however it is split; returns the norm.
+
+    Under mixed precision the float32 masters' (unscaled) gradients are clipped; a master
+    counts toward the norm where its model parameter does (a weight tied across stages once).
+    """
+    owns = run.engine.owns_for_norm
+    if run.amp is not None:
         run.amp.unscale_grads()
-        return clip_grad_norm_parallel(run.amp.named_master_parameters(), max_norm, run.ctx)
+        model_param = {id(master): param for (_, master), param in zip(run.amp.master, run.amp.model_params)}
+        owns = lambda master: run.engine.owns_for_norm(model_param[id(master)])  # noqa: E731
+    counts = lambda param: counts_toward_norm(param, run.ctx, owns)  # noqa: E731
     if hasattr(run.optimizer, "clip_grad_norm"):  # ZeRO-1: each rank clips its shard by the global norm
         run.optimizer.reduce_gradients()
-        return run.optimizer.clip_grad_norm(max_norm)
-    return clip_grad_norm_parallel(run.engine.named_parameters(), max_norm, run.ctx, owns=run.engine.owns_for_norm)
+        return run.optimizer.clip_grad_norm(max_norm, counts=counts, model_parallel_sum=sum_over_model_parallel(run.ctx))
+    return clip_grad_norm_parallel(run.named_parameters(), max_norm, run.ctx, owns=owns)
 
 
 def optimizer_step(run: Run, clipped_zero: bool) -> None:
@@ -133,7 +140,8 @@ def optimizer_step(run: Run, clipped_zero: bool) -> None:
         run.mode.after_backward()
         return
     if run.amp is not None:
-        run.amp.step(run.optimizer, allreduce_max=lambda v: float(run.ctx.world.allreduce(np.array([v]), "max")[0]))
+        run.amp.step(run.optimizer, allreduce_max=lambda v: float(run.ctx.world.allreduce(np.array([v]), "max")[0]),
+                     **({"reduce": False} if clipped_zero else {}))
     elif clipped_zero:
         run.optimizer.step(reduce=False)  # the gradients were reduced for clipping already
     else:
@@ -197,7 +205,7 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
         clipped_zero = False
         if job.optimizer.grad_clip > 0 and run.mode is None:  # the modes clip inside their exchange
             clip(run, job.optimizer.grad_clip)
-            clipped_zero = hasattr(run.optimizer, "clip_grad_norm") and run.amp is None
+            clipped_zero = hasattr(run.optimizer, "clip_grad_norm")
         lr = run.optimizer.lr
         exchange_start = time.perf_counter()
         optimizer_step(run, clipped_zero)

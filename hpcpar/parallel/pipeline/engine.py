@@ -37,7 +37,15 @@ from .partition import partition as partition_layers
 from .schedules import make_schedule, theoretical_bubble
 
 HEADER_LEN = 8  # dtype code, ndim, up to six dimensions
-WIRE_DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
+WIRE_DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
+
+
+def _wire_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":  # NumPy knows it only through ml_dtypes
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
 
 
 def _channel_tag(sending_stage: int, gradient: bool, header: bool = False) -> int:
@@ -47,8 +55,10 @@ def _channel_tag(sending_stage: int, gradient: bool, header: bool = False) -> in
 class PipelineParallel:
     def __init__(self, model, ctx, schedule: str = "1f1b", micro_batches: int = 4, loss_fn=None,
                  partition="uniform", chunks: int = 1, sample_input=None, wire_dtype=None, bucket_mb: float = 25,
-                 dp_average: bool = True):
-        """``dp_average=False`` leaves the dp reduction of gradients to the optimizer (ZeRO-1)."""
+                 dp_average: bool = True, backward_loss=None):
+        """``dp_average=False`` leaves the dp reduction of gradients to the optimizer (ZeRO-1);
+        ``backward_loss(loss)`` runs the last stage's backward (mixed precision: ``amp.backward``,
+        which seeds it with the loss scale)."""
         if schedule == "zb1":
             raise ValueError("schedule 'zb1' needs backward split into input and weight gradients, which this "
                              "engine does not do; it is available to schedules.simulate() only. "
@@ -63,6 +73,7 @@ class PipelineParallel:
         self.p, self.v, self.m = ctx.pp_size, chunks, micro_batches
         self.num_virtual = self.p * chunks
         self.loss_fn = loss_fn
+        self.backward_loss = backward_loss or (lambda loss: loss.backward())
         self.wire_dtype = np.dtype(wire_dtype) if wire_dtype is not None else None
         self.schedule_name = schedule
         self.actions = make_schedule(schedule, self.p, micro_batches, chunks)[ctx.pp_rank]
@@ -145,7 +156,7 @@ class PipelineParallel:
     def _recv_header(self, from_stage: int):
         header = np.empty(HEADER_LEN, dtype=np.int64)
         self.comm.recv(header, self._rank_of(from_stage), _channel_tag(from_stage, False, True))
-        return tuple(int(d) for d in header[2: 2 + header[1]]), np.dtype(WIRE_DTYPES[header[0]])
+        return tuple(int(d) for d in header[2: 2 + header[1]]), _wire_dtype(WIRE_DTYPES[header[0]])
 
     def _take(self, key):
         """Wait for the receive feeding ``key`` (timed as idle: the bubble) and return the array."""
@@ -248,7 +259,7 @@ class PipelineParallel:
         i, s = a.microbatch, a.stage
         x, out = self._saved.pop((i, s))  # released once its backward is done
         if s == self.num_virtual - 1:
-            out.backward()
+            self.backward_loss(out)
         elif ("B", i, s) in self._recvs:
             out.backward(self._take(("B", i, s)))
         else:

@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from ..backend import get_array_module, is_gpu_array, synchronize, to_host
 from . import debug
+from .watchdog import StallWatchdog, Waiting
 
 REDUCE_OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 WAIT_POLICIES = ("spin", "yield")
@@ -66,20 +67,25 @@ def default_wait_policy(node_size: int) -> str:
     return "yield" if node_size > (os.cpu_count() or 1) else "spin"
 
 
-def wait_politely(request) -> None:
-    """Complete an MPI request without spinning on a core another rank needs.
+def polite_pause(waited: float) -> None:
+    """Between two polls of a wait that has lasted ``waited`` seconds, give the core away.
 
     A non-blocking collective advances only inside MPI calls, one algorithm stage per poll:
     sleeping from the first poll on made an 8-byte all-reduce on 4 ranks cost ~450 us. So
     poll eagerly for a moment, handing the core over between polls (sched_yield), and only
     then sleep between polls.
     """
-    eager_until = time.perf_counter() + _YIELD_EAGER_S
+    if waited < _YIELD_EAGER_S:
+        os.sched_yield()
+    else:
+        time.sleep(_YIELD_SLEEP_S)
+
+
+def wait_politely(request) -> None:
+    """Complete an MPI request without spinning on a core another rank needs."""
+    start = time.perf_counter()
     while not request.Test():
-        if time.perf_counter() < eager_until:
-            os.sched_yield()
-        else:
-            time.sleep(_YIELD_SLEEP_S)
+        polite_pause(time.perf_counter() - start)
 
 
 # ----------------------------------------------------------------------------------------
@@ -183,8 +189,8 @@ class _Staged:
 class Handle:
     """A pending non-blocking call; ``wait()`` completes it and returns the result array."""
 
-    def __init__(self, comm: "Communicator", op: str, request, finish, keepalive=None):
-        self._comm, self._op, self._request, self._finish = comm, op, request, finish
+    def __init__(self, comm: "Communicator", op: str, request, finish, waiting: Waiting, keepalive=None):
+        self._comm, self._op, self._request, self._finish, self._waiting = comm, op, request, finish, waiting
         self._keepalive = keepalive
         self._result = None
         self.done = False
@@ -197,7 +203,7 @@ class Handle:
     def wait(self):
         if not self.done:
             start = time.perf_counter()
-            self._comm._wait(self._request)
+            self._comm._wait(self._request, self._waiting)
             self._comm.stats.add_seconds(self._op, time.perf_counter() - start)
             self._complete()
         return self._result
@@ -229,23 +235,34 @@ class Communicator:
         self.cuda_aware = query_cuda_aware() if cuda_aware is None else cuda_aware
         self.wait_policy = wait_policy
         self.stats = CommStats()
+        self.watchdog = StallWatchdog.for_communicator(self)  # None: HPCPAR_STALL_S=0
 
     def __repr__(self) -> str:
         return f"Communicator({self.name}, rank {self.rank} of {self.size})"
 
     # ----- waiting ------------------------------------------------------------------
-    def _wait(self, request) -> None:
-        if self.wait_policy == "spin":
+    def _wait(self, request, waiting: Waiting) -> None:
+        if self.watchdog is not None:
+            self.watchdog.wait(request, waiting, polite_pause if self.wait_policy == "yield" else None)
+        elif self.wait_policy == "spin":
             request.Wait()
         else:
             wait_politely(request)
 
+    def _blocking(self) -> bool:
+        """Whether collectives may use MPI's blocking calls: spinning, and no watchdog to poll."""
+        return self.wait_policy == "spin" and self.watchdog is None
+
+    def _next_collective(self, op: str) -> Waiting:
+        return self.watchdog.next_collective(op) if self.watchdog is not None else Waiting.collective(op, -1)
+
     def barrier(self) -> None:
         start = time.perf_counter()
-        if self.wait_policy == "spin":
+        waiting = self._next_collective("barrier")
+        if self._blocking():
             self.mpi.Barrier()
         else:
-            self._wait(self.mpi.Ibarrier())
+            self._wait(self.mpi.Ibarrier(), waiting)
         self.stats.add("barrier", 0, time.perf_counter() - start)
 
     # ----- collectives --------------------------------------------------------------
@@ -255,10 +272,11 @@ class Communicator:
             return _into(out, self.allreduce(x.astype(np.float32), op).astype(x.dtype))
         start = time.perf_counter()
         staged, finish = self._prepare_allreduce("allreduce", x, op, out)
-        if self.wait_policy == "spin":  # the library's blocking path: what raw MPI users time
+        waiting = self._next_collective("allreduce")
+        if self._blocking():  # the library's blocking path: what raw MPI users time
             self.mpi.Allreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op])
         else:
-            self._wait(self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op]))
+            self._wait(self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op]), waiting)
         result = finish()
         self.stats.add("allreduce", x.nbytes, time.perf_counter() - start)
         return result
@@ -274,7 +292,7 @@ class Communicator:
         staged, finish = self._prepare_allreduce("iallreduce", x, op, out)
         request = self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op])
         self.stats.add("iallreduce", x.nbytes, time.perf_counter() - start)
-        return Handle(self, "iallreduce", request, finish)
+        return Handle(self, "iallreduce", request, finish, self._next_collective("iallreduce"))
 
     def _prepare_allreduce(self, name: str, x, op: str, out):
         """Check, copy ``x`` into ``out`` (unless in place) and stage it; return (staged, finish)."""
@@ -310,7 +328,8 @@ class Communicator:
         x = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
         out = xp.empty((x.shape[0] // self.size,) + x.shape[1:], dtype=x.dtype)
         send, recv = _Staged(x, self.cuda_aware), _Staged(out, self.cuda_aware, copy_in=False)
-        self._wait(self.mpi.Ireduce_scatter_block(send.buffer, recv.buffer, mpi_op))
+        self._wait(self.mpi.Ireduce_scatter_block(send.buffer, recv.buffer, mpi_op),
+                   self._next_collective("reduce_scatter"))
         result = recv.finish()
         if op == "mean":
             result /= self.size
@@ -325,7 +344,7 @@ class Communicator:
         x = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
         out = xp.empty((self.size,) + x.shape, dtype=x.dtype)
         send, recv = _Staged(x, self.cuda_aware), _Staged(out, self.cuda_aware, copy_in=False)
-        self._wait(self.mpi.Iallgather(send.buffer, recv.buffer))
+        self._wait(self.mpi.Iallgather(send.buffer, recv.buffer), self._next_collective("allgather"))
         result = recv.finish()
         self.stats.add("allgather", x.nbytes, time.perf_counter() - start)
         return result
@@ -336,7 +355,7 @@ class Communicator:
         _require_contiguous(x, "broadcast")
         start = time.perf_counter()
         staged = _Staged(x, self.cuda_aware, copy_in=self.rank == root)
-        self._wait(self.mpi.Ibcast(staged.buffer, root=root))
+        self._wait(self.mpi.Ibcast(staged.buffer, root=root), self._next_collective("broadcast"))
         staged.finish()
         self.stats.add("broadcast", x.nbytes, time.perf_counter() - start)
         return x
@@ -356,7 +375,7 @@ class Communicator:
         request = self.mpi.Isend(staged.buffer, dest=dest, tag=tag)
         self.stats.add(_op_name, x.nbytes, time.perf_counter() - start)
         # The staged host copy must outlive the request: the handle keeps it alive.
-        return Handle(self, _op_name, request, lambda: x, keepalive=staged)
+        return Handle(self, _op_name, request, lambda: x, Waiting.point_to_point(_op_name, dest, tag), keepalive=staged)
 
     def irecv(self, buf, source: int, tag: int = 0, *, _op_name: str = "irecv") -> Handle:
         _require_contiguous(buf, _op_name)
@@ -364,7 +383,7 @@ class Communicator:
         staged = _Staged(buf, self.cuda_aware, copy_in=False)
         request = self.mpi.Irecv(staged.buffer, source=source, tag=tag)
         self.stats.add(_op_name, buf.nbytes, time.perf_counter() - start)
-        return Handle(self, _op_name, request, staged.finish)
+        return Handle(self, _op_name, request, staged.finish, Waiting.point_to_point(_op_name, source, tag))
 
     # ----- pickled Python objects (separate names: never the array path) -------------
     def bcast_object(self, obj, root: int = 0):

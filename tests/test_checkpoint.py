@@ -163,12 +163,12 @@ from dp_reference import DataParallelRun
 ctx = hpcpar.init(device="cpu")
 run = DataParallelRun(ctx)
 checkpoint.save({root!r}, 1, run.model, run.optimizer, ctx, extra=run.extra())
-real_fsync = save_module.fsync_path
-def dying_fsync(path):
+real_sync = save_module.sync_and_checksum
+def dying_sync(path):
     if ctx.rank == 1 and "step-00000002.tmp" in path:
         os._exit(9)   # killed in the middle of the save: its shard is written, nothing committed
-    real_fsync(path)
-save_module.fsync_path = dying_fsync
+    return real_sync(path)
+save_module.sync_and_checksum = dying_sync
 run.train(range(1))
 checkpoint.save({root!r}, 2, run.model, run.optimizer, ctx, extra=run.extra())
 """

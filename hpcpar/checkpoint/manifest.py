@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import zlib
 
 FORMAT = "hpcpar-checkpoint"
@@ -48,6 +49,19 @@ def file_checksum(path: str, chunk: int = 8 << 20) -> str:
     return f"{crc:08x}"
 
 
+def sync_and_checksum(path: str) -> dict:
+    """fsync a just-written file and take its size and CRC-32, the two at once.
+
+    The CRC reads the file back from the page cache while fsync pushes it to the disk; both
+    release the GIL, so a thread for the fsync saves the shorter of the two from a save.
+    """
+    syncing = threading.Thread(target=fsync_path, args=(path,))
+    syncing.start()
+    crc = file_checksum(path)
+    syncing.join()
+    return {"bytes": os.path.getsize(path), "crc32": crc}
+
+
 def fsync_path(path: str) -> None:
     """fsync a file or a folder (a rename is durable only once its folder is synced)."""
     fd = os.open(path, os.O_RDONLY)
@@ -60,7 +74,7 @@ def fsync_path(path: str) -> None:
 def write_json_atomically(path: str, data) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(data, f, sort_keys=True)
+        f.write(json.dumps(data, sort_keys=True))  # dumps uses the C encoder; dump(f) the Python one
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -1,7 +1,8 @@
 """Loading a checkpoint into any layout: each rank reads exactly the slabs it now holds.
 
 Reads go through ``index.h5``'s virtual datasets, so a rank that now holds rows 0..511 of a
-tensor written as four column shards reads just that hyperslab and HDF5 stitches it. Before
+tensor written as four column shards reads just that hyperslab and HDF5 stitches it; a slab
+that is exactly a written piece (the same layout again) is read from its shard directly. Before
 anything is read, every file is checked against the manifest (presence, size, CRC-32; the
 ranks share the work): a missing shard would otherwise read silently as fill values.
 """
@@ -26,19 +27,53 @@ def verify_collectively(step_dir: str, manifest: dict, comm) -> None:
         raise CheckpointError("damaged checkpoint: " + "; ".join(problems))
 
 
-def _read(index, manifest: dict, key: str, shape: tuple, slab, what: str):
-    if key not in manifest["tensors"]:
-        raise CheckpointError(f"{what}: the checkpoint has no tensor {key!r}")
-    saved = tuple(manifest["tensors"][key]["shape"])
-    if saved != tuple(shape):
-        raise CheckpointError(f"{what}: {key} has global shape {saved} in the checkpoint but {tuple(shape)} here")
-    return index[key][slab_slices(slab)]
+class _Source:
+    """Where tensors are read from: a piece's own dataset in its shard file when this rank's
+    slab is exactly a piece that was written (loading into the layout that saved), the index's
+    virtual dataset otherwise (HDF5 stitches the slab from the pieces it overlaps)."""
+
+    def __init__(self, step_dir: str, manifest: dict, index):
+        self.step_dir, self.manifest, self.index = step_dir, manifest, index
+        self.files: dict = {}
+
+    def read(self, key: str, shape: tuple, slab, what: str):
+        table = self.manifest["tensors"].get(key)
+        if table is None:
+            raise CheckpointError(f"{what}: the checkpoint has no tensor {key!r}")
+        if tuple(table["shape"]) != tuple(shape):
+            raise CheckpointError(f"{what}: {key} has global shape {tuple(table['shape'])} in the checkpoint "
+                                  f"but {tuple(shape)} here")
+        wanted = [list(map(int, bounds)) for bounds in slab]
+        for piece in table["pieces"]:
+            if piece["slab"] == wanted:  # the same piece: skip the virtual-dataset mapping
+                return self._read_whole(piece, table["dtype"])
+        return self.index[key][slab_slices(slab)]
+
+    def _read_whole(self, piece: dict, dtype: str):
+        """A written piece's dataset, through h5py's low-level API (a third of ``dataset[...]``'s overhead)."""
+        out = np.empty(tuple(stop - start for start, stop in piece["slab"]), dtype=dtype)
+        dataset = h5py.h5d.open(self._file(piece["file"]).id, piece["dataset"].encode())
+        if dataset.shape != out.shape:
+            raise CheckpointError(f"{os.path.join(self.step_dir, piece['file'])}: dataset {piece['dataset']} has "
+                                  f"shape {dataset.shape}, the manifest says {out.shape}")
+        if out.size:
+            dataset.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
+        return out
+
+    def _file(self, name: str):
+        if name not in self.files:
+            self.files[name] = h5py.File(os.path.join(self.step_dir, name), "r")
+        return self.files[name]
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
 
 
-def _load_model(index, manifest, named, what):
+def _load_model(source, named, what):
     for name, param in named:
         shape, slab = global_slab(param)
-        param.data[...] = to_device(_read(index, manifest, f"model/{name}", shape, slab, what), param.xp)
+        param.data[...] = to_device(source.read(f"model/{name}", shape, slab, what), param.xp)
 
 
 def _state_keys(manifest, name) -> list[str]:
@@ -46,11 +81,12 @@ def _state_keys(manifest, name) -> list[str]:
     return sorted({k[len(prefix):] for k in list(manifest["tensors"]) + list(manifest["scalars"]) if k.startswith(prefix)})
 
 
-def _load_optimizer(index, manifest, optimizer, named, what):
+def _load_optimizer(source, optimizer, named, what):
     from ..parallel.zero import ZeroRedundancyOptimizer
 
+    manifest = source.manifest
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return _load_zero(index, manifest, optimizer, what)
+        return _load_zero(source, optimizer, what)
     params = dict(named)
     for name, param in zip(optimizer.names, optimizer.params):
         shape, slab = global_slab(params.get(name, param))
@@ -60,13 +96,13 @@ def _load_optimizer(index, manifest, optimizer, named, what):
             if full in manifest["scalars"]:
                 state[key] = int(manifest["scalars"][full])
             else:
-                state[key] = to_device(_read(index, manifest, full, shape, slab, what), param.xp).astype(param.dtype)
+                state[key] = to_device(source.read(full, shape, slab, what), param.xp).astype(param.dtype)
         optimizer.state[name] = state
 
 
-def _load_zero(index, manifest, zero, what):
+def _load_zero(source, zero, what):
     """Assemble this rank's flat shard of each state array from the per-parameter global tensors."""
-    xp = zero.shard.xp
+    xp, manifest = zero.shard.xp, source.manifest
     keys = _state_keys(manifest, zero.names[0])
     state = {}
     for key in keys:
@@ -76,7 +112,7 @@ def _load_zero(index, manifest, zero, what):
             continue
         flat = np.zeros(zero.shard_size, dtype=zero.shard.dtype)
         for name, _, shape, glob, local_shape, offset in zero_param_slabs(zero):
-            block = _read(index, manifest, f"optim/{name}/{key}", shape, glob, what).reshape(-1)
+            block = source.read(f"optim/{name}/{key}", shape, glob, what).reshape(-1)
             flat[offset: offset + block.size] = block
         state[key] = to_device(flat, xp)
     zero.optimizer.state["shard"] = state
@@ -112,9 +148,13 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
     named = list(model.named_parameters()) if hasattr(model, "named_parameters") else list(model)
     what = f"loading {step_dir}"
     with h5py.File(os.path.join(step_dir, INDEX), "r") as index:
-        _load_model(index, manifest, named, what)
-        if optimizer is not None:
-            _load_optimizer(index, manifest, optimizer, named, what)
+        source = _Source(step_dir, manifest, index)
+        try:
+            _load_model(source, named, what)
+            if optimizer is not None:
+                _load_optimizer(source, optimizer, named, what)
+        finally:
+            source.close()
     if hasattr(optimizer, "refresh_shard"):
         optimizer.refresh_shard()
     if strict:  # every model tensor of the checkpoint must land on some rank

@@ -1,4 +1,5 @@
 """The dp x pp x tp grid: coordinates, communicator membership, neighbours, layout errors."""
+import os
 import itertools
 
 import pytest
@@ -60,3 +61,22 @@ def test_grid_for_every_factorisation(world):
 def test_init_rejects_a_layout_on_every_rank_without_waiting(world):
     with pytest.raises(LayoutError, match=f"world size {world.Get_size()} is not divisible"):
         hpcpar.init(pp=world.Get_size() + 1)
+
+
+def test_ranks_on_one_node_share_its_cores_among_their_blas_threads(monkeypatch):
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from hpcpar import backend
+
+    before = {pool["internal_api"]: pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert backend.share_cores(64) is None  # the user chose: left alone
+    for name in backend.BLAS_THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    try:
+        cores = len(os.sched_getaffinity(0))
+        assert backend.share_cores(4 * cores) == 1  # more ranks than cores: one thread each
+        assert all(pool["num_threads"] == 1 for pool in threadpool_info() if pool["user_api"] == "blas")
+        assert backend.blas_threads().endswith(" 1")
+    finally:
+        threadpool_limits(limits=max(before.values(), default=1), user_api="blas")

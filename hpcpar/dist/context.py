@@ -142,6 +142,8 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
     node.Free()
     if device == "cuda":
         backend.select_gpu(node_rank)
+    else:
+        backend.share_cores(node_size)  # ranks on one node: BLAS thread pools that do not fight
 
     cuda_aware = query_cuda_aware()
     policy = wait_policy or default_wait_policy(node_size)

@@ -1,0 +1,76 @@
+"""Every `hpcpar bench` runs end to end on a tiny problem and prints its table of ratios.
+
+Only the shape of the output is checked (columns, rows, positive finite numbers): timings on
+a shared machine are not asserted. `bench allreduce` is covered with the native build.
+"""
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import venv_bin
+
+
+def bench(name, *args, ranks=2):
+    command = [sys.executable, "-m", "hpcpar", "bench", name, *map(str, args)]
+    if ranks:
+        command = [venv_bin("mpiexec"), "-n", str(ranks), *command]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def table(output: str, header_start: str) -> tuple[list, list]:
+    """(header cells, rows of cells) of the table whose header line starts with ``header_start``."""
+    lines = output.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith(header_start))
+    rows = []
+    for line in lines[at + 2:]:  # past the header and its rule
+        if not line.strip() or set(line.strip()) <= {"-", " "}:
+            break
+        rows.append(line.split())
+    return lines[at].split(), rows
+
+
+def positive(cell: str) -> bool:
+    value = float(cell.rstrip("%"))
+    return math.isfinite(value) and value > 0
+
+
+def test_bench_step_times_a_training_step():
+    header, rows = table(bench("step", "--steps", 2, "--warmup", 1, "--batch", 2, "--no-torch", ranks=0), "framework")
+    assert header[:3] == ["framework", "ms/step", "cpu"] and rows[0][0] == "hpcpar" and positive(rows[0][1])
+
+
+def test_bench_dp_compares_the_gradient_sync_with_one_raw_all_reduce():
+    header, rows = table(bench("dp", "--steps", 2, "--batch", 2), "ranks")
+    assert {"sync/raw", "hidden", "weak"} <= set(header)
+    assert [row[0] for row in rows] == ["1", "2"]
+    assert positive(rows[1][header.index("sync/raw")])
+
+
+def test_bench_ckpt_compares_save_and_load_with_raw_files():
+    output = bench("ckpt", "--repeats", 1, "--n-layer", 1, "--n-embd", 32)
+    rows = table(output, "bytes")[1][:3]  # notes follow the table
+    assert [row[0] for row in rows] == ["save", "async", "load"]
+    assert "shard bytes by rank" in output
+    assert all(positive(row[-1]) for row in rows)
+
+
+def test_bench_pipeline_compares_the_bubble_with_theory():
+    header, rows = table(bench("pipeline", "--batch", 8, "--micro", 2, "--steps", 1, "--stages", 2, "--n-layer", 2),
+                         "schedule")
+    assert header[-1] == "bubble/(theory+comm)"
+    assert [row[0] for row in rows] == ["gpipe", "1f1b", "interleaved"]
+    assert all(positive(row[-1]) for row in rows)
+
+
+@pytest.mark.parametrize("ranks, slow_rank", [(2, 0), (3, 1)])
+def test_bench_async_runs_every_mode(ranks, slow_rank):
+    _, rows = table(bench("async", "--steps", 4, "--batch", 2, "--slow-rank", slow_rank, "--slow-factor", 2,
+                          ranks=ranks), "mode")
+    modes = [" ".join(row[:-8]) for row in rows]
+    assert modes == ["allreduce", "allreduce (W)", "ps sync", "ps async s=1", "ps async s=4", "local SGD H=4",
+                     "local SGD H=16"]
+    assert all(positive(row[-7]) for row in rows)  # time s

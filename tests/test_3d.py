@@ -40,11 +40,12 @@ def reference():
     return dict(model.named_parameters()), losses
 
 
-def build(ctx, zero=False):
+def build(ctx, zero=False, sequence_parallel=False):
     """The 3D model and AdamW; with ``zero`` the optimizer state is sharded over dp (ZeRO-1),
     which then does the dp reduction of gradients instead of the pipeline."""
-    pipe = PipelineParallel(GPT(CONFIG, np.float64, tp=ctx.tp), ctx, schedule="1f1b", micro_batches=MICRO,
-                            dp_average=not zero)
+    model = GPT(CONFIG, np.float64, tp=ctx.tp)
+    model.sequence_parallel = sequence_parallel
+    pipe = PipelineParallel(model, ctx, schedule="1f1b", micro_batches=MICRO, dp_average=not zero)
     if zero:
         return pipe, ZeroRedundancyOptimizer(pipe.named_parameters(), ctx.dp, AdamW, lr=1e-2, weight_decay=0.1)
     return pipe, AdamW(pipe.named_parameters(), lr=1e-2, weight_decay=0.1)
@@ -88,12 +89,13 @@ def assert_matches(pipe, losses, expected_params, expected_losses, label, tol=1e
         assert diff <= tol, (label, name, diff)
 
 
-def check_layout(world, dp, pp, tp, zero=False):
+def check_layout(world, dp, pp, tp, zero=False, sequence_parallel=False):
     ctx = layout_context(world, dp, pp, tp)
     if ctx is not None:
         params, ref_losses = reference()
-        pipe, losses = train(ctx, built=build(ctx, zero))
-        assert_matches(pipe, losses, params, ref_losses, f"{dp}x{pp}x{tp}{' zero' if zero else ''}")
+        pipe, losses = train(ctx, built=build(ctx, zero, sequence_parallel))
+        label = f"{dp}x{pp}x{tp}{' zero' if zero else ''}{' sequence-parallel' if sequence_parallel else ''}"
+        assert_matches(pipe, losses, params, ref_losses, label)
     world.Barrier()
 
 
@@ -111,10 +113,16 @@ def test_zero_1_with_clipping_on_four_ranks_equals_one_process(world, layout):
     check_layout(world, *layout, zero=True)
 
 
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("layout", [(1, 2, 2), (2, 1, 2), (1, 1, 4)])
+def test_sequence_parallel_on_four_ranks_equals_one_process(world, layout):
+    check_layout(world, *layout, sequence_parallel=True)
+
+
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("zero", [False, True])
-def test_2x2x2_equals_one_process(world, zero):
-    check_layout(world, 2, 2, 2, zero)
+@pytest.mark.parametrize("zero, sequence_parallel", [(False, False), (True, False), (False, True)])
+def test_2x2x2_equals_one_process(world, zero, sequence_parallel):
+    check_layout(world, 2, 2, 2, zero, sequence_parallel)
 
 
 @pytest.mark.mpi(min_size=4)

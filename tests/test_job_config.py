@@ -190,6 +190,10 @@ def test_validate_fills_dp_and_describe_round_trips(tmp_path):
     (["parallel.mode=ps", "parallel.pp=1", "parallel.servers=2", "parallel.micro_batches=1"], 2,
      "parallel.servers: 2 server(s) leave no worker among 2 ranks"),
     (["parallel.zero=true", "parallel.compression=fp16"], 2, "parallel.zero: ZeRO reduce-scatters gradients"),
+    (["parallel.sequence_parallel=true"], 4, "parallel.sequence_parallel: splits activations over the tp ranks; "
+                                             "with tp = 1 there is nothing to split"),
+    (["parallel.sequence_parallel=true", "parallel.tp=2", "parallel.pp=1", "model.block_size=33"], 2,
+     "parallel.sequence_parallel: block_size = 33 tokens do not split over tp = 2 ranks"),
     (["parallel.mode=local_sgd", "parallel.pp=1", "parallel.compression=topk", "parallel.micro_batches=1"], 2,
      'parallel.compression: compression hooks into the gradient all-reduce; mode = "local_sgd"'),
     (["data.kind=digits"], 2, 'data.kind: model.kind = "gpt" trains on data.kind = "text", got "digits"'),

@@ -48,6 +48,21 @@ def test_every_shipped_job_runs(job, tmp_path, token_file):
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
 
 
+def test_sequence_parallelism_trains_like_plain_tensor_parallelism(tmp_path, token_file):
+    job = os.path.join(REPO, "jobs", "gpt-tp.toml")
+    common = ["parallel.tp=2", "parallel.dp=2", "model.n_layer=2", "model.n_embd=32", "train.steps=5",
+              "train.log_interval=1", "train.eval_interval=0", "train.sample_tokens=0", "checkpoint.interval=0"]
+    losses = {}
+    for sequence_parallel in ("false", "true"):
+        folder = tmp_path / sequence_parallel
+        proc = train(job, folder, token_file, *common, f"parallel.sequence_parallel={sequence_parallel}")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        losses[sequence_parallel] = [json.loads(line)["loss"] for line in open(folder / "metrics.jsonl")
+                                     if '"loss"' in line]
+    assert len(losses["true"]) == 5
+    np.testing.assert_allclose(losses["true"], losses["false"], rtol=1e-5)  # float32: sums in another order
+
+
 @pytest.mark.parametrize("layout", [["parallel.dp=2", "parallel.pp=2"], ["parallel.dp=2", "parallel.pp=2", "parallel.zero=true"],
                                     ["parallel.dp=2", "parallel.tp=2", "parallel.pp=1", "parallel.zero=true"]],
                          ids=["dp2-pp2", "dp2-pp2-zero", "dp2-tp2-zero"])

@@ -8,7 +8,7 @@ from hpcpar.checkpoint.pieces import global_slab, slab_slices
 from hpcpar.nn import init
 from hpcpar.nn.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
 from hpcpar.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                    scatter_to_tp, vocab_parallel_cross_entropy)
+                                    scatter_to_tp, sync_sequence_parallel_grads, vocab_parallel_cross_entropy)
 
 pytestmark = pytest.mark.mpi(min_size=2)
 CONFIG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=4, n_embd=16, seed=11)
@@ -116,16 +116,24 @@ def gpt_batch(seed=0):
     return ids[:, :-1], ids[:, 1:]
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_whole_gpt_equals_unsharded(tp, tied):
+def sharded_and_full_gpt(tp, tied, sequence_parallel=False):
+    """A tp-sharded and an unsharded GPT (dropout 0.1), after one forward and backward of the
+    same batch: (sharded, full, their two losses)."""
     config = GPTConfig(**{**CONFIG.to_dict(), "tie_weights": tied, "dropout": 0.1})
     sharded, full = GPT(config, np.float64, tp=tp), GPT(config, np.float64)
+    sharded.sequence_parallel = sequence_parallel
     ids, targets = gpt_batch()
     losses = []
     for model in (sharded, full):
         loss = model.loss(ids, targets)
         loss.backward()
         losses.append(loss.item())
+    return sharded, full, losses
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_whole_gpt_equals_unsharded(tp, tied):
+    sharded, full, losses = sharded_and_full_gpt(tp, tied)
     # dropout masks agree: a shared stream in replicated regions, per-head streams for attention
     assert abs(losses[0] - losses[1]) <= TOL
     assert_shard_grads(sharded, full)
@@ -164,3 +172,51 @@ def test_divisibility_errors_are_clear(tp):
         GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=3, n_embd=12), np.float64, tp=tp)
     with pytest.raises(ValueError, match=r"vocabulary size \(pad it to a multiple of tp\) \(17\) is not divisible"):
         GPT(GPTConfig(vocab_size=17, block_size=8, n_layer=1, n_head=4, n_embd=16), np.float64, tp=tp)
+
+
+# ----- sequence parallelism --------------------------------------------------------------
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_sequence_parallel_gpt_equals_unsharded(tp, tied):
+    """Norms, dropout and residuals on slices of the sequence: the same loss and gradients,
+    dropout masks included (drawn for the whole sequence, then sliced)."""
+    sharded, full, losses = sharded_and_full_gpt(tp, tied, sequence_parallel=True)
+    assert sharded.sequence_parallel == (tp.size > 1)  # with one tp rank there is nothing to split
+    sync_sequence_parallel_grads(sharded.named_parameters(), tp)
+    assert abs(losses[0] - losses[1]) <= TOL
+    assert_shard_grads(sharded, full)
+
+
+def test_sequence_parallel_communication_counts(tp):
+    """Per block, each all-reduce becomes a reduce-scatter and an all-gather of the same bytes."""
+    model = GPT(CONFIG, np.float64, tp=tp)
+    model.sequence_parallel = True
+    ids, targets = gpt_batch()
+    B, T, C, L = 4, CONFIG.block_size, CONFIG.n_embd, CONFIG.n_layer
+    activation = B * T * C * 8
+    tp.stats.reset()
+    loss = model.loss(ids, targets)
+    # forward: a reduce-scatter leaving each row-parallel layer and the embedding; an all-gather
+    # entering each column-parallel one (qkv, fc) and the head; the loss's two all-reduces
+    assert (tp.stats.calls("reduce_scatter"), tp.stats.calls("allgather")) == (2 * L + 1, 2 * L + 1)
+    assert tp.stats.bytes("reduce_scatter") == (2 * L + 1) * activation
+    assert tp.stats.bytes("allgather") == (2 * L + 1) * activation // tp.size  # each rank sends its slice
+    assert tp.stats.calls("allreduce") == 2
+    tp.stats.reset()
+    loss.backward()
+    assert (tp.stats.calls("reduce_scatter"), tp.stats.calls("allgather")) == (2 * L + 1, 2 * L + 1)
+    assert "allreduce" not in tp.stats.ops
+    sync_sequence_parallel_grads(model.named_parameters(), tp)
+    assert tp.stats.calls("allreduce") == 1  # the norms', biases' and position embedding's gradients, in one
+
+
+def test_sequence_parallel_needs_a_sequence_that_divides(tp):
+    model = GPT(CONFIG, np.float64, tp=tp)
+    model.sequence_parallel = True
+    ids, targets = gpt_batch()
+    if tp.size > 1:
+        with pytest.raises(ValueError, match="does not divide"):
+            model.loss(ids[:, :tp.size + 1], targets[:, :tp.size + 1])
+    # generation runs on whole sequences of any length, and leaves the setting as it was
+    out = model.generate(ids[:1, :3], 2, rng=np.random.default_rng(0))
+    assert out.shape == (1, 5) and model.sequence_parallel == (tp.size > 1)

@@ -67,8 +67,10 @@ class GPTEmbedding(Module):
         T = ids.shape[1]
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds the context block_size {self.block_size}")
-        positions = self.wpe.weight.xp.arange(T)
-        return self.drop(self.wte(ids) + self.wpe(positions))  # (B, T, C) + (T, C)
+        tokens = self.wte(ids)  # (B, T, C), or (B, T/tp, C) with sequence parallelism
+        shards = self.wte.comm if self.wte.sequence_parallel else None  # positions of this rank's slice
+        positions = self.wpe.weight.xp.arange(*tensor_parallel.sequence_range(tokens.shape[1], shards))
+        return self.drop(tokens + self.wpe(positions))  # (B, T', C) + (T', C)
 
 
 class CausalSelfAttention(Module):
@@ -91,9 +93,10 @@ class CausalSelfAttention(Module):
         self.drop = Dropout(config.dropout)
 
     def forward(self, x):
-        B, T, C = x.shape
         nh, hs = self.local_heads, self.head_size
-        qkv = ops.reshape(self.qkv(x), (B, T, nh, 3, hs))  # (B, T, 3 nh hs) -> (B, T, nh, 3, hs)
+        qkv = self.qkv(x)  # (B, T, 3 nh hs): the whole sequence, gathered under sequence parallelism
+        B, T = qkv.shape[:2]
+        qkv = ops.reshape(qkv, (B, T, nh, 3, hs))  # (B, T, 3 nh hs) -> (B, T, nh, 3, hs)
         qkv = ops.transpose(qkv, (3, 0, 2, 1, 4))  # -> (3, B, nh, T, hs)
         q, k, v = ops.split(qkv, 3, axis=0)  # each (1, B, nh, T, hs)
         keep = self.attn_drop(B, T, x.dtype, x.xp)  # None unless training with attn_dropout > 0
@@ -140,6 +143,7 @@ class GPTHead(Module):
     def __init__(self, config: GPTConfig, dtype, xp, tied_embedding=None, tp=None):
         super().__init__()
         object.__setattr__(self, "tp", tp)
+        self.sequence_parallel = False
         self.ln_f = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype, xp=xp)
         self.tied = tied_embedding is not None
         if self.tied:
@@ -149,8 +153,9 @@ class GPTHead(Module):
 
     def forward(self, x):
         x = self.ln_f(x)
-        if self.tied:
-            return ops.linear(tensor_parallel.copy_to_tp(x, self.tp), ops.transpose(self.wte.weight))  # (B, T, C) @ (C, V/tp)
+        if self.tied:  # (B, T, C) @ (C, V/tp), the sequence gathered first under sequence parallelism
+            x = tensor_parallel.enter_tp(x, self.tp, self.sequence_parallel)
+            return ops.linear(x, ops.transpose(self.wte.weight))
         return self.lm_head(x)
 
 
@@ -184,6 +189,7 @@ class GPT(Module):
             block.mlp.proj.weight.init = init.normal(residual_std)
         init.initialize(self, config.seed)
         self.rng = xp.random.default_rng(config.seed)
+        self.sequence_parallel = False
 
     @property
     def rng(self):
@@ -196,6 +202,36 @@ class GPT(Module):
         for _, module in self.named_modules():
             if isinstance(module, (Dropout, HeadDropout)):
                 module.rng = generator
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether activations outside the sharded regions are split along the sequence over tp.
+
+        Only the communication changes (reduce-scatter / all-gather instead of all-reduce), not
+        the weights, so it can be switched at any time; with one tp rank it stays off. The
+        replicated parameters that then see slices of the sequence are marked
+        ``sequence_parallel``: engines sum their gradients over tp after backward
+        (``tensor_parallel.sync_sequence_parallel_grads``). Sequences must divide by tp.
+        """
+        return self._sequence_parallel
+
+    @sequence_parallel.setter
+    def sequence_parallel(self, on: bool) -> None:
+        on = bool(on) and tensor_parallel.tp_size(self.tp) > 1
+        object.__setattr__(self, "_sequence_parallel", on)
+        split_layers = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear,
+                        tensor_parallel.VocabParallelEmbedding, GPTHead)
+        for _, module in self.named_modules():
+            if isinstance(module, split_layers):
+                module.sequence_parallel = on
+            if isinstance(module, Dropout):  # every Dropout of the GPT acts on residual-stream activations
+                object.__setattr__(module, "sequence_shards", self.tp if on else None)
+            on_slices = (list(module.parameters()) if isinstance(module, LayerNorm) else
+                         [module.bias] if isinstance(module, tensor_parallel.RowParallelLinear) else
+                         [module.wpe.weight] if isinstance(module, GPTEmbedding) else [])
+            for param in on_slices:
+                if param is not None:
+                    param.sequence_parallel = on
 
     def layers(self) -> list:
         """[embedding stage, block 0, ..., block n-1, head]: applied in turn they are ``forward``.
@@ -235,8 +271,9 @@ class GPT(Module):
         rng = np.random.default_rng(self.config.seed) if rng is None else rng
         xp = self.embed.wte.weight.xp
         ids = xp.asarray(ids.data if isinstance(ids, Tensor) else ids)
-        was_training = self.training
+        was_training, was_sequence_parallel = self.training, self.sequence_parallel
         self.eval()
+        self.sequence_parallel = False  # contexts of any length: the whole sequence on every rank
         try:
             with no_grad():
                 for _ in range(max_new_tokens):
@@ -256,4 +293,5 @@ class GPT(Module):
                     ids = xp.concatenate([ids, next_ids], axis=1)
         finally:
             self.train(was_training)
+            self.sequence_parallel = was_sequence_parallel
         return ids

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..autograd import Parameter, Tensor
 from ..autograd import ops
+from ..autograd.ops.nn_functional import dropout_scale
 from . import init
 from .module import Module
 
@@ -79,13 +80,22 @@ class Dropout(Module):
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = p
         self.rng = rng
+        # The tp communicator when the input is this rank's slice of the sequence (axis 1):
+        # the mask is drawn for the whole sequence and sliced, so it is the unsharded model's.
+        object.__setattr__(self, "sequence_shards", None)
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
         if self.rng is None:
             raise RuntimeError("Dropout in training mode needs a generator: set layer.rng (models set model.rng)")
-        return ops.dropout(x, self.p, self.rng, training=True)
+        shards = self.sequence_shards
+        if shards is None or shards.size == 1:
+            return ops.dropout(x, self.p, self.rng, training=True)
+        length = x.shape[1]
+        whole = (x.shape[0], length * shards.size) + tuple(x.shape[2:])
+        scale = dropout_scale(self.rng, self.p, whole, x.dtype, x.xp)[:, shards.rank * length:(shards.rank + 1) * length]
+        return x * Tensor(x.xp.ascontiguousarray(scale))
 
     def extra_repr(self):
         return f"p={self.p}"
@@ -117,12 +127,10 @@ class HeadDropout(Module):
         if self.rng is None:
             raise RuntimeError("HeadDropout in training mode needs a generator: set layer.rng (models set model.rng)")
         key = int(self.rng.integers(2**63))
-        draw_dtype = dtype if np.dtype(dtype).name in ("float32", "float64") else "float32"  # what generators draw
         keep = xp.empty((batch, len(self.heads), steps, steps), dtype=dtype)
         for local, head in enumerate(self.heads):
             seed = int(np.random.SeedSequence([key, head]).generate_state(1, np.uint64)[0])
-            draws = xp.random.default_rng(seed).random((batch, steps, steps), dtype=draw_dtype)
-            xp.multiply(draws >= self.p, keep.dtype.type(1.0 / (1.0 - self.p)), out=keep[:, local])
+            keep[:, local] = dropout_scale(xp.random.default_rng(seed), self.p, (batch, steps, steps), dtype, xp)
         return keep
 
     def extra_repr(self):

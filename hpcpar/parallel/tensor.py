@@ -19,6 +19,13 @@ A transformer block is then column -> row twice (attention with its heads split,
 hidden units split): two all-reduces forward (after each row-parallel layer) and two backward
 (at each copy_to_tp), as in Megatron-LM.
 
+Sequence parallelism (Korthikanti et al., 2022) splits the rest of the block, the norms,
+dropout and residual adds, along the sequence: each all-reduce becomes a reduce-scatter
+leaving a sharded region and an all-gather entering the next (``gather_sequence``,
+``reduce_scatter_sequence``), the same bytes, while those activations take 1/tp of the
+memory. Replicated parameters used on slices then need their gradients summed over tp
+(``sync_sequence_parallel_grads``).
+
 Sharded parameters carry ``global_shape`` and ``global_start``: initialisation generates the
 full tensor from the layout-independent stream and keeps this rank's slice (so every layout
 starts from the same model), and checkpoints store them as slabs of the global tensor.
@@ -112,6 +119,92 @@ def _gather_last(x, comm):
     return xp.concatenate(list(stacked), axis=-1)
 
 
+# Sequence parallelism: outside the sharded regions (norms, dropout, residual adds) each tp
+# rank holds a slice of the sequence, (B, T/tp, C), instead of the whole replicated activation.
+def _sequence_first(x):
+    """(B, T, ...) -> (T, B, ...) contiguous: MPI's reduce-scatter and all-gather split the first axis."""
+    return get_array_module(x).ascontiguousarray(x.swapaxes(0, 1))
+
+
+def _gather_sequence(x, comm):
+    """(B, T/tp, ...) on each rank -> (B, T, ...): the slices in rank order along the sequence."""
+    stacked = comm.allgather(_sequence_first(x))  # (tp, T/tp, B, ...)
+    whole = stacked.reshape((-1,) + stacked.shape[2:])  # (T, B, ...)
+    return get_array_module(x).ascontiguousarray(whole.swapaxes(0, 1))
+
+
+def _reduce_scatter_sequence(x, comm):
+    """(B, T, ...) partial sums on each rank -> this rank's (B, T/tp, ...) slice of their total."""
+    if x.shape[1] % comm.size:
+        raise ValueError(f"sequence parallelism splits the sequence over the {comm.size} tp ranks: a sequence "
+                         f"of {x.shape[1]} tokens does not divide (use a length that is a multiple of tp)")
+    part = comm.reduce_scatter(_sequence_first(x), "sum")  # (T/tp, B, ...)
+    return get_array_module(x).ascontiguousarray(part.swapaxes(0, 1))
+
+
+class _GatherSequence(Function):
+    """Entering a sharded region: all-gather the sequence forward, reduce-scatter backward."""
+
+    def forward(self, x, comm):
+        self.comm = comm
+        return _gather_sequence(x, comm)
+
+    def backward(self, grad):
+        return _reduce_scatter_sequence(grad, self.comm)
+
+
+class _ReduceScatterSequence(Function):
+    """Leaving a sharded region: reduce-scatter the sequence forward, all-gather backward."""
+
+    def forward(self, x, comm):
+        self.comm = comm
+        return _reduce_scatter_sequence(x, comm)
+
+    def backward(self, grad):
+        return _gather_sequence(grad, self.comm)
+
+
+def gather_sequence(x, comm):
+    return x if tp_size(comm) == 1 else _GatherSequence.apply(x, comm=comm)
+
+
+def reduce_scatter_sequence(x, comm):
+    return x if tp_size(comm) == 1 else _ReduceScatterSequence.apply(x, comm=comm)
+
+
+def sequence_range(length: int, comm) -> tuple[int, int]:
+    """[start, stop) of the sequence positions this rank holds when each holds ``length`` of them."""
+    return tp_rank(comm) * length, (tp_rank(comm) + 1) * length
+
+
+def enter_tp(x, comm, sequence_parallel: bool):
+    """Into a column-parallel layer: the whole input on every rank (gathered when sequence-parallel)."""
+    return gather_sequence(x, comm) if sequence_parallel else copy_to_tp(x, comm)
+
+
+def leave_tp(x, comm, sequence_parallel: bool):
+    """Out of a row-parallel layer: the summed output, whole or as this rank's slice of the sequence."""
+    return reduce_scatter_sequence(x, comm) if sequence_parallel else reduce_from_tp(x, comm)
+
+
+def sync_sequence_parallel_grads(named_parameters, comm) -> None:
+    """Sum over tp the gradients of replicated parameters used on sequence slices (one all-reduce).
+
+    With sequence parallelism LayerNorms, row-parallel biases and the position embedding see
+    only this rank's part of the sequence, so their gradients are partial sums; engines call
+    this after backward (as Megatron-LM all-reduces its layernorm gradients before the step).
+    """
+    params = [p for _, p in named_parameters if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if tp_size(comm) == 1 or not params:
+        return
+    xp = get_array_module(params[0].grad)
+    flat = comm.allreduce(xp.concatenate([p.grad.reshape(-1) for p in params]), "sum")
+    offset = 0
+    for p in params:
+        p.grad[...] = flat[offset: offset + p.grad.size].reshape(p.grad.shape)
+        offset += p.grad.size
+
+
 def copy_to_tp(x, comm):
     return x if tp_size(comm) == 1 else _CopyToTP.apply(x, comm=comm)
 
@@ -139,12 +232,13 @@ class ColumnParallelLinear(Module):
         super().__init__()
         object.__setattr__(self, "comm", comm)
         self.gather_output = gather_output
+        self.sequence_parallel = False  # the input arrives as this rank's slice of the sequence
         rule = init.fan_in_uniform(in_features)
         self.weight = sharded_parameter((in_features, out_features), 1, comm, rule, dtype, xp, "output features")
         self.bias = sharded_parameter((out_features,), 0, comm, rule, dtype, xp, "output features") if bias else None
 
     def forward(self, x):
-        y = ops.linear(copy_to_tp(x, self.comm), self.weight, self.bias)
+        y = ops.linear(enter_tp(x, self.comm, self.sequence_parallel), self.weight, self.bias)
         return gather_from_tp(y, self.comm) if self.gather_output else y
 
 
@@ -156,6 +250,7 @@ class RowParallelLinear(Module):
         super().__init__()
         object.__setattr__(self, "comm", comm)
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = False  # the output leaves as this rank's slice of the sequence
         rule = init.fan_in_uniform(in_features)
         self.weight = sharded_parameter((in_features, out_features), 0, comm, rule, dtype, xp, "input features")
         self.bias = new_parameter((out_features,), rule, dtype, xp) if bias else None  # replicated
@@ -163,7 +258,7 @@ class RowParallelLinear(Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.comm)
-        y = reduce_from_tp(ops.linear(x, self.weight), self.comm)
+        y = leave_tp(ops.linear(x, self.weight), self.comm, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
 
@@ -197,12 +292,14 @@ class VocabParallelEmbedding(Module):
         self.start, _ = shard_range(num_embeddings, comm, "vocabulary size (pad it to a multiple of tp)")
         self.weight = sharded_parameter((num_embeddings, embedding_dim), 0, comm, init.normal(1.0), dtype, xp,
                                         "vocabulary size (pad it to a multiple of tp)")
+        self.sequence_parallel = False  # the output leaves as this rank's slice of the sequence
 
     def forward(self, ids):
         ids = ids.data if isinstance(ids, Tensor) else ids
         if tp_size(self.comm) == 1:
             return ops.embedding(self.weight, ids)
-        return reduce_from_tp(_MaskedEmbedding.apply(self.weight, ids=ids, start=self.start), self.comm)
+        rows = _MaskedEmbedding.apply(self.weight, ids=ids, start=self.start)
+        return leave_tp(rows, self.comm, self.sequence_parallel)
 
 
 class _VocabParallelCrossEntropy(Function):

@@ -63,7 +63,9 @@ def compute_dtype(job: Job):
 
 def build_model(job: Job, ctx, dtype):
     if job.model.kind == "gpt":
-        return GPT(job.gpt_config(), dtype=dtype, device=ctx.device, tp=ctx.tp)
+        model = GPT(job.gpt_config(), dtype=dtype, device=ctx.device, tp=ctx.tp)
+        model.sequence_parallel = job.parallel.sequence_parallel
+        return model
     from ..nn.cnn import DigitsCNN
 
     if ctx.tp_size > 1:

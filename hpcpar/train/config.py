@@ -219,6 +219,8 @@ class ParallelSection:
                                     applies=("parallel.compression", ("topk",)))
     powersgd_rank: int = _key(4, INTEGER, "rank of PowerSGD's factors", check=at_least(1),
                               applies=("parallel.compression", ("powersgd",)))
+    sequence_parallel: bool = _key(False, BOOLEAN, "split norms, dropout and residual activations along the "
+                                                   "sequence over tp (reduce-scatter / all-gather instead of all-reduce)")
     zero: bool = _key(False, BOOLEAN, "ZeRO-1: shard optimizer state across dp")
     mode: str = _key("allreduce", STRING, "how dp replicas agree", choices=("allreduce", "ps", "local_sgd"))
     staleness: int = _key(0, INTEGER, "steps a worker may run ahead of the servers", check=at_least(0),

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..parallel.data import DistributedDataParallel
 from ..parallel.pipeline import PipelineParallel
+from ..parallel.tensor import sync_sequence_parallel_grads
 
 
 def _split_rows(batch, parts: int):
@@ -57,6 +58,7 @@ class DataParallelEngine:
             total += loss.item()
         if self.ddp is not None:
             self.ddp.finish_grad_sync()
+        sync_sequence_parallel_grads(self.model.named_parameters(), self.ctx.tp)
         step = time.perf_counter() - start
         comm = (self.ddp.sync_seconds - sync_before if self.ddp else 0.0) + self.ctx.tp.stats.total_seconds - tp_before
         self.stats = {"step_s": step, "compute_s": step - comm, "comm_s": comm, "idle_s": 0.0}

@@ -68,6 +68,13 @@ def validate(job: Job, world_size: int) -> Job:
     elif p.tp > 1:
         problems.append(("parallel.tp", f"tensor parallelism splits the GPT's heads and MLP; model.kind = "
                                         f"\"cnn\" needs tp = 1, got {p.tp}"))
+    if p.sequence_parallel and p.tp == 1:
+        problems.append(("parallel.sequence_parallel", "splits activations over the tp ranks; with tp = 1 there "
+                                                       "is nothing to split: set tp > 1 or sequence_parallel = false"))
+    elif p.sequence_parallel and m.kind == "gpt" and m.block_size % p.tp:
+        problems.append(("parallel.sequence_parallel", f"block_size = {m.block_size} tokens do not split over "
+                                                       f"tp = {p.tp} ranks; use a block_size that is a multiple of "
+                                                       f"{p.tp} or sequence_parallel = false"))
     if (m.kind == "gpt") != (job.data.kind == "text"):
         want = "text" if m.kind == "gpt" else "digits"
         problems.append(("data.kind", f"model.kind = {toml_value(m.kind)} trains on data.kind = "

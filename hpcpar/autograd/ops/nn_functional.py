@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ...backend import get_array_module
 from ..function import Function
 from ._common import integer_array, scatter_add_rows, wants_grad
@@ -170,14 +172,18 @@ class LayerNorm(Function):
         return (g_xhat, *grads)
 
 
+def dropout_scale(rng, p: float, shape, dtype, xp):
+    """0 (probability p) or 1/(1-p) for each element of ``shape``, drawn from ``rng``."""
+    draw_dtype = np.dtype(dtype) if np.dtype(dtype).name in ("float32", "float64") else np.float32  # what generators draw
+    keep = xp.asarray(rng.random(shape, dtype=draw_dtype))
+    # keep <- (keep >= p) / (1 - p), reusing the random buffer
+    xp.multiply(keep >= p, keep.dtype.type(1.0 / (1.0 - p)), out=keep)
+    return keep.astype(dtype, copy=False)
+
+
 class Dropout(Function):
     def forward(self, x, p, rng):
-        xp = get_array_module(x)
-        draw_dtype = x.dtype if x.dtype.name in ("float32", "float64") else "float32"  # what generators draw
-        keep = xp.asarray(rng.random(x.shape, dtype=draw_dtype))
-        # keep <- (keep >= p) / (1 - p), reusing the random buffer
-        xp.multiply(keep >= p, keep.dtype.type(1.0 / (1.0 - p)), out=keep)
-        self.scale = keep.astype(x.dtype, copy=False)
+        self.scale = dropout_scale(rng, p, x.shape, x.dtype, get_array_module(x))
         return x * self.scale
 
     def backward(self, grad):

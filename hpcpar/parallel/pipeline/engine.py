@@ -33,6 +33,7 @@ from ...autograd import Tensor, no_grad
 from ...backend import get_array_module
 from ...dist.comm import Communicator
 from ..data import DistributedDataParallel
+from ..tensor import sync_sequence_parallel_grads
 from .partition import partition as partition_layers
 from .schedules import make_schedule, theoretical_bubble
 
@@ -205,6 +206,7 @@ class PipelineParallel:
         self._sum_tied_gradients()
         if self.ddp is not None:
             self.ddp.finish_grad_sync()
+        sync_sequence_parallel_grads(self._named, self.ctx.tp)
         loss = self._share_loss()
         end = time.perf_counter()
         self.trace.append(("SYNC", comm_start, end))

@@ -57,7 +57,8 @@ def layout_job(job, layout, steps: int):
     if pp > 1 and micro < pp:
         micro = 2 * pp  # a pipeline needs micro-batches to fill its stages
     parallel = replace(job.parallel, dp=dp, pp=pp, tp=tp, micro_batches=micro,
-                       schedule=job.parallel.schedule if pp > 1 else "1f1b", chunks=1 if pp == 1 else job.parallel.chunks)
+                       schedule=job.parallel.schedule if pp > 1 else "1f1b", chunks=1 if pp == 1 else job.parallel.chunks,
+                       sequence_parallel=job.parallel.sequence_parallel and tp > 1)  # nothing to split at tp = 1
     if parallel.schedule == "interleaved" and (micro % pp or pp * parallel.chunks > job.num_layers):
         parallel = replace(parallel, schedule="1f1b", chunks=1)
     train = replace(job.train, steps=steps + 2, eval_interval=0, sample_tokens=0)

@@ -62,7 +62,8 @@ def test_a_late_rank_is_named_once_and_the_job_goes_on(tmp_path):
     assert reports, proc.stderr
     # reported by the lowest rank that arrived, repeated while the wait goes on (every 1 s here)
     assert all(r.startswith("hpcpar: stall: rank 0 of communicator 'world' has waited") for r in reports), reports
-    assert "in allreduce #2; arrived: ranks 0, 1; not arrived: rank 2 (no word" in reports[0]
+    # rank 1's answer may come after the first report on a loaded machine; it is in a later one
+    assert any("in allreduce #2; arrived: ranks 0, 1; not arrived: rank 2 (no word" in r for r in reports), reports
 
 
 def test_ranks_are_also_named_in_the_world(tmp_path):

@@ -286,3 +286,33 @@ def test_float32_stays_float32(name, monkeypatch):
 def test_python_constants_follow_float_dtypes_but_never_truncate():
     assert (Tensor(np.ones(2, np.float32)) * 2.5).dtype == np.float32
     np.testing.assert_array_equal((Tensor(np.array([1, 2])) * 0.5).data, [0.5, 1.0])
+
+
+# ----- backward in two passes (zero-bubble pipelines) ------------------------------------
+
+def test_deferred_weight_gradients_arrive_with_compute_and_equal_one_pass():
+    from hpcpar.autograd.deferred import deferred_weight_grads
+    from hpcpar.nn import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, tie_weights=False, seed=4)
+    ids = np.random.default_rng(0).integers(0, 11, (2, 9))
+    reference, split = GPT(config, np.float64), GPT(config, np.float64)
+    reference.loss(ids[:, :-1], ids[:, 1:]).backward()
+    hooked = []
+    split.head.lm_head.weight.register_grad_hook(lambda p: hooked.append(p.grad.copy()))
+    x = Tensor(split.embed(ids[:, :-1]).data, requires_grad=True)  # a stage input, as in a pipeline
+    with deferred_weight_grads() as weights:
+        split.loss_from_logits(split.head(split.blocks[1](split.blocks[0](x))), ids[:, 1:]).backward()
+    # the inputs of Linear ops (a row-parallel layer adds its bias after the reduction, outside)
+    linears = {name for name, p in split.named_parameters()
+               if name.endswith(("qkv.weight", "qkv.bias", "proj.weight", "fc.weight", "fc.bias", "lm_head.weight"))}
+    assert len(weights) == 4 * 2 + 1  # qkv, attention proj, fc, mlp proj per block, and the lm head
+    assert x.grad is not None and not hooked  # the input gradient now, the weights' later
+    for name, p in split.named_parameters():
+        assert (p.grad is None) == (name in linears or name.startswith("embed.")), name
+    weights.compute()
+    assert len(weights) == 0 and len(hooked) == 1
+    expected = dict(reference.named_parameters())
+    for name, p in split.named_parameters():
+        if not name.startswith("embed."):  # the embedding stayed outside this backward
+            np.testing.assert_array_equal(p.grad, expected[name].grad, err_msg=name)

@@ -62,7 +62,7 @@ def test_bench_pipeline_compares_the_bubble_with_theory():
     header, rows = table(bench("pipeline", "--batch", 8, "--micro", 2, "--steps", 1, "--stages", 2, "--n-layer", 2),
                          "schedule")
     assert header[-1] == "bubble/(theory+comm)"
-    assert [row[0] for row in rows] == ["gpipe", "1f1b", "interleaved"]
+    assert [row[0] for row in rows] == ["gpipe", "1f1b", "interleaved", "zb1"]
     assert all(positive(row[-1]) for row in rows)
 
 

@@ -121,7 +121,7 @@ def test_unknown_key_names_it_suggests_and_lists_the_allowed(tmp_path):
     (('dropout = 0.1', 'dropout = 1.0'), "model.dropout: 1.0 must be in [0.0, 1.0)"),
     (('precision = "fp64"', 'precision = "fp8"'), 'train.precision: "fp8" is not one of fp32, fp16, bf16, fp64'),
     (('schedule = "gpipe"', 'schedule = "gpip"'), "did you mean 'gpipe'?"),
-    (('schedule = "gpipe"', 'schedule = "zb1"'), "zb1 needs backward split into input and weight gradients"),
+    (('schedule = "gpipe"', 'schedule = "zb2"'), 'parallel.schedule: "zb2" is not one of gpipe, 1f1b, interleaved, zb1'),
     (('micro_batches = 4', 'micro_batches = 4\npartition = "even"'), "parallel.partition: \"even\" must be one of"),
     (('micro_batches = 4', 'micro_batches = 4\nstaleness = 2'),
      'parallel.staleness: 2 has no effect with parallel.mode = "allreduce"; it applies only with parallel.mode '

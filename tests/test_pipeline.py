@@ -40,7 +40,7 @@ def layouts(world):
     return [dict(pp=size)] + ([dict(pp=2)] if size == 4 else [])  # pp=2 x dp=2 at 4 ranks
 
 
-CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1)]
 
 
 @pytest.mark.mpi(min_size=2)

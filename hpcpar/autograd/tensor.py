@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import get_array_module
+from . import deferred
 from .function import Function
 
 
@@ -135,12 +136,19 @@ class Tensor:
         if self.is_leaf:
             self._accumulate(grad)
             return
+        weights = deferred.active()  # zero-bubble pipelines: weight gradients left for later
+        later: set[int] = set()  # leaves some op will accumulate into when the deferred work runs
         for node in reversed(order):
             fn = node._fn
             node_grad = grads.pop(id(node), None)
+            deferring = weights.deferrable(fn) if weights is not None and node_grad is not None else ()
             if node_grad is None:  # no path from the output delivered a gradient here
                 parent_grads = (None,) * len(fn.parents)
             else:
+                if deferring:
+                    fn.grad_inputs = frozenset(range(len(fn.parents))) - frozenset(deferring)
+                    weights.record(fn, node_grad, deferring)
+                    later.update(id(fn.parents[i]) for i in deferring)
                 parent_grads = fn.backward(node_grad)
                 if not isinstance(parent_grads, tuple):
                     parent_grads = (parent_grads,)
@@ -154,6 +162,8 @@ class Tensor:
                 pending[key] -= 1
                 if pending[key] == 0 and parent.is_leaf:
                     leaf_grad = grads.pop(key, None)
+                    if leaf_grad is None and key in later:
+                        continue  # its whole gradient comes with the deferred work
                     if leaf_grad is None:  # every consumer returned None: a zero gradient
                         leaf_grad = parent.xp.zeros_like(parent.data)
                     parent._accumulate(leaf_grad)

@@ -6,8 +6,9 @@ For 2 and 4 stages (the first p ranks of the world; the others wait at a barrier
 schedule and micro-batch count m, trains the GPT of ``hpcpar bench step`` and reports
 medians over steps of: the step time, the measured bubble (the share of the step a stage
 spends waiting for a receive, averaged over stages), the theoretical bubble
-(p-1)/(m+p-1) (divided by v when interleaved), and the communication share. With more
-ranks than cores the stages share cores, which the table notes.
+(p-1)/(m+p-1) (divided by v when interleaved; ZB-H1 is set against 1F1B's, which it
+shrinks), and the communication share. With more ranks than cores the stages share cores,
+which the table notes.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ..parallel.pipeline import PipelineParallel
 from .dp import BENCH_CONFIG
 from .timing import format_table, median
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1))
 
 
 def run_case(ctx, schedule, chunks, m, batch, steps, sample, config=BENCH_CONFIG):

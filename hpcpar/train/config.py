@@ -46,7 +46,6 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     except ModuleNotFoundError:
         tomllib = None
 
-ENGINE_SCHEDULES = tuple(name for name in SCHEDULES if name != "zb1")
 BYTE_VOCAB = 256  # token files made by ``hpcpar data prepare`` hold bytes
 
 
@@ -202,9 +201,8 @@ class ParallelSection:
     dp: int | None = _key(None, INTEGER, "data-parallel replicas; unset: world size / (pp x tp)", check=at_least(1))
     pp: int = _key(1, INTEGER, "pipeline stages", check=at_least(1))
     tp: int = _key(1, INTEGER, "tensor-parallel shards of each layer", check=at_least(1))
-    schedule: str = _key("1f1b", STRING, "pipeline schedule", choices=ENGINE_SCHEDULES,
-                         hint={"zb1": "zb1 needs backward split into input and weight gradients, which the engine "
-                                      "does not do; it exists for schedules.simulate() only"})
+    schedule: str = _key("1f1b", STRING, "pipeline schedule (zb1: ZB-H1, weight gradients deferred)",
+                         choices=tuple(SCHEDULES))
     micro_batches: int = _key(1, INTEGER, "micro-batches per step of each dp replica (pipeline or accumulation)",
                               check=at_least(1))
     chunks: int = _key(1, INTEGER, "model chunks per pipeline rank", check=at_least(1),

@@ -5,8 +5,12 @@ from ...backend import get_array_module
 
 
 def wants_grad(fn, i: int) -> bool:
-    """Whether input ``i`` of ``fn`` needs a gradient, so backward can skip costly unused ones."""
-    return fn.parents[i].requires_grad
+    """Whether input ``i`` of ``fn`` needs a gradient, so backward can skip costly unused ones.
+
+    ``fn.grad_inputs``, when set, narrows that to some inputs (a backward split in two passes,
+    ``hpcpar.autograd.deferred``)."""
+    wanted = getattr(fn, "grad_inputs", None)
+    return fn.parents[i].requires_grad and (wanted is None or i in wanted)
 
 
 def normalize_axes(axis, ndim: int) -> tuple:

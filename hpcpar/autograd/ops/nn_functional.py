@@ -193,6 +193,8 @@ class Dropout(Function):
 class Linear(Function):
     """x (..., in) @ weight (in, out) + bias (out,), folded to one GEMM each way."""
 
+    weight_inputs = (1, 2)  # a zero-bubble pipeline may compute these gradients later (autograd.deferred)
+
     def forward(self, x, weight, bias=None):
         if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[0]:
             raise ValueError(f"linear: input of shape {x.shape} does not fit weight of shape {weight.shape} "

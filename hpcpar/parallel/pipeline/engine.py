@@ -8,7 +8,8 @@
 
 Every rank builds the whole model (same seed, same values) and keeps the layers of its
 virtual stages ``r, r + p, ...``. ``train_step`` splits the batch into micro-batches and runs
-the schedule (``schedules.py``: GPipe, 1F1B, interleaved) under its execution contract:
+the schedule (``schedules.py``: GPipe, 1F1B, interleaved, and ZB-H1, whose B actions leave
+the weight gradients to later W actions: ``autograd.deferred``) under its execution contract:
 sends are non-blocking and waited for at the end of the step, a receive is posted at its
 RECV action and waited for by the compute that needs it. The tag names the channel
 (``2 * sending_stage + is_gradient``), so MPI's non-overtaking rule pairs messages in order.
@@ -23,6 +24,7 @@ embedding) are summed between those ranks, then averaged over the dp group.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -30,6 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ...autograd import Tensor, no_grad
+from ...autograd.deferred import deferred_weight_grads
 from ...backend import get_array_module
 from ...dist.comm import Communicator
 from ..data import DistributedDataParallel
@@ -60,10 +63,6 @@ class PipelineParallel:
         """``dp_average=False`` leaves the dp reduction of gradients to the optimizer (ZeRO-1);
         ``backward_loss(loss)`` runs the last stage's backward (mixed precision: ``amp.backward``,
         which seeds it with the loss scale)."""
-        if schedule == "zb1":
-            raise ValueError("schedule 'zb1' needs backward split into input and weight gradients, which this "
-                             "engine does not do; it is available to schedules.simulate() only. "
-                             "Use 'gpipe', '1f1b' or 'interleaved'.")
         loss_fn = loss_fn or getattr(model, "loss_from_logits", None)
         if loss_fn is None:
             raise ValueError("PipelineParallel needs loss_fn(output, targets) for the last stage")
@@ -78,6 +77,7 @@ class PipelineParallel:
         self.wire_dtype = np.dtype(wire_dtype) if wire_dtype is not None else None
         self.schedule_name = schedule
         self.actions = make_schedule(schedule, self.p, micro_batches, chunks)[ctx.pp_rank]
+        self.split_backward = any(a.kind == "W" for a in self.actions)  # zero bubble: B and W apart
         self.bounds = partition_layers(layers, self.num_virtual, partition, sample_input)
         self.stage_layers = {s: layers[self.bounds[s]: self.bounds[s + 1]]
                              for s in range(self.num_virtual) if s % self.p == ctx.pp_rank}
@@ -178,6 +178,7 @@ class PipelineParallel:
         self._inputs = _split(inputs, self.m, "inputs") if first else None
         self._targets = _split(targets, self.m, "targets") if last else None
         self._saved: dict = {}  # (micro-batch, stage) -> (input Tensor, output Tensor or loss)
+        self._weights: dict = {}  # (micro-batch, stage) -> weight gradients its W computes (zb1)
         self._handover: dict = {}  # p == 1: tensors passed between stages in memory
         self._recvs: dict = {}
         self._sends: list = []
@@ -188,13 +189,13 @@ class PipelineParallel:
         pp_seconds_before = self.ctx.pp.stats.total_seconds
         step_start = time.perf_counter()
 
-        context = self.ddp.no_sync() if self.ddp is not None else _null()
+        context = self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
         with context:
             for action in self.actions:
                 start, idle_before = time.perf_counter(), self._idle
                 getattr(self, "_do_" + action.kind)(action)
                 end = time.perf_counter()
-                if action.kind in ("F", "B"):  # less the wait for its input, which is idle time
+                if action.kind in ("F", "B", "W"):  # less the wait for its input, which is idle time
                     compute += end - start - (self._idle - idle_before)
                 self.trace.append((str(action), start, end))
                 peak = max(peak, len(self._saved))
@@ -258,19 +259,27 @@ class PipelineParallel:
         self._post_send(out.data, a.peer_stage, a.stage, gradient=False, with_header=first_of_step)
 
     def _do_B(self, a):
+        """Backward of one micro-batch on one stage. In a split schedule (zb1) the weight
+        gradients wait for the W action, so the input gradient goes upstream sooner."""
         i, s = a.microbatch, a.stage
         x, out = self._saved.pop((i, s))  # released once its backward is done
-        if s == self.num_virtual - 1:
-            self.backward_loss(out)
-        elif ("B", i, s) in self._recvs:
-            out.backward(self._take(("B", i, s)))
-        else:
-            out.backward(self._handover.pop(("B", i, s)))
+        with deferred_weight_grads() if self.split_backward else contextlib.nullcontext() as weights:
+            if s == self.num_virtual - 1:
+                self.backward_loss(out)
+            elif ("B", i, s) in self._recvs:
+                out.backward(self._take(("B", i, s)))
+            else:
+                out.backward(self._handover.pop(("B", i, s)))
+        if weights is not None:
+            self._weights[(i, s)] = weights
         if s > 0:
             if self._rank_of(s - 1) == self.ctx.pp_rank:
                 self._handover[("B", i, s - 1)] = x.grad
             else:
                 self._handover[("grad", i, s)] = x.grad
+
+    def _do_W(self, a):
+        self._weights.pop((a.microbatch, a.stage)).compute()
 
     def _do_SEND_B(self, a):
         grad = self._handover.pop(("grad", a.microbatch, a.stage))
@@ -357,11 +366,3 @@ def _split(batch, m: int, what: str) -> list:
         raise ValueError(f"train_step: a batch of {len(batch)} {what} does not split into {m} micro-batches")
     size = len(batch) // m
     return [batch[k * size: (k + 1) * size] for k in range(m)]
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -54,6 +54,30 @@ def test_resume_is_bitwise_identical(world, tmp_path_factory, zero, asynchronous
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_failed_shard_write_fails_the_save_on_every_rank(world, tmp_path_factory, monkeypatch):
+    """A full disk on one rank: every rank raises, nothing is committed, the last checkpoint stays."""
+    from hpcpar.checkpoint import writer
+
+    root = shared_dir(world, tmp_path_factory, "disk-full")
+    ctx = hpcpar.init(device="cpu")
+    run = DataParallelRun(ctx)
+    checkpoint.save(root, 1, run.model, run.optimizer, ctx, extra=run.extra())
+    if ctx.rank == 1:
+        def full_disk(*args):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(writer, "write_dataset", full_disk)
+    with pytest.raises(CheckpointError, match=r"step-00000002 was not committed: rank 1: OSError: .*No space left"):
+        checkpoint.save(root, 2, run.model, run.optimizer, ctx, extra=run.extra())
+    world.Barrier()
+    assert checkpoint.list_steps(root) == [1] and checkpoint.latest_step(root) == 1
+    assert not os.path.exists(os.path.join(root, "step-00000002.tmp"))
+    world.Barrier()  # every rank has looked before the next save makes the folder again
+    monkeypatch.undo()
+    checkpoint.save(root, 2, run.model, run.optimizer, ctx, extra=run.extra())  # the disk has room again
+    assert checkpoint.latest_step(root) == 2
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("save_ranks, load_ranks, zero", [(None, 1, True), (None, 2, False), (1, None, False),
                                                          (2, None, True)])
 def test_load_into_another_layout(world, tmp_path_factory, save_ranks, load_ranks, zero):

@@ -104,34 +104,44 @@ class SaveJob:
     def run(self, comm) -> str:
         """Write this rank's shard, then commit on rank 0; collective over ``comm``."""
         start = time.perf_counter()
-        facts = {"files": {}, "rank_state": self.rank_state}
-        if self.rank == self.index_writer:
-            facts["files"][INDEX] = self._write_index()
-        if self.collective:
-            self._write_shared_file(comm, facts)
-        else:
-            name = shard_filename(self.rank)
-            path = os.path.join(self.tmp_dir, name)
-            with h5py.File(path, "w", libver="latest") as f:
-                for n, (piece, array) in enumerate(self.pieces):
-                    write_dataset(f, dataset_name(n, piece.key), array)
-            facts["files"][name] = sync_and_checksum(path)
+        facts = {"files": {}, "rank_state": self.rank_state, "error": None}
+        try:
+            if self.rank == self.index_writer:
+                facts["files"][INDEX] = self._write_index()
+            if self.collective:
+                self._write_shared_file(comm, facts)
+            else:
+                self._write_shard(facts)
+        except (OSError, ValueError, RuntimeError) as exc:  # a full disk, a quota: every rank must hear of it
+            facts["error"] = f"rank {self.rank}: {type(exc).__name__}: {exc}"
         # Ranks finish their shards at different times; waiting politely first keeps the early
         # ones from spinning in gather on the cores the late ones still write from.
         wait_politely(comm.Ibarrier())
         gathered = comm.gather(facts, root=0)
         error = None
         if self.rank == 0:
+            failed = [f["error"] for f in gathered if f["error"]]
             try:
+                if failed:  # nothing is committed: the previous checkpoint stays the latest
+                    shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                    raise CheckpointError("; ".join(failed))
                 self._commit(gathered)
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
-                error = f"{type(exc).__name__}: {exc}"
+                error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
         wait_politely(comm.Ibarrier())  # while rank 0 commits
         error = comm.bcast(error, root=0)
         if error:
             raise CheckpointError(f"checkpoint {self.step_dir} was not committed: {error}")
         self.seconds = time.perf_counter() - start
         return self.step_dir
+
+    def _write_shard(self, facts: dict) -> None:
+        name = shard_filename(self.rank)
+        path = os.path.join(self.tmp_dir, name)
+        with h5py.File(path, "w", libver="latest") as f:
+            for n, (piece, array) in enumerate(self.pieces):
+                write_dataset(f, dataset_name(n, piece.key), array)
+        facts["files"][name] = sync_and_checksum(path)
 
     def _write_shared_file(self, comm, facts: dict) -> None:
         """All pieces in one file written collectively (``driver="mpio"``, parallel HDF5 only).

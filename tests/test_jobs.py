@@ -39,10 +39,7 @@ def test_every_shipped_job_runs(job, tmp_path, token_file):
                  "checkpoint.interval=3", "train.sample_tokens=0", ranks=RANKS.get(name, 4))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step     6/6" in proc.stdout and "val_loss" in proc.stdout
-    if name == "gpt-ps":  # the servers hold the optimizer state: no checkpoints, and it says so
-        assert "no checkpoints" in proc.stdout and not os.path.exists(tmp_path / "ckpt")
-    else:
-        assert os.path.isdir(tmp_path / "ckpt" / "step-00000006")
+    assert os.path.isdir(tmp_path / "ckpt" / "step-00000006")
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records if "loss" in r] == [1, 3, 6]
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
@@ -61,6 +58,31 @@ def test_sequence_parallelism_trains_like_plain_tensor_parallelism(tmp_path, tok
                                      if '"loss"' in line]
     assert len(losses["true"]) == 5
     np.testing.assert_allclose(losses["true"], losses["false"], rtol=1e-5)  # float32: sums in another order
+
+
+def test_parameter_server_checkpoints_resume_exactly_and_load_into_all_reduce(tmp_path, token_file):
+    """The servers write their ranges and optimizer state: a synchronous run stopped at step 4 and
+    resumed ends bitwise where an uninterrupted one does, and the checkpoint also resumes as an
+    all-reduce job on the 3 workers' layout (the same mathematics: losses agree in float32)."""
+    job = os.path.join(REPO, "jobs", "gpt-ps.toml")
+    common = ["parallel.staleness=0", "model.n_embd=32", "train.log_interval=1", "train.eval_interval=0",
+              "train.sample_tokens=0", "checkpoint.interval=4"]
+    straight = train(job, tmp_path / "straight", token_file, *common, "train.steps=8")
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    for resumed_as in ("ps", "allreduce"):
+        folder = tmp_path / resumed_as
+        shutil.copytree(tmp_path / "straight" / "ckpt" / "step-00000004", folder / "ckpt" / "step-00000004")
+        (folder / "ckpt" / "latest").write_text("step-00000004\n")
+        mode = [] if resumed_as == "ps" else ["parallel.mode=\"allreduce\"", "parallel.dp=3"]
+        resumed = train(job, folder, token_file, *common, "train.steps=8", *mode, ranks=4 if resumed_as == "ps" else 3)
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert "resumed from" in resumed.stdout and "step     8/8" in resumed.stdout
+    a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / "ps" / "ckpt")
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    losses = {run: [json.loads(line)["loss"] for line in open(tmp_path / run / "metrics.jsonl") if '"loss"' in line]
+              for run in ("straight", "allreduce")}
+    np.testing.assert_allclose(losses["allreduce"], losses["straight"][4:], rtol=1e-4)
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp=2", "parallel.pp=2"], ["parallel.dp=2", "parallel.pp=2", "parallel.zero=true"],

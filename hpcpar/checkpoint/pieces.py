@@ -100,37 +100,42 @@ def optimizer_pieces(optimizer, named_parameters) -> tuple[list[Piece], dict]:
     return pieces, scalars
 
 
-def zero_param_slabs(zero):
-    """For each run of this rank's ZeRO shard inside one parameter, cut into rectangular slabs:
-    (name, param, global shape, global slab, local shape, offset of the run in the flat shard)."""
-    for name, param, lo, hi, shard_offset in zero_param_ranges(zero):
+def range_param_slabs(names, params, offsets, begin: int, end: int):
+    """The flat range [begin, end) of parameters laid end to end (``offsets``: where each starts),
+    cut into rectangular slabs: (name, param, global shape, global slab, local shape, offset of
+    the slab's elements in the range). A ZeRO-1 shard and a parameter server's range are such ranges."""
+    for name, param, start in zip(names, params, offsets):
+        lo, hi = max(begin, start), min(end, start + param.size)
+        if lo >= hi:
+            continue
         shape, param_slab = global_slab(param)
-        offset = shard_offset
-        for local in flat_range_to_slabs(param.shape, lo, hi):
+        offset = lo - begin
+        for local in flat_range_to_slabs(param.shape, lo - start, hi - start):
             glob = tuple((a + p0, b + p0) for (a, b), (p0, _) in zip(local, param_slab))
             local_shape = tuple(b - a for a, b in local)
             yield name, param, shape, glob, local_shape, offset
             offset += math.prod(local_shape)
 
 
-def zero_param_ranges(zero):
-    """For each parameter: (name, param, local flat range covered by this rank's shard) if any."""
+def zero_param_slabs(zero):
+    """``range_param_slabs`` of this rank's ZeRO-1 shard."""
     begin = zero.comm.rank * zero.shard_size
-    end = begin + zero.shard_size
-    for name, param, offset in zip(zero.names, zero.params, zero.offsets):
-        lo, hi = max(begin, offset), min(end, offset + param.size)
-        if lo < hi:
-            yield name, param, lo - offset, hi - offset, lo - begin
+    return range_param_slabs(zero.names, zero.params, zero.offsets, begin, begin + zero.shard_size)
 
 
-def _zero_pieces(zero) -> tuple[list[Piece], dict]:
-    state = zero.optimizer.state["shard"]
+def flat_state_pieces(slabs, state: dict) -> tuple[list[Piece], dict]:
+    """An optimizer's state over a flat range (``state``: its arrays over the range, and step
+    counts) as pieces of the per-parameter global tensors ``optim/<name>/<key>``, and scalars."""
     pieces, scalars = [], {}
-    for name, *_ in zero_param_ranges(zero):
-        scalars.update({f"optim/{name}/{key}": int(v) for key, v in state.items() if np.ndim(v) == 0})
-    for name, _, shape, glob, local_shape, offset in zero_param_slabs(zero):
+    for name, _, shape, glob, local_shape, offset in slabs:
         for key, value in state.items():
-            if np.ndim(value):
+            if np.ndim(value) == 0:
+                scalars[f"optim/{name}/{key}"] = int(value)
+            else:
                 block = value[offset: offset + math.prod(local_shape)].reshape(local_shape)
                 pieces.append(Piece(f"optim/{name}/{key}", shape, glob, block))
     return pieces, scalars
+
+
+def _zero_pieces(zero) -> tuple[list[Piece], dict]:
+    return flat_state_pieces(list(zero_param_slabs(zero)), zero.optimizer.state["shard"])

@@ -86,7 +86,14 @@ def _load_optimizer(source, optimizer, named, what):
 
     manifest = source.manifest
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return _load_zero(source, optimizer, what)
+        optimizer.optimizer.state["shard"] = _load_flat_state(source, list(zero_param_slabs(optimizer)),
+                                                              optimizer.shard, what)
+        return
+    if hasattr(optimizer, "flat_range_slabs"):  # a parameter server: each server loads its range's state
+        slabs = optimizer.flat_range_slabs()
+        if slabs is not None:
+            optimizer.optimizer.state["shard"] = _load_flat_state(source, slabs, optimizer.shard, what)
+        return
     params = dict(named)
     for name, param in zip(optimizer.names, optimizer.params):
         shape, slab = global_slab(params.get(name, param))
@@ -100,22 +107,23 @@ def _load_optimizer(source, optimizer, named, what):
         optimizer.state[name] = state
 
 
-def _load_zero(source, zero, what):
-    """Assemble this rank's flat shard of each state array from the per-parameter global tensors."""
-    xp, manifest = zero.shard.xp, source.manifest
-    keys = _state_keys(manifest, zero.names[0])
+def _load_flat_state(source, slabs: list, shard, what) -> dict:
+    """The state of an optimizer over a flat range (ZeRO-1's shard, a parameter server's range),
+    assembled from the per-parameter global tensors; ``slabs`` from ``range_param_slabs``."""
+    manifest = source.manifest
+    first_name = slabs[0][0]
     state = {}
-    for key in keys:
-        first = f"optim/{zero.names[0]}/{key}"
+    for key in _state_keys(manifest, first_name):
+        first = f"optim/{first_name}/{key}"
         if first in manifest["scalars"]:
             state[key] = int(manifest["scalars"][first])
             continue
-        flat = np.zeros(zero.shard_size, dtype=zero.shard.dtype)
-        for name, _, shape, glob, local_shape, offset in zero_param_slabs(zero):
+        flat = np.zeros(shard.size, dtype=shard.dtype)
+        for name, _, shape, glob, local_shape, offset in slabs:
             block = source.read(f"optim/{name}/{key}", shape, glob, what).reshape(-1)
             flat[offset: offset + block.size] = block
-        state[key] = to_device(flat, xp)
-    zero.optimizer.state["shard"] = state
+        state[key] = to_device(flat, shard.xp)
+    return state
 
 
 def _load_extra(manifest, extra, ctx) -> dict:

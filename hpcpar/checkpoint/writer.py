@@ -68,10 +68,13 @@ class SaveJob:
                                   "built against parallel HDF5 (h5py.get_config().mpi is False here); the "
                                   "default file-per-rank layout works everywhere")
         self.collective = collective
-        named = _named(model)
-        pieces = model_pieces(named)
-        opt_pieces, self.scalars = optimizer_pieces(optimizer, named)
-        pieces += opt_pieces
+        if hasattr(optimizer, "checkpoint_pieces"):  # a parameter server: its servers hold both, workers nothing
+            pieces, self.scalars = optimizer.checkpoint_pieces()
+        else:
+            named = _named(model)
+            pieces = model_pieces(named)
+            opt_pieces, self.scalars = optimizer_pieces(optimizer, named)
+            pieces += opt_pieces
         for piece in pieces:
             if piece.array.dtype.kind not in "fiub":
                 raise CheckpointError(f"{piece.key}: dtype {piece.array.dtype} cannot be stored in HDF5; "

@@ -57,8 +57,13 @@ abort kills the servers too, wherever they are waiting. Servers wait by polling 
 communicator's wait policy (``yield`` sleeps between polls), so an oversubscribed node keeps
 its cores for the workers.
 
-Limits: pure data parallelism (pp = tp = 1), one parameter dtype; checkpoints of the
-server-side optimizer state are not written (workers hold the parameters).
+Checkpoints. A worker's ``save_checkpoint(step, write)`` sends every server a save request,
+then runs ``write`` (a collective ``checkpoint.save`` over the world, with this object as the
+optimizer). A server joins once every active worker has asked, by calling ``on_save(step)``:
+the servers write their ranges of the parameters and their optimizer state as slabs of the
+global tensors (``checkpoint_pieces``), so the checkpoint loads into any layout or mode.
+
+Limits: pure data parallelism (pp = tp = 1), one parameter dtype.
 """
 from __future__ import annotations
 
@@ -70,13 +75,14 @@ import numpy as np
 
 from ..autograd import Parameter
 from ..backend import get_array_module
+from ..checkpoint.pieces import Piece, flat_state_pieces, range_param_slabs
 from ..dist.comm import _YIELD_SLEEP_S, Communicator, wait_all
 from ..dist.context import init
 from ..optim.clip import clip_grad_norm
 from ..optim.optimizer import named_parameter_list
 
 TAG_PUSH_HEADER, TAG_PUSH_GRAD, TAG_REPLY_HEADER, TAG_REPLY_PARAMS = 7301, 7302, 7303, 7304
-KIND_PUSH, KIND_STOP = 0.0, 1.0
+KIND_PUSH, KIND_STOP, KIND_SAVE = 0.0, 1.0, 2.0
 HEADER_LENGTH = 4  # [kind, step, version read, lr] as float64: exact for steps below 2**53
 
 
@@ -123,6 +129,8 @@ class ParameterServer:
             raise ValueError(f"ParameterServer needs one parameter dtype, got {sorted(map(str, dtypes))}")
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
+        self.world_ctx = ctx  # checkpoints are collective over the whole world, servers included
+        self.on_save = None  # on servers: on_save(step) writes this rank's part when the workers ask
         self.numel = sum(p.size for p in self.params)
         if self.numel < servers:
             raise ValueError(f"ParameterServer: {self.numel} parameters cannot be split over {servers} servers")
@@ -232,6 +240,7 @@ class ParameterServer:
         active = set(range(workers))
         waiting: dict[int, int] = {}  # worker -> the step it waits for parameters for
         arrived: dict[int, tuple] = {}  # synchronous: this round's pushes, worker -> (step, version read, lr)
+        saving: dict[int, int] = {}  # workers that asked for a checkpoint -> its step
         sends = []
         while active:
             ready = [w for w, handle in headers_in.items() if handle.test()]
@@ -245,6 +254,10 @@ class ParameterServer:
                 kind, step, version_read, lr = headers[w]
                 if kind == KIND_STOP:
                     active.discard(w)
+                    continue
+                if kind == KIND_SAVE:  # the worker now waits in the checkpoint; its next push follows it
+                    saving[w] = int(step)
+                    headers_in[w] = comm.irecv(headers[w], w, TAG_PUSH_HEADER)
                     continue
                 step, version_read = int(step), int(version_read)
                 if step != done[w]:
@@ -275,6 +288,8 @@ class ParameterServer:
                     lead[w] = step - slowest
                     sends += self._send_parameters(w)
                     del waiting[w]
+            if saving and active <= set(saving) and not arrived and not waiting:
+                self._save_when_asked(saving)
         for w in range(workers):  # every worker stopped: all receive the final parameters
             sends += self._send_parameters(w)
         wait_all(sends)
@@ -325,6 +340,57 @@ class ParameterServer:
                                f"{self.num_servers} ranks are); call it on workers only (ps.is_worker)")
         if self._stopped:
             raise RuntimeError(f"ParameterServer.{what}: this worker has already shut down")
+
+    # ----- checkpoints ----------------------------------------------------------------------
+    def save_checkpoint(self, step: int, write) -> None:
+        """Worker: ask every server to join a checkpoint of ``step``, then ``write()`` (collective
+        over the world). A server joins when every active worker has asked, between updates, by
+        calling its ``on_save(step)``; the parameters and optimizer state it saves are then those
+        after every push up to this step."""
+        self._require_worker("save_checkpoint")
+        sends = [self.comm.isend(np.array([KIND_SAVE, step, self.versions[s], self.lr], dtype=np.float64),
+                                 self.num_workers + s, TAG_PUSH_HEADER) for s in range(self.num_servers)]
+        write()
+        wait_all(sends)
+
+    def flat_range_slabs(self) -> list | None:
+        """On a server: its range of the flattened parameters cut into slabs of the global tensors."""
+        if self.is_worker:
+            return None
+        start, stop = self.ranges[self.server_index]
+        return list(range_param_slabs(self.names, self.params, [a for a, _ in self.spans], start, stop))
+
+    def checkpoint_pieces(self) -> tuple[list, dict]:
+        """What this rank saves: a server its range of the parameters and its optimizer state (the
+        authoritative copies: workers may hold older parameters), a worker nothing."""
+        slabs = self.flat_range_slabs()
+        if slabs is None:
+            return [], {}
+        model = [Piece(f"model/{name}", shape, glob, self.shard.data[offset: offset + math.prod(local)].reshape(local))
+                 for name, _, shape, glob, local, offset in slabs]
+        state, scalars = flat_state_pieces(slabs, self.optimizer.state.get("shard", {}))
+        return model + state, scalars
+
+    def refresh_shard(self) -> None:
+        """After a checkpoint was loaded into the model's parameters on every rank: servers take
+        their range from them, workers their flat copy."""
+        if self.is_worker:
+            self._pack_parameters(self._flat)
+        else:
+            flat = get_array_module(self.shard.data).empty(self.numel, dtype=self.shard.dtype)
+            self._pack_parameters(flat)
+            start, stop = self.ranges[self.server_index]
+            self.shard.data[...] = flat[start:stop]
+
+    def _save_when_asked(self, saving: dict) -> None:
+        steps = sorted(set(saving.values()))
+        if len(steps) != 1:
+            raise RuntimeError(f"parameter server {self.server_index}: workers asked to save different steps {steps}")
+        if self.on_save is None:
+            raise RuntimeError(f"parameter server {self.server_index}: the workers asked for a checkpoint, but "
+                               f"no on_save(step) is set on the servers")
+        self.on_save(steps[0])
+        saving.clear()
 
     def _pack_parameters(self, flat) -> None:
         for p, (start, stop) in zip(self.params, self.spans):

@@ -49,6 +49,20 @@ class Run:
     def named_parameters(self):
         return self.amp.named_master_parameters() if self.amp is not None else self.engine.named_parameters()
 
+    @property
+    def checkpoint_target(self) -> tuple:
+        """(named parameters, optimizer, context) that a checkpoint saves and loads. A parameter-server
+        job saves over the whole world through its ParameterServer: the servers hold the parameters
+        and optimizer state, the workers the rest (schedule, data position)."""
+        if self.job.parallel.mode == "ps":
+            return list(self.model.named_parameters()), self.mode.ps, self.mode.ps.world_ctx
+        return self.named_parameters(), self.optimizer, self.ctx
+
+    @property
+    def trains(self) -> bool:
+        """False on a parameter server's server ranks, which only serve."""
+        return self.mode is None or self.mode.is_worker
+
 
 def compute_dtype(job: Job):
     dtype = DTYPES[job.train.precision]

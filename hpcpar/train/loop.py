@@ -151,15 +151,34 @@ def optimizer_step(run: Run, clipped_zero: bool) -> None:
         param.grad = None
 
 
-def checkpoints_possible(run: Run) -> bool:
-    """Parameter-server runs keep optimizer state on the servers, outside the workers' collective save."""
-    return run.job.parallel.mode != "ps"
-
-
 def save(run: Run, step: int, final: bool = False):
+    """Checkpoint ``step``; in a parameter-server job the workers call this and the servers join."""
     c = run.job.checkpoint
-    return checkpoint.save(c.dir, step, run.named_parameters(), run.optimizer, run.ctx, extra=run.extra_state(),
-                           keep=c.keep, asynchronous=c.async_ and not final)
+    named, optimizer, ctx = run.checkpoint_target
+    ps = run.job.parallel.mode == "ps"
+
+    def write():  # a parameter-server job saves synchronously: the servers pause serving for it
+        return checkpoint.save(c.dir, step, named, optimizer, ctx, extra=run.extra_state() if run.trains else None,
+                               keep=c.keep, asynchronous=c.async_ and not final and not ps)
+
+    if ps and run.trains:
+        written = []
+        run.mode.ps.save_checkpoint(step, lambda: written.append(write()))
+        return written[0]
+    return write()
+
+
+def resume_from_checkpoint(run: Run, resume: bool | None) -> dict | None:
+    """Load the latest valid checkpoint, when the job resumes and there is one (collective)."""
+    job = run.job
+    if not ((job.checkpoint.resume if resume is None else resume) and checkpoint.list_steps(job.checkpoint.dir)):
+        return None
+    named, optimizer, ctx = run.checkpoint_target
+    info = checkpoint.load_latest(job.checkpoint.dir, named, optimizer, ctx,
+                                  extra=run.extra_state() if run.trains else None)
+    if info is not None and run.amp is not None:
+        run.amp.copy_to_model()
+    return info
 
 
 def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None) -> dict:
@@ -171,25 +190,20 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
         print(job.describe(), flush=True)
         print(ctx.grid_table(), flush=True)
     run = build(job, ctx)
-    if run.mode is not None and not run.mode.is_worker:
-        run.mode.serve()  # a parameter server: until every worker has sent its stop
+    if not run.trains:  # a parameter server: loads with the workers, then serves until each has stopped
+        resume_from_checkpoint(run, resume)
+        run.mode.ps.on_save = lambda step: save(run, step, final=True)  # when the workers ask
+        run.mode.serve()
         run.mode.shutdown()
         return {}
     ctx = run.ctx  # for a parameter-server job: the workers
     logger = Logger(job, ctx, job.train.steps)
-    if not checkpoints_possible(run):
-        logger.line("parallel.mode = \"ps\": no checkpoints (the servers hold the optimizer state)")
 
     start_step = 0
-    if ((job.checkpoint.resume if resume is None else resume) and checkpoints_possible(run)
-            and checkpoint.list_steps(job.checkpoint.dir)):
-        info = checkpoint.load_latest(job.checkpoint.dir, run.named_parameters(), run.optimizer, ctx,
-                                      extra=run.extra_state())
-        if info is not None:
-            start_step = info["step"]
-            if run.amp is not None:
-                run.amp.copy_to_model()
-            logger.line(f"resumed from {info['step_dir']} (written by layout {info['layout']})")
+    info = resume_from_checkpoint(run, resume)
+    if info is not None:
+        start_step = info["step"]
+        logger.line(f"resumed from {info['step_dir']} (written by layout {info['layout']})")
 
     tokens_per_step = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
     unit = "tok" if job.model.kind == "gpt" else "img"
@@ -234,18 +248,21 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
             logger.line(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         local_steps = job.parallel.local_steps if job.parallel.mode == "local_sgd" else 1
         if (job.checkpoint.interval and step % job.checkpoint.interval == 0 and step < job.train.steps
-                and step % local_steps == 0 and checkpoints_possible(run)):  # local SGD: right after an average
+                and step % local_steps == 0):  # local SGD: right after an average
             save(run, step)
         out_of_time = job.train.max_seconds is not None and time.perf_counter() - began > job.train.max_seconds
         if stop.agreed(ctx.world) or bool(ctx.world.allreduce(np.array([float(out_of_time)]), "max")[0]):
             reason = f"signal {signal.Signals(stop.signal).name}" if stop.signal else "train.max_seconds"
             break
 
+    final_save = step > start_step or reason != "done"
+    servers_save_first = job.parallel.mode == "ps"  # while the servers still serve
+    if final_save and servers_save_first:
+        logger.line(f"checkpoint {save(run, step, final=True)}")
     if run.mode is not None:
         run.mode.shutdown()  # stop the servers / the last parameter average: the replicas agree again
-    if (step > start_step or reason != "done") and checkpoints_possible(run):
-        step_dir = save(run, step, final=True)
-        logger.line(f"checkpoint {step_dir}")
+    if final_save and not servers_save_first:
+        logger.line(f"checkpoint {save(run, step, final=True)}")
     checkpoint.wait()
     if reason != "done":
         logger.line(f"stopped at step {step} ({reason}); checkpoint saved")

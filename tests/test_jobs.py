@@ -86,11 +86,16 @@ def test_parameter_server_checkpoints_resume_exactly_and_load_into_all_reduce(tm
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp=2", "parallel.pp=2"], ["parallel.dp=2", "parallel.pp=2", "parallel.zero=true"],
-                                    ["parallel.dp=2", "parallel.tp=2", "parallel.pp=1", "parallel.zero=true"]],
-                         ids=["dp2-pp2", "dp2-pp2-zero", "dp2-tp2-zero"])
+                                    ["parallel.dp=2", "parallel.tp=2", "parallel.pp=1", "parallel.zero=true"],
+                                    ["parallel.dp=4", "parallel.pp=1", "parallel.mode=\"local_sgd\"",
+                                     "parallel.local_steps=2", "parallel.micro_batches=1",
+                                     "parallel.average_optimizer_state=true"]],
+                         ids=["dp2-pp2", "dp2-pp2-zero", "dp2-tp2-zero", "local-sgd"])
 def test_bfloat16_trains_with_pipelines_and_zero_and_resumes_exactly(tmp_path, token_file, layout):
-    """Mixed precision under pipelines and ZeRO-1: the loss falls, and a run stopped at step 4
-    and resumed ends with the float32 masters of an uninterrupted run, bit for bit."""
+    """Mixed precision under pipelines, ZeRO-1 and local SGD: the loss falls, and a run stopped at step 4
+    and resumed ends with the float32 masters of an uninterrupted run, bit for bit. (Local SGD
+    averages its optimizer state here: otherwise each replica has its own moments between
+    averages, and a checkpoint keeps one replica's.)"""
     pytest.importorskip("ml_dtypes")
     job = os.path.join(REPO, "jobs", "gpt-pp.toml")
     common = [*layout, "train.precision=\"bf16\"", "model.n_layer=2", "model.n_embd=32", "parallel.micro_batches=2",

@@ -23,6 +23,11 @@ Exactly when the optimizer's update is **linear in the gradient and its state**:
   of the ranks' updates differs from the update with the mean gradient, state averaged or not.
 
 The tests check the first two to 1e-10 in float64, and that AdamW indeed differs.
+
+Mixed precision: with ``amp`` (a ``MixedPrecision`` of the model, the optimizer built on its
+float32 masters) each local step unscales, clips and steps the masters, and an overflow skips
+this replica's step only: replicas step on their own until they average. The average is of
+the masters, copied back into the low-precision model.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ class LocalSGD:
     """Wraps a model and its (ordinary, local) optimizer; ``step()`` after each backward."""
 
     def __init__(self, model, ctx, optimizer, local_steps: int = 4, average_optimizer_state: bool = False,
-                 max_grad_norm: float = 0.0, broadcast_parameters: bool = True):
+                 max_grad_norm: float = 0.0, broadcast_parameters: bool = True, amp=None):
         if not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"LocalSGD: local_steps (H) must be an integer >= 1, got {local_steps!r}")
         if ctx.pp_size > 1 or ctx.tp_size > 1:
@@ -49,7 +54,9 @@ class LocalSGD:
         self.local_steps = local_steps
         self.average_optimizer_state = average_optimizer_state
         self.max_grad_norm = float(max_grad_norm)
-        self.params = [p for _, p in model.named_parameters() if p.requires_grad]
+        self.amp = amp
+        named = amp.named_master_parameters() if amp is not None else model.named_parameters()
+        self.params = [p for _, p in named if p.requires_grad]  # what steps and is averaged
         self.steps_since_average = 0
         self.averages = 0  # parameter averages done so far
         self._checked_state_layout = None
@@ -57,15 +64,22 @@ class LocalSGD:
             flat = self._pack([p.data for p in self.params])
             self.comm.broadcast(flat, root=0)
             self._unpack(flat, [p.data for p in self.params])
+            if amp is not None:
+                amp.copy_to_model()
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
 
     def step(self) -> None:
         """One local optimizer step (gradients cleared); every ``local_steps``-th, average over dp."""
+        if self.amp is not None:
+            self.amp.unscale_grads()  # the masters' gradients, for clipping
         if self.max_grad_norm:
             clip_grad_norm(self.params, self.max_grad_norm)  # this rank's own gradient: there is no other
-        self.optimizer.step()
+        if self.amp is not None:
+            self.amp.step(self.optimizer)  # an overflow skips this replica's step only
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad()
         self.steps_since_average += 1
         if self.steps_since_average == self.local_steps:
@@ -80,6 +94,8 @@ class LocalSGD:
             flat = self._pack(arrays)
             self.comm.allreduce(flat, "mean", out=flat)
             self._unpack(flat, arrays)
+            if self.amp is not None:
+                self.amp.copy_to_model()
         self.steps_since_average = 0
         self.averages += 1
 

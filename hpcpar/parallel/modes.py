@@ -26,7 +26,7 @@ Modes: ``allreduce`` (DistributedDataParallel + the optimizer: synchronous data 
 ``ps`` (``ParameterServer``, synchronous for staleness 0, else asynchronous with that bound)
 and ``local_sgd`` (``LocalSGD``: H local steps, then a parameter average). ``allreduce`` here is
 plain data parallelism; pipeline and tensor parallelism, ZeRO and mixed precision keep their
-own paths in the training loop.
+own paths in the training loop (local SGD takes a ``MixedPrecision`` too).
 """
 from __future__ import annotations
 
@@ -105,11 +105,12 @@ class LocalSGDMode(Mode):
     name = "local_sgd"
 
     def __init__(self, model, ctx, optimizer_class, optimizer_options: dict, local_steps: int = 4,
-                 average_optimizer_state: bool = False, max_grad_norm: float = 0.0):
+                 average_optimizer_state: bool = False, max_grad_norm: float = 0.0, amp=None):
         self.ctx = ctx
-        self.optimizer = optimizer_class(model.named_parameters(), **optimizer_options)
+        named = amp.named_master_parameters() if amp is not None else model.named_parameters()
+        self.optimizer = optimizer_class(named, **optimizer_options)
         self.local = LocalSGD(model, ctx, self.optimizer, local_steps=local_steps,
-                              average_optimizer_state=average_optimizer_state, max_grad_norm=max_grad_norm)
+                              average_optimizer_state=average_optimizer_state, max_grad_norm=max_grad_norm, amp=amp)
 
     def after_backward(self) -> None:
         self.local.step()
@@ -124,8 +125,10 @@ class LocalSGDMode(Mode):
 
 def make_mode(mode: str, model, ctx, optimizer_class, optimizer_options: dict | None = None, *,
               staleness: int = 0, servers: int = 1, local_steps: int = 4, average_optimizer_state: bool = False,
-              bucket_mb: float = 25.0, overlap: bool = True, max_grad_norm: float = 0.0):
+              bucket_mb: float = 25.0, overlap: bool = True, max_grad_norm: float = 0.0, amp=None):
     """The mode object for ``parallel.mode``; keys that do not apply to ``mode`` are ignored.
+
+    ``amp``: a ``MixedPrecision`` of the model, for ``local_sgd`` (its optimizer steps the masters).
 
     ``ctx`` is the world's context (for ``ps`` the servers are taken from it). Every rank calls
     this with the same arguments (it communicates: parameter broadcast, communicator splits).
@@ -139,11 +142,11 @@ def make_mode(mode: str, model, ctx, optimizer_class, optimizer_options: dict | 
                                    max_grad_norm=max_grad_norm)
     if mode == "local_sgd":
         return LocalSGDMode(model, ctx, optimizer_class, options, local_steps=local_steps,
-                            average_optimizer_state=average_optimizer_state, max_grad_norm=max_grad_norm)
+                            average_optimizer_state=average_optimizer_state, max_grad_norm=max_grad_norm, amp=amp)
     raise ValueError(f"parallel.mode must be one of {MODES}, got {mode!r}")
 
 
 def mode_options(parallel) -> dict:
     """The keyword arguments of ``make_mode`` from a job's ``[parallel]`` section (or any object with them)."""
-    keys = ("staleness", "servers", "local_steps", "bucket_mb", "overlap")
+    keys = ("staleness", "servers", "local_steps", "average_optimizer_state", "bucket_mb", "overlap")
     return {key: getattr(parallel, key) for key in keys if hasattr(parallel, key)}

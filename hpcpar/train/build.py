@@ -122,23 +122,23 @@ def build(job: Job, ctx) -> Run:
     p = job.parallel
     dtype = compute_dtype(job)
     mixed = job.train.precision in ("fp16", "bf16")
-    if mixed and p.mode != "allreduce":
-        raise JobError(job.source, [("train.precision", f"{job.train.precision} runs with mode = \"allreduce\" "
-                                                        "(the parameter server and local SGD step the model's own "
+    if mixed and p.mode == "ps":
+        raise JobError(job.source, [("train.precision", f"{job.train.precision} runs with mode = \"allreduce\" or "
+                                                        "\"local_sgd\" (the parameter server steps the model's own "
                                                         "parameters, not float32 masters); use fp32")])
     model = build_model(job, ctx, dtype)
-    mode = None
+    mode, amp = None, None
     if p.mode != "allreduce":  # parameter server or local SGD: they own the dp exchange and the step
         from ..parallel.modes import make_mode, mode_options
 
+        amp = mixed_precision(job, model.named_parameters()) if mixed else None  # local SGD only, as checked
         cls, options = make_optimizer(job, model.named_parameters())
-        mode = make_mode(p.mode, model, ctx, cls, options, max_grad_norm=job.optimizer.grad_clip,
+        mode = make_mode(p.mode, model, ctx, cls, options, max_grad_norm=job.optimizer.grad_clip, amp=amp,
                          **mode_options(p))
         if not mode.is_worker:  # a server rank: it serves until the workers stop, nothing else
             return Run(job, ctx, model, None, mode.optimizer, None, None, None, None, mode)
         ctx = mode.ctx  # the workers' own context (for ps: dp = world - servers)
     train, evaluation = build_data(job, ctx)
-    amp = None
     if p.pp > 1:
         engine = PipelineEngine(model, ctx, schedule=p.schedule, micro_batches=p.micro_batches, chunks=p.chunks,
                                 partition=p.partition, bucket_mb=p.bucket_mb, dp_average=not p.zero,
@@ -147,7 +147,8 @@ def build(job: Job, ctx) -> Run:
             amp = mixed_precision(job, engine.named_parameters())
             engine.pipe.backward_loss = amp.backward
     else:
-        amp = mixed_precision(job, model.named_parameters()) if mixed else None
+        if mixed and amp is None:
+            amp = mixed_precision(job, model.named_parameters())
         compressor = None
         if p.compression != "none":
             options = {"topk": {"ratio": p.compression_ratio}, "powersgd": {"rank": p.powersgd_rank}}

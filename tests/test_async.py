@@ -104,8 +104,8 @@ def test_unknown_mode_is_named():
 def test_mode_options_reads_the_parallel_section():
     from hpcpar.train.config import ParallelSection
 
-    assert mode_options(ParallelSection()) == {"staleness": 0, "servers": 1, "local_steps": 4, "bucket_mb": 25.0,
-                                               "overlap": True}
+    assert mode_options(ParallelSection()) == {"staleness": 0, "servers": 1, "local_steps": 4,
+                                               "average_optimizer_state": False, "bucket_mb": 25.0, "overlap": True}
 
 
 PS_SCRIPT = """

@@ -220,7 +220,7 @@ class GPT(Module):
         on = bool(on) and tensor_parallel.tp_size(self.tp) > 1
         object.__setattr__(self, "_sequence_parallel", on)
         split_layers = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear,
-                        tensor_parallel.VocabParallelEmbedding, GPTHead)
+                        tensor_parallel.VocabParallelEmbedding, GPTHead)  # the layers that switch communication
         for _, module in self.named_modules():
             if isinstance(module, split_layers):
                 module.sequence_parallel = on

@@ -224,15 +224,24 @@ def gather_from_tp(x, comm):
 # ----------------------------------------------------------------------------------------
 # Sharded layers
 # ----------------------------------------------------------------------------------------
-class ColumnParallelLinear(Module):
+class _TensorParallelLayer(Module):
+    """A layer that communicates over the tp group ``comm``. With ``sequence_parallel`` (set by the
+    model) the activations outside it are slices of the sequence: it gathers its input or
+    reduce-scatters its output along the sequence instead of all-reducing."""
+
+    def __init__(self, comm):
+        super().__init__()
+        object.__setattr__(self, "comm", comm)
+        self.sequence_parallel = False
+
+
+class ColumnParallelLinear(_TensorParallelLayer):
     """``x @ W + b`` with W's columns (and b) split: each rank computes its slice of the output."""
 
     def __init__(self, in_features: int, out_features: int, comm=None, bias: bool = True, gather_output=False,
                  dtype=np.float32, xp=np):
-        super().__init__()
-        object.__setattr__(self, "comm", comm)
+        super().__init__(comm)
         self.gather_output = gather_output
-        self.sequence_parallel = False  # the input arrives as this rank's slice of the sequence
         rule = init.fan_in_uniform(in_features)
         self.weight = sharded_parameter((in_features, out_features), 1, comm, rule, dtype, xp, "output features")
         self.bias = sharded_parameter((out_features,), 0, comm, rule, dtype, xp, "output features") if bias else None
@@ -242,15 +251,13 @@ class ColumnParallelLinear(Module):
         return gather_from_tp(y, self.comm) if self.gather_output else y
 
 
-class RowParallelLinear(Module):
+class RowParallelLinear(_TensorParallelLayer):
     """``x @ W + b`` with W's rows split: the input arrives split, partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, comm=None, bias: bool = True, input_is_parallel=True,
                  dtype=np.float32, xp=np):
-        super().__init__()
-        object.__setattr__(self, "comm", comm)
+        super().__init__(comm)
         self.input_is_parallel = input_is_parallel
-        self.sequence_parallel = False  # the output leaves as this rank's slice of the sequence
         rule = init.fan_in_uniform(in_features)
         self.weight = sharded_parameter((in_features, out_features), 0, comm, rule, dtype, xp, "input features")
         self.bias = new_parameter((out_features,), rule, dtype, xp) if bias else None  # replicated
@@ -282,17 +289,15 @@ class _MaskedEmbedding(Function):
                                 (self.rows, grad.shape[-1]))
 
 
-class VocabParallelEmbedding(Module):
+class VocabParallelEmbedding(_TensorParallelLayer):
     """An embedding table split by rows (vocabulary) across the tp group."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, comm=None, dtype=np.float32, xp=np):
-        super().__init__()
-        object.__setattr__(self, "comm", comm)
+        super().__init__(comm)
         self.num_embeddings = num_embeddings
         self.start, _ = shard_range(num_embeddings, comm, "vocabulary size (pad it to a multiple of tp)")
         self.weight = sharded_parameter((num_embeddings, embedding_dim), 0, comm, init.normal(1.0), dtype, xp,
                                         "vocabulary size (pad it to a multiple of tp)")
-        self.sequence_parallel = False  # the output leaves as this rank's slice of the sequence
 
     def forward(self, ids):
         ids = ids.data if isinstance(ids, Tensor) else ids

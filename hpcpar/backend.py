@@ -153,6 +153,56 @@ def share_cores(ranks_on_node: int) -> int | None:
     return threads
 
 
+def _read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _cgroup_cpu_limit() -> float | None:
+    """CPUs this process's cgroup may use per period (quota / period), or None when unlimited.
+
+    cgroup v2: ``cpu.max`` ("200000 100000" or "max 100000") of this process's cgroup;
+    v1: ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` of its cpu controller. The limit of a
+    container or of a SLURM job step with cgroup task plugins, which os.cpu_count() ignores.
+    """
+    try:
+        with open("/proc/self/cgroup") as f:
+            entries = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    for _, controllers, path in entries:
+        if controllers == "":
+            files = [f"/sys/fs/cgroup{path.rstrip('/')}/cpu.max"]
+        elif "cpu" in controllers.split(","):
+            base = f"/sys/fs/cgroup/{controllers}{path.rstrip('/')}"
+            files = [f"{base}/cpu.cfs_quota_us", f"{base}/cpu.cfs_period_us"]
+        else:
+            continue
+        try:
+            words = [word for name in files for word in _read_text(name).split()]
+        except OSError:
+            continue
+        if len(words) == 2 and words[0] not in ("max", "-1") and float(words[1]) > 0:
+            return float(words[0]) / float(words[1])
+    return None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask, capped by its cgroup's CPU quota."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = _cgroup_cpu_limit()
+    return max(1, min(cpus, int(limit)) if limit is not None else cpus)
+
+
+def blas_thread_count() -> int:
+    """Threads of the loaded BLAS pool (the largest, if several), 1 when none is loaded or known."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return int(os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or 1)
+    return max([pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"] or [1])
+
+
 def blas_threads() -> str:
     """The thread counts of the loaded BLAS libraries, e.g. ``openblas 1``."""
     try:

@@ -8,16 +8,22 @@ pipeline, pure tensor parallelism and the hybrids. For each it measures, as medi
 steps after two warm-up steps (the slowest rank decides a step):
 
 - throughput and the speed-up over one rank, and scaling efficiency = speed-up / ranks;
-- the communication share and the pipeline bubble share of the step;
+- where the step goes, as shares that add up to 100 %: each rank splits its own step into
+  communication (time inside communication calls, pipeline sends and receives included, less
+  the pipeline idle time), idle (a pipeline stage waiting with no work: the bubble) and
+  compute (the rest); the shares are averaged over the steps and then over the ranks;
 - parameter + optimizer-state memory per rank, and the peak of NumPy allocations during a
   step (activations and workspace, from tracemalloc on one extra step);
-- bytes communicated per step (all ranks, all communicators).
+- bytes sent per step on the network (all ranks, all communicators), as ring algorithms
+  would send them (``hpcpar.dist.comm.ring_wire_bytes``).
 
-Prints the table, writes ``compare.json`` and, with matplotlib, ``compare.png``.
+The header states the CPUs the ranks may use (their affinity masks, capped by the cgroup's
+CPU quota) and the BLAS threads per rank; when ranks x threads on a node exceed its usable
+CPUs, a warning says the figures are distorted. Prints the table, writes ``compare.json`` and,
+with matplotlib, ``compare.png``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -28,12 +34,16 @@ from dataclasses import replace
 import numpy as np
 from mpi4py import MPI
 
+from . import backend, log
 from .bench.timing import format_table
 from .dist.comm import Communicator
 from .dist.context import init
+from .dist.failfast import UsageError
 from .train.build import build
 from .train.config import JobError, load_job
 from .train.validate import validate
+
+logger = log.get_logger(__name__)
 
 
 def factorisations(n: int) -> list[tuple[int, int, int]]:
@@ -65,12 +75,22 @@ def layout_job(job, layout, steps: int):
     return validate(replace(job, parallel=parallel, train=train), dp * pp * tp)
 
 
+def step_shares(stats: dict) -> tuple[float, float]:
+    """(communication, idle) shares of one rank's step; compute is the rest, so the three add up to 1."""
+    step = stats.get("step_s", 0.0)
+    if step <= 0:
+        return 0.0, 0.0
+    comm = min(max(stats.get("comm_s", 0.0), 0.0), step)
+    idle = min(max(stats.get("idle_s", 0.0), 0.0), step - comm)
+    return comm / step, idle / step
+
+
 def measure(job, comm, steps: int) -> dict:
     """Train ``steps`` + 2 steps of ``job`` on ``comm`` and return this layout's figures (on rank 0)."""
     p = job.parallel
     ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, comm=comm, device=job.train.device)
     run = build(job, ctx)
-    times, comm_s, idle_s = [], [], []
+    times, shares = [], []
     ctx.reset_stats()
     for step in range(steps + 2):
         if step == 2:
@@ -84,9 +104,8 @@ def measure(job, comm, steps: int) -> dict:
         elapsed = ctx.world.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX)
         if step >= 2:
             times.append(elapsed)
-            comm_s.append(run.engine.stats.get("comm_s", 0.0))
-            idle_s.append(run.engine.stats.get("idle_s", 0.0))
-    traffic = sum(c.stats.total_bytes for c in ctx.communicators().values() if c.size > 1)  # size 1: local copies
+            shares.append(step_shares(run.engine.stats))
+    traffic = sum(c.stats.total_wire_bytes for c in ctx.communicators().values())  # size 1 sends nothing
     tracemalloc.start()
     inputs, targets = run.train_data.batch_at(0)
     run.engine.train_step(inputs, targets)
@@ -99,26 +118,66 @@ def measure(job, comm, steps: int) -> dict:
     step_s = statistics.median(times)
     gather = lambda value, op=MPI.MAX: ctx.world.mpi.allreduce(value, op=op)  # noqa: E731
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
+    comm_share, idle_share = (gather(statistics.fmean(s[k] for s in shares), MPI.SUM) / ctx.world_size for k in (0, 1))
     return {"layout": [p.dp, p.pp, p.tp], "ranks": ctx.world_size, "step_s": step_s, "tokens_per_s": tokens / step_s,
-            "comm_share": gather(statistics.median(comm_s)) / step_s,
-            "bubble_share": gather(statistics.median(idle_s)) / step_s,
+            "compute_share": 1.0 - comm_share - idle_share, "comm_share": comm_share, "bubble_share": idle_share,
             "param_state_mb_per_rank": gather(params + state) / 2**20,
             "activation_peak_mb_per_rank": gather(activation_peak) / 2**20,
             "bytes_per_step": gather(traffic / steps, MPI.SUM)}
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hpcpar compare")
-    parser.add_argument("job")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--out", default=None, help="folder for compare.json and compare.png (default runs/compare-JOB)")
-    args = parser.parse_args(argv)
+def add_arguments(parser) -> None:
+    parser.add_argument("job", help="the job file whose model, data and optimizer are measured")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per layout (after 2 warm-up steps)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a job key, TOML syntax (repeatable) (default: none)")
+    parser.add_argument("--out", default=None,
+                        help="folder for compare.json and compare.png (default: runs/compare-JOB)")
+    parser.set_defaults(func=run)
 
+
+def cpu_budget(world) -> tuple[str, str | None]:
+    """(the header's words on CPUs and threads, a warning when a node runs more threads than it may use).
+
+    Per node: the CPUs its ranks may run on (the union of their affinity masks, capped by the
+    cgroup's quota) against the sum of the ranks' BLAS threads (after hpcpar's share of the cores)."""
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    backend.share_cores(node.Get_size())  # what init does in every layout
+    mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    facts = node.gather((sorted(mask), backend.usable_cpus(), backend.blas_thread_count()), root=0)
+    summary = None
+    if node.Get_rank() == 0:
+        cpus = min(len(set().union(*(m for m, _, _ in facts))), max(limit for _, limit, _ in facts))
+        summary = (os.uname().nodename, cpus, [threads for _, _, threads in facts])
+    node.Free()
+    nodes = [s for s in world.gather(summary, root=0) or [] if s is not None]
+    if world.Get_rank() != 0:
+        return "", None
+    counts = sorted({t for _, _, threads in nodes for t in threads})
+    per_rank = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    text = (f"{world.Get_size()} ranks on {sum(c for _, c, _ in nodes)} usable CPUs"
+            f"{f' of {len(nodes)} nodes' if len(nodes) > 1 else ''}, {per_rank} BLAS thread(s) per rank")
+    over = [(host, cpus, threads) for host, cpus, threads in nodes if sum(threads) > cpus]
+    if not over:
+        return text, None
+    host, cpus, threads = over[0]
+    fix = (f"launch at most {cpus} ranks per node" if len(threads) > cpus else
+           f"set OMP_NUM_THREADS and OPENBLAS_NUM_THREADS to {cpus // len(threads)}")
+    return text, (f"{len(threads)} ranks with {sum(threads)} BLAS threads in all on {cpus} usable CPU(s) of {host}: "
+                  f"the cores are oversubscribed and the timings of every layout are distorted; {fix}")
+
+
+def run(args) -> int:
     world = MPI.COMM_WORLD
     # Ranks outside a smaller layout wait here; they must not spin on the cores it runs on.
     waiting = Communicator(world, "world", wait_policy="yield")
-    job = load_job(args.job, args.set)
+    try:  # the same verdict on every rank, before any rank waits on another
+        job = load_job(args.job, args.set)
+    except JobError as error:
+        raise UsageError(f"hpcpar compare: error: {error}") from None
+    cpus, problem = cpu_budget(world)
+    if problem:
+        logger.warning(problem)
     out = args.out or os.path.join("runs", "compare-" + os.path.basename(args.job).rsplit(".", 1)[0])
     results, skipped = [], []
     for layout in [(1, 1, 1)] + (factorisations(world.Get_size()) if world.Get_size() > 1 else []):
@@ -142,11 +201,11 @@ def main(argv: list[str]) -> int:
         r["speedup"] = r["tokens_per_s"] / base
         r["efficiency"] = r["speedup"] / r["ranks"]
         r["label"] = label(r["layout"])
-    print(report(job, results, skipped, world.Get_size(), args.steps), flush=True)
+    print(report(job, results, skipped, cpus, args.steps), flush=True)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "compare.json"), "w") as f:
-        json.dump({"job": args.job, "world": world.Get_size(), "steps": args.steps, "results": results,
-                   "skipped": skipped}, f, indent=1)
+        json.dump({"job": args.job, "world": world.Get_size(), "steps": args.steps, "cpus": cpus,
+                   "cpu_warning": problem, "results": results, "skipped": skipped}, f, indent=1)
     from .plot import plot_compare
 
     chart = plot_compare(os.path.join(out, "compare.json"), os.path.join(out, "compare.png"))
@@ -154,7 +213,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def report(job, results, skipped, world, steps) -> str:
+def report(job, results, skipped, cpus: str, steps: int) -> str:
     unit = "tok/s" if job.model.kind == "gpt" else "img/s"
     rows = [[r["label"], f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{100 * r['efficiency']:.0f}%",
              f"{100 * r['comm_share']:.0f}%", f"{100 * r['bubble_share']:.0f}%", f"{r['param_state_mb_per_rank']:.1f}",
@@ -164,8 +223,7 @@ def report(job, results, skipped, world, steps) -> str:
              if m.kind == "gpt" else "digits CNN")
     text = format_table(["layout dp x pp x tp", unit, "speed-up", "efficiency", "comm", "bubble",
                          "params+opt MB/rank", "activations MB/rank", "MB sent/step"], rows,
-                        f"hpcpar compare: {model}, global batch {job.data.batch_size}, {world} ranks on "
-                        f"{os.cpu_count()} cores, median of {steps} steps")
+                        f"hpcpar compare: {model}, global batch {job.data.batch_size}, {cpus}, median of {steps} steps")
     for name, why in skipped:
         text += f"\nskipped {name}: {why}"
     return text

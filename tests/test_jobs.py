@@ -169,6 +169,10 @@ def test_compare_plot_and_generate(tmp_path, token_file):
     results = json.load(open(tmp_path / "compare.json"))["results"]
     assert [r["layout"] for r in results] == [[1, 1, 1], [2, 1, 1], [1, 2, 1], [1, 1, 2]]
     assert results[0]["bytes_per_step"] == 0 and all(r["bytes_per_step"] > 0 for r in results[1:])
+    for r in results:  # where the time goes: compute, communication and idle partition the step
+        shares = (r["compute_share"], r["comm_share"], r["bubble_share"])
+        assert all(0 <= share <= 1 for share in shares) and abs(sum(shares) - 1) < 1e-9, r
+    assert "2 ranks on" in proc.stdout and "BLAS thread(s) per rank" in proc.stdout
     assert os.path.getsize(tmp_path / "compare.png") > 10_000
 
     run = train(job, tmp_path / "run", token_file, "train.steps=4", "train.log_interval=2", "model.n_layer=2",
@@ -180,6 +184,10 @@ def test_compare_plot_and_generate(tmp_path, token_file):
     generate = subprocess.run([sys.executable, "-m", "hpcpar", "generate", str(tmp_path / "run" / "ckpt"),
                                "--tokens", "20", "--prompt", "def "], capture_output=True, text=True, timeout=120)
     assert generate.returncode == 0 and generate.stdout.startswith("def ") and len(generate.stdout) >= 20
+    twice = subprocess.run([venv_bin("mpiexec"), "-n", "2", sys.executable, "-m", "hpcpar", "generate",
+                            str(tmp_path / "run" / "ckpt"), "--tokens", "20", "--prompt", "def "],
+                           capture_output=True, text=True, timeout=120)
+    assert twice.returncode == 0 and twice.stdout == generate.stdout  # rank 0 alone prints
     missing = subprocess.run([sys.executable, "-m", "hpcpar", "generate", str(tmp_path / "nowhere")],
                              capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 2 and "no committed checkpoint" in missing.stdout
+    assert missing.returncode == 2 and "no committed checkpoint" in missing.stderr

@@ -10,7 +10,6 @@ Bus bandwidth = bytes x 2(n-1)/n / time (the OSU/NCCL-tests convention).
 """
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 
@@ -56,14 +55,15 @@ def time_hpcpar(comm, buf, warmup: int, iters: int) -> float:
     return comm.mpi.allreduce(elapsed, op=__import__("mpi4py").MPI.MAX)
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="hpcpar bench allreduce")
-    parser.add_argument("--max-mib", type=float, default=64.0)
-    parser.add_argument("--rounds", type=int, default=3)
+def add_arguments(parser) -> None:
+    parser.add_argument("--max-mib", type=float, default=64.0, help="largest message, MiB (sizes double up to it)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per size; the table shows medians")
     parser.add_argument("--wait", choices=("spin", "yield"), default=None,
                         help="wait policy of the hpcpar path (default: yield when oversubscribed)")
-    args = parser.parse_args(argv)
+    parser.set_defaults(func=run)
 
+
+def run(args) -> None:
     ctx = init(wait_policy=args.wait)
     comm = ctx.world
     lib = native.load_native()

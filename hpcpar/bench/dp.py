@@ -15,7 +15,6 @@ wait at a barrier) each rank trains the GPT of ``hpcpar bench step`` on its own 
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
@@ -73,14 +72,15 @@ def measure(ctx, batch: int, steps: int, bucket_mb: float, overlap: bool, seed: 
             "bytes": nbytes, "buckets": len(ddp.buckets)}
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="hpcpar bench dp")
-    parser.add_argument("--steps", type=int, default=5)
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per world size; medians shown")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank (weak scaling)")
     parser.add_argument("--bucket-mb", type=float, default=6.0,
                         help="bucket size (the 12 MiB of gradients in 3 buckets: room to overlap)")
-    args = parser.parse_args(argv)
+    parser.set_defaults(func=run)
 
+
+def run(args) -> None:
     world = MPI.COMM_WORLD
     waiting = Communicator(world, "world", wait_policy="yield")  # idle ranks must not spin on the busy cores
     sizes = [n for n in (1, 2, 4, 8, 16) if n <= world.Get_size()]

@@ -12,7 +12,6 @@ milliseconds per op (cProfile, cumulative), the optimizer, and the rest.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import cProfile
 import pstats
@@ -189,14 +188,16 @@ def format_results(results: dict, config: GPTConfig, batch_size: int) -> str:
     return format_table(headers, rows, title=title)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="hpcpar bench step", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8)
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=10, help="timed steps; medians shown")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
     parser.add_argument("--profile", action="store_true", help="print the functions that dominate an hpcpar step")
-    args = parser.parse_args(argv)
+    parser.set_defaults(func=run)
+
+
+def run(args) -> None:
     results = run_step_bench(BENCH_CONFIG, args.batch, args.steps, args.warmup, not args.no_torch)
     print(format_results(results, BENCH_CONFIG, args.batch))
     if args.profile:

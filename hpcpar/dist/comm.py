@@ -6,8 +6,9 @@ synchronize, since MPI reads device memory outside CuPy's stream order) and are 
 through host memory otherwise. Calls that move pickled Python objects have their own
 names (``*_object``) so they are never mistaken for the array path.
 
-Every call adds to ``comm.stats`` (calls, bytes this rank contributed, seconds), so the
-layers above can report a communication share and tests can assert exact traffic.
+Every call adds to ``comm.stats`` (calls, the bytes it was given, the bytes this rank sends on
+the wire under ring algorithms, seconds), so the layers above can report a communication share
+and the traffic, and tests can assert exact counts.
 """
 from __future__ import annotations
 
@@ -91,33 +92,92 @@ def wait_politely(request) -> None:
 # ----------------------------------------------------------------------------------------
 # Counters
 # ----------------------------------------------------------------------------------------
+# Every operation a Communicator records, and the families a name stands for in the queries:
+# ``calls("allreduce")`` counts blocking and non-blocking all-reduces, ``calls("iallreduce")``
+# the non-blocking ones alone.
+OPS = ("barrier", "allreduce", "iallreduce", "reduce_scatter", "allgather", "broadcast",
+       "send", "isend", "recv", "irecv", "bcast_object", "allgather_object", "gather_object",
+       "allreduce_object", "send_object", "recv_object")
+FAMILIES = {"allreduce": ("allreduce", "iallreduce"), "send": ("send", "isend"), "recv": ("recv", "irecv")}
+
+
+def ring_wire_bytes(op: str, nbytes: int, size: int) -> int:
+    """Bytes one rank sends over the network for ``op`` given ``nbytes``, under ring algorithms.
+
+    With n = ``size`` ranks and B the bytes the call was given on this rank:
+
+    - all-reduce (B = the whole buffer): reduce-scatter then all-gather, 2(n-1)/n x B;
+    - reduce-scatter (B = the whole input): (n-1)/n x B; all-gather (B = this rank's piece,
+      n x B the result): (n-1) x B, that is (n-1)/n of the full size;
+    - broadcast (B = the buffer): pipelined along a chain, (n-1)/n x B per rank on average;
+    - send: B; receive: 0 (counted on the sender); barrier: 0;
+    - pickled objects as their array counterparts, with B their pickled size (a gather's
+      root receives, the others send B).
+
+    Rounded down to whole bytes; 0 when n = 1. A model of the traffic, not a measurement:
+    MPI libraries pick other algorithms for small messages (recursive doubling, trees).
+    """
+    n = size
+    if n <= 1 or op in ("barrier", "recv", "irecv", "recv_object"):
+        return 0
+    if op in ("allreduce", "iallreduce", "allreduce_object"):
+        return 2 * (n - 1) * nbytes // n
+    if op in ("reduce_scatter", "broadcast", "bcast_object"):
+        return (n - 1) * nbytes // n
+    if op in ("allgather", "allgather_object"):
+        return (n - 1) * nbytes
+    return nbytes  # send, isend, send_object, gather_object (a non-root rank's contribution)
+
+
 @dataclass
 class OpCount:
     calls: int = 0
-    bytes: int = 0
+    bytes: int = 0  # what the calls were given on this rank
+    wire_bytes: int = 0  # what this rank sends on the network under ring algorithms (ring_wire_bytes)
     seconds: float = 0.0
 
 
 @dataclass
 class CommStats:
-    """Per-operation counters of one communicator."""
+    """Per-operation counters of one communicator of ``size`` ranks.
 
+    ``bytes(op)`` is what the calls were given on this rank (the buffer of an all-reduce, this
+    rank's piece of an all-gather); ``wire_bytes(op)`` is what this rank sends on the network for
+    them under ring algorithms (``ring_wire_bytes``). Queries take an operation of ``OPS`` or a
+    family of ``FAMILIES``; any other name raises ValueError listing the known ones.
+    """
+
+    size: int = 1
     ops: dict = field(default_factory=dict)
 
-    def add(self, op: str, nbytes: int, seconds: float) -> None:
+    def add(self, op: str, nbytes: int, seconds: float, wire: int | None = None) -> None:
         count = self.ops.setdefault(op, OpCount())
         count.calls += 1
         count.bytes += int(nbytes)
+        count.wire_bytes += ring_wire_bytes(op, int(nbytes), self.size) if wire is None else int(wire)
         count.seconds += seconds
 
     def add_seconds(self, op: str, seconds: float) -> None:
         self.ops.setdefault(op, OpCount()).seconds += seconds
 
+    def _counts(self, op: str) -> list[OpCount]:
+        names = FAMILIES.get(op, (op,))
+        if op not in FAMILIES and op not in OPS and op not in self.ops:
+            known = ", ".join(sorted(set(OPS) | set(self.ops)))
+            raise ValueError(f"unknown communication op {op!r}; known: {known}")
+        return [self.ops[name] for name in names if name in self.ops]
+
     def calls(self, op: str) -> int:
-        return self.ops[op].calls if op in self.ops else 0
+        return sum(c.calls for c in self._counts(op))
 
     def bytes(self, op: str) -> int:
-        return self.ops[op].bytes if op in self.ops else 0
+        return sum(c.bytes for c in self._counts(op))
+
+    def wire_bytes(self, op: str) -> int:
+        return sum(c.wire_bytes for c in self._counts(op))
+
+    def seconds(self, op: str) -> float:
+        return sum(c.seconds for c in self._counts(op))
 
     @property
     def total_seconds(self) -> float:
@@ -126,6 +186,10 @@ class CommStats:
     @property
     def total_bytes(self) -> int:
         return sum(c.bytes for c in self.ops.values())
+
+    @property
+    def total_wire_bytes(self) -> int:
+        return sum(c.wire_bytes for c in self.ops.values())
 
     def reset(self) -> None:
         self.ops.clear()
@@ -234,7 +298,7 @@ class Communicator:
         self.size = mpi_comm.Get_size()
         self.cuda_aware = query_cuda_aware() if cuda_aware is None else cuda_aware
         self.wait_policy = wait_policy
-        self.stats = CommStats()
+        self.stats = CommStats(self.size)
         self.watchdog = StallWatchdog.for_communicator(self)  # None: HPCPAR_STALL_S=0
 
     def __repr__(self) -> str:
@@ -387,13 +451,14 @@ class Communicator:
 
     # ----- pickled Python objects (separate names: never the array path) -------------
     def bcast_object(self, obj, root: int = 0):
-        return self._object_call("bcast_object", obj, lambda: self.mpi.bcast(obj, root=root))
+        return self._object_call("bcast_object", obj, lambda: self.mpi.bcast(obj, root=root), wire_of_result=True)
 
     def allgather_object(self, obj) -> list:
         return self._object_call("allgather_object", obj, lambda: self.mpi.allgather(obj))
 
     def gather_object(self, obj, root: int = 0):
-        return self._object_call("gather_object", obj, lambda: self.mpi.gather(obj, root=root))
+        return self._object_call("gather_object", obj, lambda: self.mpi.gather(obj, root=root),
+                                 sends=self.rank != root)
 
     def allreduce_object(self, obj, op: str = "sum"):
         return self._object_call("allreduce_object", obj, lambda: self.mpi.allreduce(obj, op=_reduce_op(op)))
@@ -404,11 +469,13 @@ class Communicator:
     def recv_object(self, source: int, tag: int = 0):
         return self._object_call("recv_object", None, lambda: self.mpi.recv(source=source, tag=tag))
 
-    def _object_call(self, op: str, obj, call):
+    def _object_call(self, op: str, obj, call, *, wire_of_result: bool = False, sends: bool = True):
+        """Run ``call``; count ``obj``'s pickled size (a broadcast's wire bytes from the root's object)."""
         start = time.perf_counter()
         result = call()
         nbytes = len(pickle.dumps(obj)) if obj is not None else 0
-        self.stats.add(op, nbytes, time.perf_counter() - start)
+        wire = ring_wire_bytes(op, len(pickle.dumps(result)) if wire_of_result else nbytes, self.size) if sends else 0
+        self.stats.add(op, nbytes, time.perf_counter() - start, wire=wire)
         return result
 
     # ----- structure ----------------------------------------------------------------

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from .. import backend
+from .. import backend, log
 from .comm import Communicator, default_wait_policy, query_cuda_aware
 
 
@@ -135,6 +135,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
     """
     world_mpi = comm if comm is not None else MPI.COMM_WORLD
     dp, pp, tp = resolve_layout(world_mpi.Get_size(), dp, pp, tp)
+    log.ensure_configured()  # rank 0's log lines on stdout, unless the application set up its own
     device = backend.resolve_device(device)
 
     node = world_mpi.Split_type(MPI.COMM_TYPE_SHARED, key=world_mpi.Get_rank())

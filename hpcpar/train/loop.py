@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from .. import checkpoint
+from .. import checkpoint, log
 from ..autograd import no_grad
 from ..dist.context import init
 from ..parallel.tensor import clip_grad_norm_parallel, counts_toward_norm, sum_over_model_parallel
@@ -32,6 +32,7 @@ from .build import Run, build
 from .config import Job
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+console = log.get_logger(__name__)
 
 
 class StopRequest:
@@ -282,10 +283,19 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
 
 
 def request_requeue(job_id: str) -> None:
-    """Ask SLURM to run this job again (it resumes from the checkpoint just written)."""
+    """Ask SLURM to run this job again (it resumes from the checkpoint just written).
+
+    Requeueing ends this run by force, and the launcher says so in words that look like a
+    failure; the line logged first tells the user they are expected.
+    """
+    console.info(f"requeueing SLURM job {job_id}: the checkpoint is saved and the requeued job resumes from it; "
+                f"lines that follow such as '*** JOB {job_id} ON ... CANCELLED AT ... DUE TO JOB REQUEUE ***' (srun) "
+                f"or 'BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES' (mpiexec) are expected")
     result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
-    print(f"requeue of SLURM job {job_id}: " + ("requested" if result.returncode == 0 else result.stderr.strip()),
-          flush=True)
+    if result.returncode == 0:
+        console.info(f"requeue of SLURM job {job_id}: requested")
+    else:
+        console.warning(f"requeue of SLURM job {job_id}: {result.stderr.strip()}")
 
 
 def sample_text(run: Run, tokens: int) -> str:

@@ -233,3 +233,28 @@ def test_jobs_reference_is_current():
     assert proc.returncode == 0 and proc.stdout == cli.jobs_reference()
     for key in ("parallel.sequence_parallel", "parallel.compression_ratio", "train.trace", "model.n_embd", "data.path"):
         assert f"| {key} |" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------
+# compare's CPU budget (MPI: the ranks of one node are counted together)
+# ----------------------------------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("threads", ["all", 1])
+def test_compare_warns_when_the_ranks_threads_exceed_the_usable_cpus(world, monkeypatch, threads):
+    from threadpoolctl import threadpool_limits
+
+    from hpcpar import backend, compare
+
+    monkeypatch.setattr(backend, "share_cores", lambda ranks: None)  # the thread count under test stays
+    cpus = backend.usable_cpus()
+    count = cpus if threads == "all" else 1
+    with threadpool_limits(limits=count, user_api="blas"):
+        text, problem = compare.cpu_budget(world)
+    if world.Get_rank() != 0:
+        assert (text, problem) == ("", None)
+        return
+    assert text.startswith(f"{world.Get_size()} ranks on ") and f", {count} BLAS thread(s) per rank" in text
+    if world.Get_size() * count > cpus:  # one node here: all ranks share its usable CPUs
+        assert f"{world.Get_size()} ranks with {world.Get_size() * count} BLAS threads in all on {cpus}" in problem
+    else:
+        assert problem is None

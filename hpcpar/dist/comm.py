@@ -17,6 +17,7 @@ import os
 import pickle
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -130,6 +131,21 @@ def ring_wire_bytes(op: str, nbytes: int, size: int) -> int:
 
 
 @dataclass
+class CallRecord:
+    """One finished call (or the wait of a non-blocking one), as a listener of CommStats hears it."""
+
+    comm: str  # the communicator's name: world, dp, pp, tp, ...
+    op: str
+    start: float  # time.perf_counter() of this rank
+    end: float
+    nbytes: int  # given to the call
+    wire_bytes: int  # sent by this rank under ring algorithms (0 for a wait)
+    peer: int = -1  # point-to-point: the other rank, in this communicator
+    tag: int = -1
+    wait: bool = False  # the wait that completed a non-blocking call
+
+
+@dataclass
 class OpCount:
     calls: int = 0
     bytes: int = 0  # what the calls were given on this rank
@@ -148,17 +164,28 @@ class CommStats:
     """
 
     size: int = 1
+    name: str = ""
     ops: dict = field(default_factory=dict)
+    listener: Callable[[CallRecord], None] | None = None  # hears every call: a trace (hpcpar.dist.trace)
 
-    def add(self, op: str, nbytes: int, seconds: float, wire: int | None = None) -> None:
+    def add(self, op: str, nbytes: int, seconds: float, wire: int | None = None, peer: int = -1,
+            tag: int = -1) -> None:
         count = self.ops.setdefault(op, OpCount())
+        wire = ring_wire_bytes(op, int(nbytes), self.size) if wire is None else int(wire)
         count.calls += 1
         count.bytes += int(nbytes)
-        count.wire_bytes += ring_wire_bytes(op, int(nbytes), self.size) if wire is None else int(wire)
+        count.wire_bytes += wire
         count.seconds += seconds
+        if self.listener is not None:
+            end = time.perf_counter()
+            self.listener(CallRecord(self.name, op, end - seconds, end, int(nbytes), wire, peer, tag))
 
-    def add_seconds(self, op: str, seconds: float) -> None:
+    def add_seconds(self, op: str, seconds: float, peer: int = -1, tag: int = -1, nbytes: int = 0) -> None:
+        """The time a non-blocking call spent in its wait."""
         self.ops.setdefault(op, OpCount()).seconds += seconds
+        if self.listener is not None:
+            end = time.perf_counter()
+            self.listener(CallRecord(self.name, op, end - seconds, end, nbytes, 0, peer, tag, wait=True))
 
     def _counts(self, op: str) -> list[OpCount]:
         names = FAMILIES.get(op, (op,))
@@ -253,9 +280,11 @@ class _Staged:
 class Handle:
     """A pending non-blocking call; ``wait()`` completes it and returns the result array."""
 
-    def __init__(self, comm: "Communicator", op: str, request, finish, waiting: Waiting, keepalive=None):
+    def __init__(self, comm: "Communicator", op: str, request, finish, waiting: Waiting, keepalive=None,
+                 nbytes: int = 0):
         self._comm, self._op, self._request, self._finish, self._waiting = comm, op, request, finish, waiting
         self._keepalive = keepalive
+        self._nbytes = nbytes
         self._result = None
         self.done = False
 
@@ -268,7 +297,8 @@ class Handle:
         if not self.done:
             start = time.perf_counter()
             self._comm._wait(self._request, self._waiting)
-            self._comm.stats.add_seconds(self._op, time.perf_counter() - start)
+            self._comm.stats.add_seconds(self._op, time.perf_counter() - start, peer=self._waiting.peer,
+                                         tag=self._waiting.tag, nbytes=self._nbytes)
             self._complete()
         return self._result
 
@@ -298,7 +328,7 @@ class Communicator:
         self.size = mpi_comm.Get_size()
         self.cuda_aware = query_cuda_aware() if cuda_aware is None else cuda_aware
         self.wait_policy = wait_policy
-        self.stats = CommStats(self.size)
+        self.stats = CommStats(size=self.size, name=name)
         self.watchdog = StallWatchdog.for_communicator(self)  # None: HPCPAR_STALL_S=0
 
     def __repr__(self) -> str:
@@ -356,7 +386,7 @@ class Communicator:
         staged, finish = self._prepare_allreduce("iallreduce", x, op, out)
         request = self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op])
         self.stats.add("iallreduce", x.nbytes, time.perf_counter() - start)
-        return Handle(self, "iallreduce", request, finish, self._next_collective("iallreduce"))
+        return Handle(self, "iallreduce", request, finish, self._next_collective("iallreduce"), nbytes=x.nbytes)
 
     def _prepare_allreduce(self, name: str, x, op: str, out):
         """Check, copy ``x`` into ``out`` (unless in place) and stage it; return (staged, finish)."""
@@ -437,17 +467,19 @@ class Communicator:
         x = x if x.flags.c_contiguous else get_array_module(x).ascontiguousarray(x)
         staged = _Staged(x, self.cuda_aware)
         request = self.mpi.Isend(staged.buffer, dest=dest, tag=tag)
-        self.stats.add(_op_name, x.nbytes, time.perf_counter() - start)
+        self.stats.add(_op_name, x.nbytes, time.perf_counter() - start, peer=dest, tag=tag)
         # The staged host copy must outlive the request: the handle keeps it alive.
-        return Handle(self, _op_name, request, lambda: x, Waiting.point_to_point(_op_name, dest, tag), keepalive=staged)
+        return Handle(self, _op_name, request, lambda: x, Waiting.point_to_point(_op_name, dest, tag), keepalive=staged,
+                      nbytes=x.nbytes)
 
     def irecv(self, buf, source: int, tag: int = 0, *, _op_name: str = "irecv") -> Handle:
         _require_contiguous(buf, _op_name)
         start = time.perf_counter()
         staged = _Staged(buf, self.cuda_aware, copy_in=False)
         request = self.mpi.Irecv(staged.buffer, source=source, tag=tag)
-        self.stats.add(_op_name, buf.nbytes, time.perf_counter() - start)
-        return Handle(self, _op_name, request, staged.finish, Waiting.point_to_point(_op_name, source, tag))
+        self.stats.add(_op_name, buf.nbytes, time.perf_counter() - start, peer=source, tag=tag)
+        return Handle(self, _op_name, request, staged.finish, Waiting.point_to_point(_op_name, source, tag),
+                      nbytes=buf.nbytes)
 
     # ----- pickled Python objects (separate names: never the array path) -------------
     def bcast_object(self, obj, root: int = 0):
@@ -464,18 +496,20 @@ class Communicator:
         return self._object_call("allreduce_object", obj, lambda: self.mpi.allreduce(obj, op=_reduce_op(op)))
 
     def send_object(self, obj, dest: int, tag: int = 0) -> None:
-        self._object_call("send_object", obj, lambda: self.mpi.send(obj, dest=dest, tag=tag))
+        self._object_call("send_object", obj, lambda: self.mpi.send(obj, dest=dest, tag=tag), peer=dest, tag=tag)
 
     def recv_object(self, source: int, tag: int = 0):
-        return self._object_call("recv_object", None, lambda: self.mpi.recv(source=source, tag=tag))
+        return self._object_call("recv_object", None, lambda: self.mpi.recv(source=source, tag=tag), peer=source,
+                                 tag=tag)
 
-    def _object_call(self, op: str, obj, call, *, wire_of_result: bool = False, sends: bool = True):
+    def _object_call(self, op: str, obj, call, *, wire_of_result: bool = False, sends: bool = True, peer: int = -1,
+                     tag: int = -1):
         """Run ``call``; count ``obj``'s pickled size (a broadcast's wire bytes from the root's object)."""
         start = time.perf_counter()
         result = call()
         nbytes = len(pickle.dumps(obj)) if obj is not None else 0
         wire = ring_wire_bytes(op, len(pickle.dumps(result)) if wire_of_result else nbytes, self.size) if sends else 0
-        self.stats.add(op, nbytes, time.perf_counter() - start, wire=wire)
+        self.stats.add(op, nbytes, time.perf_counter() - start, wire=wire, peer=peer, tag=tag)
         return result
 
     # ----- structure ----------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""One timeline of a whole job: a Chrome / Perfetto trace-event JSON with a track per rank.
+
+    tracer = Tracer(ctx.world, steps=5)               # collective: measures the clocks against rank 0
+    tracer.watch(ctx.communicators().values())         # every call on them becomes a span
+    for step in range(steps):
+        with tracer.step(step):
+            with tracer.span("forward"):
+                ...
+    tracer.write("runs/job/trace.json")               # collective: rank 0 writes the file
+
+Open the file in https://ui.perfetto.dev or chrome://tracing. Each rank is a process
+("rank R") with one track of nested spans: the step, its forward / backward / optimizer (and
+pipeline F, B, W) spans, and a span for every communication call, named after the operation
+(``allreduce``, ``isend``, ``irecv wait``, ...) with the communicator, the bytes given, the
+bytes sent on the wire under ring algorithms and, for point-to-point calls, the peer's world
+rank and the tag in its arguments. Only the first and the last ``steps`` steps are kept.
+
+Clocks. Every rank stamps spans with its own ``time.perf_counter()``. At the start each rank
+plays ping-pong with rank 0 a few times; the round trip with the smallest delay gives the
+offset to rank 0's clock (rank 0's reading minus the midpoint of the round trip) and bounds its
+error by half that round trip. Timestamps in the file are on rank 0's clock, in microseconds
+since the tracer started; each rank's error bound is in the file's ``otherData``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections import deque
+
+import numpy as np
+from mpi4py import MPI
+
+PING_ROUNDS = 8
+
+
+def measure_offset(world, rounds: int = PING_ROUNDS) -> tuple[float, float]:
+    """(offset, error) of this rank's perf_counter against rank 0's: rank 0's clock = ours + offset.
+
+    Collective over the mpi4py communicator ``world``; rank 0 gets (0, 0). Ranks are measured one
+    at a time so that rank 0 answers at once, on a duplicate of ``world`` (no message of the job's
+    own can match).
+    """
+    world = world.Dup()
+    rank, size = world.Get_rank(), world.Get_size()
+    ping, pong = np.zeros(1), np.zeros(1)
+    best = (0.0, 0.0)
+    if rank == 0:
+        for peer in range(1, size):
+            for _ in range(rounds):
+                world.Recv(ping, source=peer, tag=0)
+                pong[0] = time.perf_counter()
+                world.Send(pong, dest=peer, tag=0)
+    else:
+        best = (0.0, float("inf"))
+        for _ in range(rounds):
+            sent = time.perf_counter()
+            world.Send(ping, dest=0, tag=0)
+            world.Recv(pong, source=0, tag=0)
+            back = time.perf_counter()
+            error = (back - sent) / 2
+            if error < best[1]:
+                best = (pong[0] - (sent + back) / 2, error)
+    world.Barrier()
+    world.Free()
+    return best
+
+
+class Tracer:
+    """Spans of this rank's steps, on rank 0's clock; ``write`` merges every rank's into one file."""
+
+    def __init__(self, world, steps: int = 5):
+        """``world``: an hpcpar Communicator over every rank of the job (collective)."""
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        self.world, self.keep = world, steps
+        self.rank = world.rank
+        self.offset, self.error = measure_offset(world.mpi)
+        self.zero = world.mpi.bcast(time.perf_counter() + self.offset if self.rank == 0 else None, root=0)
+        self._first: list[list[dict]] = []
+        self._last: deque = deque(maxlen=steps)
+        self._current: list[dict] | None = None
+        self._world_rank_of: dict = {}
+        self._watched: list = []
+
+    # ----- recording ------------------------------------------------------------------
+    def _micros(self, local_time: float) -> float:
+        return round((local_time + self.offset - self.zero) * 1e6, 3)
+
+    def add(self, name: str, start: float, end: float, category: str = "compute", **args) -> None:
+        """A span from ``start`` to ``end`` (this rank's perf_counter), kept when inside a step."""
+        if self._current is None:
+            return
+        self._current.append({"name": name, "cat": category, "ph": "X", "pid": self.rank, "tid": 0,
+                              "ts": self._micros(start), "dur": round((end - start) * 1e6, 3), "args": args})
+
+    @contextlib.contextmanager
+    def span(self, name: str, category: str = "compute", **args):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, start, time.perf_counter(), category, **args)
+
+    @contextlib.contextmanager
+    def step(self, number: int):
+        """Everything recorded inside belongs to step ``number`` (kept if among the first or last)."""
+        self._current = []
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spans, self._current = self._current, None
+            spans.insert(0, {"name": f"step {number}", "cat": "step", "ph": "X", "pid": self.rank, "tid": 0,
+                             "ts": self._micros(start), "dur": round((time.perf_counter() - start) * 1e6, 3),
+                             "args": {"step": number}})
+            (self._first if len(self._first) < self.keep else self._last).append(spans)
+
+    def watch(self, communicators) -> None:
+        """Record every call on these hpcpar Communicators as a communication span."""
+        world_group = MPI.COMM_WORLD.Get_group()
+        for comm in communicators:
+            if comm.stats.listener is not None:
+                continue  # watched already (the same communicator under two names)
+            group = comm.mpi.Get_group()
+            self._world_rank_of[comm.name] = group.Translate_ranks(list(range(comm.size)), world_group)
+            group.Free()
+            comm.stats.listener = self._record_call
+            self._watched.append(comm)
+        world_group.Free()
+
+    def _record_call(self, call) -> None:
+        args = {"comm": call.comm, "bytes": call.nbytes, "wire_bytes": call.wire_bytes}
+        if call.peer >= 0:
+            ranks = self._world_rank_of.get(call.comm)
+            args.update(peer=int(ranks[call.peer]) if ranks is not None else call.peer, tag=call.tag)
+        self.add(call.op + (" wait" if call.wait else ""), call.start, call.end, "comm", **args)
+
+    def close(self) -> None:
+        """Stop listening to the communicators."""
+        for comm in self._watched:
+            comm.stats.listener = None
+        self._watched = []
+
+    # ----- the file ---------------------------------------------------------------------
+    def events(self) -> list[dict]:
+        return [event for spans in [*self._first, *self._last] for event in spans]
+
+    def write(self, path: str) -> str | None:
+        """Gather every rank's spans to rank 0, which writes ``path`` (collective); returns it on rank 0."""
+        everyone = self.world.mpi.gather((self.events(), self.error), root=0)
+        if self.rank != 0:
+            return None
+        events = [{"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}}
+                  for r in range(len(everyone))]
+        events += [{"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}}
+                   for r in range(len(everyone))]
+        events += [event for rank_events, _ in everyone for event in rank_events]
+        other = {"clock": "rank 0's time.perf_counter, microseconds since the trace started",
+                 "clock_error_us": [round(error * 1e6, 3) for _, error in everyone],
+                 "steps_kept": f"the first {self.keep} and the last {self.keep}"}
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}, f)
+        os.replace(path + ".tmp", path)
+        return path

@@ -28,9 +28,10 @@ from dataclasses import replace
 import numpy as np
 from mpi4py import MPI
 
-from .bench.timing import format_table
+from .tables import format_table
 from .dist.comm import Communicator
 from .dist.context import init
+from .parallel.pipeline.schedules import interleaved_fit
 from .train.build import build
 from .train.config import JobError, load_job
 from .train.validate import validate
@@ -59,7 +60,7 @@ def layout_job(job, layout, steps: int):
     parallel = replace(job.parallel, dp=dp, pp=pp, tp=tp, micro_batches=micro,
                        schedule=job.parallel.schedule if pp > 1 else "1f1b", chunks=1 if pp == 1 else job.parallel.chunks,
                        sequence_parallel=job.parallel.sequence_parallel and tp > 1)  # nothing to split at tp = 1
-    if parallel.schedule == "interleaved" and (micro % pp or pp * parallel.chunks > job.num_layers):
+    if parallel.schedule == "interleaved" and (interleaved_fit(pp, micro) is not None or pp * parallel.chunks > job.num_layers):
         parallel = replace(parallel, schedule="1f1b", chunks=1)
     train = replace(job.train, steps=steps + 2, eval_interval=0, sample_tokens=0)
     return validate(replace(job, parallel=parallel, train=train), dp * pp * tp)
@@ -70,6 +71,7 @@ def measure(job, comm, steps: int) -> dict:
     p = job.parallel
     ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, comm=comm, device=job.train.device)
     run = build(job, ctx)
+    strategy = run.strategy
     times, comm_s, idle_s = [], [], []
     ctx.reset_stats()
     for step in range(steps + 2):
@@ -78,24 +80,22 @@ def measure(job, comm, steps: int) -> dict:
         inputs, targets = run.train_data.batch_at(step)
         ctx.world.barrier()
         start = time.perf_counter()
-        run.engine.train_step(inputs, targets)
-        run.optimizer.step()
-        run.optimizer.zero_grad()
+        strategy.train_step(inputs, targets)
+        strategy.finish_step(job.optimizer.grad_clip)
         elapsed = ctx.world.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX)
         if step >= 2:
             times.append(elapsed)
-            comm_s.append(run.engine.stats.get("comm_s", 0.0))
-            idle_s.append(run.engine.stats.get("idle_s", 0.0))
+            comm_s.append(strategy.stats.get("comm_s", 0.0))
+            idle_s.append(strategy.stats.get("idle_s", 0.0))
     traffic = sum(c.stats.total_bytes for c in ctx.communicators().values() if c.size > 1)  # size 1: local copies
     tracemalloc.start()
     inputs, targets = run.train_data.batch_at(0)
-    run.engine.train_step(inputs, targets)
+    strategy.train_step(inputs, targets)
     activation_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    run.optimizer.zero_grad()
-    state = run.optimizer.state_bytes() if hasattr(run.optimizer, "state_bytes") else sum(
-        v.nbytes for s in run.optimizer.state.values() for v in s.values() if hasattr(v, "nbytes"))
-    params = sum(q.data.nbytes for _, q in run.engine.named_parameters())
+    strategy.finish_step(0.0)
+    state = strategy.optimizer_state_bytes()
+    params = sum(q.data.nbytes for _, q in strategy.named_parameters())
     step_s = statistics.median(times)
     gather = lambda value, op=MPI.MAX: ctx.world.mpi.allreduce(value, op=op)  # noqa: E731
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)

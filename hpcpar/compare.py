@@ -35,10 +35,11 @@ import numpy as np
 from mpi4py import MPI
 
 from . import backend, log
-from .bench.timing import format_table
 from .dist.comm import Communicator
 from .dist.context import init
 from .dist.failfast import UsageError
+from .parallel.pipeline.schedules import interleaved_fit
+from .tables import format_table
 from .train.build import build
 from .train.config import JobError, load_job
 from .train.validate import validate
@@ -69,15 +70,19 @@ def layout_job(job, layout, steps: int):
     parallel = replace(job.parallel, dp=dp, pp=pp, tp=tp, micro_batches=micro,
                        schedule=job.parallel.schedule if pp > 1 else "1f1b", chunks=1 if pp == 1 else job.parallel.chunks,
                        sequence_parallel=job.parallel.sequence_parallel and tp > 1)  # nothing to split at tp = 1
-    if parallel.schedule == "interleaved" and (micro % pp or pp * parallel.chunks > job.num_layers):
+    if parallel.schedule == "interleaved" and (interleaved_fit(pp, micro) is not None or pp * parallel.chunks > job.num_layers):
         parallel = replace(parallel, schedule="1f1b", chunks=1)
     train = replace(job.train, steps=steps + 2, eval_interval=0, sample_tokens=0)
     return validate(replace(job, parallel=parallel, train=train), dp * pp * tp)
 
 
 def step_shares(stats: dict) -> tuple[float, float]:
-    """(communication, idle) shares of one rank's step; compute is the rest, so the three add up to 1."""
-    step = stats.get("step_s", 0.0)
+    """(communication, idle) shares of one rank's step; compute is the rest, so the three add up to 1.
+
+    The step is the longer of its measured time and its parts (a strategy's finish adds to the
+    parts after the step's own time was taken)."""
+    parts = sum(max(stats.get(key, 0.0), 0.0) for key in ("compute_s", "comm_s", "idle_s"))
+    step = max(stats.get("step_s", 0.0), parts)
     if step <= 0:
         return 0.0, 0.0
     comm = min(max(stats.get("comm_s", 0.0), 0.0), step)
@@ -90,6 +95,7 @@ def measure(job, comm, steps: int) -> dict:
     p = job.parallel
     ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, comm=comm, device=job.train.device)
     run = build(job, ctx)
+    strategy = run.strategy
     times, shares = [], []
     ctx.reset_stats()
     for step in range(steps + 2):
@@ -98,23 +104,21 @@ def measure(job, comm, steps: int) -> dict:
         inputs, targets = run.train_data.batch_at(step)
         ctx.world.barrier()
         start = time.perf_counter()
-        run.engine.train_step(inputs, targets)
-        run.optimizer.step()
-        run.optimizer.zero_grad()
+        strategy.train_step(inputs, targets)
+        strategy.finish_step(job.optimizer.grad_clip)
         elapsed = ctx.world.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX)
         if step >= 2:
             times.append(elapsed)
-            shares.append(step_shares(run.engine.stats))
+            shares.append(step_shares(strategy.stats))
     traffic = sum(c.stats.total_wire_bytes for c in ctx.communicators().values())  # size 1 sends nothing
     tracemalloc.start()
     inputs, targets = run.train_data.batch_at(0)
-    run.engine.train_step(inputs, targets)
+    strategy.train_step(inputs, targets)
     activation_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    run.optimizer.zero_grad()
-    state = run.optimizer.state_bytes() if hasattr(run.optimizer, "state_bytes") else sum(
-        v.nbytes for s in run.optimizer.state.values() for v in s.values() if hasattr(v, "nbytes"))
-    params = sum(q.data.nbytes for _, q in run.engine.named_parameters())
+    strategy.finish_step(0.0)
+    state = strategy.optimizer_state_bytes()
+    params = sum(q.data.nbytes for _, q in strategy.named_parameters())
     step_s = statistics.median(times)
     gather = lambda value, op=MPI.MAX: ctx.world.mpi.allreduce(value, op=op)  # noqa: E731
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)

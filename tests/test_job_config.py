@@ -258,3 +258,15 @@ def test_schema_table_lists_every_key():
             assert f"| {name}.{key} |" in table
     assert len(table.splitlines()) == 2 + sum(len(keys) for keys in defaults.values())
     assert "| checkpoint.async | true or false | `false` |" in table
+
+
+def test_the_old_schedule_section_is_read_with_a_notice(tmp_path):
+    path = tmp_path / "old.toml"
+    path.write_text("[schedule]\nwarmup_steps = 7\n")
+    job = load_job(str(path), ["schedule.min_lr=0.0001"])
+    assert job.lr_schedule.warmup_steps == 7 and job.lr_schedule.min_lr == 1e-4
+    assert any("[schedule] is deprecated" in n and "[lr_schedule]" in n for n in job.notices)
+    assert any("--set lr_schedule.min_lr" in n for n in job.notices)
+    path.write_text("[schedule]\nwarmup_steps = 7\n[lr_schedule]\nmin_lr = 0.0\n")
+    with pytest.raises(JobError, match=r"\[schedule\]: is the old name of \[lr_schedule\]"):
+        load_job(str(path))

@@ -12,9 +12,10 @@ milliseconds per op (cProfile, cumulative), the optimizer, and the rest.
 """
 from __future__ import annotations
 
-import contextlib
 import cProfile
+import contextlib
 import pstats
+import statistics
 import time
 
 import numpy as np
@@ -22,7 +23,7 @@ import numpy as np
 from ..autograd import Function
 from ..nn.gpt import GPT, GPTConfig
 from ..optim import AdamW
-from .timing import format_table, median
+from ..tables import format_table
 
 BENCH_CONFIG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, dropout=0.0, seed=0)
 
@@ -52,7 +53,7 @@ def _time_interleaved(steps_by_name: dict, steps: int, warmup: int) -> dict:
             step()
             times[name][0].append(time.perf_counter() - wall)
             times[name][1].append(time.process_time() - cpu)
-    return {name: (median(wall), median(cpu)) for name, (wall, cpu) in times.items()}
+    return {name: (statistics.median(wall), statistics.median(cpu)) for name, (wall, cpu) in times.items()}
 
 
 def _batches(config: GPTConfig, batch_size: int, seed: int = 0):

@@ -20,7 +20,7 @@ import time
 
 import h5py
 
-from ..bench.timing import format_table, human_bytes
+from ..tables import format_table, human_bytes
 from .manifest import (INDEX, LATEST, MANIFEST, CheckpointError, latest_step, list_steps,
                        read_manifest, resolve_step_dir, step_dirname, verify_files)
 

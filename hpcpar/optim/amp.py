@@ -86,6 +86,7 @@ class MixedPrecision:
             for attr in ("global_shape", "global_start"):  # a tensor-parallel shard's master is the same shard
                 if hasattr(param, attr):
                     setattr(master, attr, getattr(param, attr))
+        self._model_of = {id(master): param for (_, master), param in zip(self.master, self.model_params)}
         self._unscaled = False
 
     @property
@@ -98,6 +99,10 @@ class MixedPrecision:
 
     def master_parameters(self) -> list:
         return [param for _, param in self.master]
+
+    def model_parameter(self, master):
+        """The model's low-precision parameter that ``master`` is the master copy of."""
+        return self._model_of[id(master)]
 
     def backward(self, loss) -> None:
         """``loss.backward()`` with every gradient multiplied by the current scale."""

@@ -6,12 +6,13 @@ iterable of Parameters (keyed ``"0"``, ``"1"``, ...).
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import numpy as np
 
 from ..autograd import Tensor
 from ..backend import to_device
+from ..state import Checkpointable, LoadPlan, Piece, Read, Saved, global_slab
 
 
 def named_parameter_list(params) -> list[tuple[str, Tensor]]:
@@ -27,8 +28,13 @@ def named_parameter_list(params) -> list[tuple[str, Tensor]]:
     return named
 
 
-class Optimizer(ABC):
-    """Subclasses list their ``hyperparameters`` (float attributes, ``lr`` first) and define ``update``."""
+class Optimizer(Checkpointable):
+    """Subclasses list their ``hyperparameters`` (float attributes, ``lr`` first) and define ``update``.
+
+    In a checkpoint each state array is a piece of ``optim/<param>/<key>`` at its parameter's
+    place in the global tensor (a tensor-parallel shard's state is a shard too); step counts
+    are scalars.
+    """
 
     hyperparameters: tuple[str, ...] = ("lr",)
 
@@ -86,3 +92,32 @@ class Optimizer(ABC):
                                      f"{tuple(value.shape)} but the parameter has shape {param.shape}")
                 loaded[key] = to_device(value, param.xp).astype(param.dtype, copy=True)
             self.state[name] = loaded
+
+    # ----- the checkpoint protocol (hpcpar.state) -------------------------------------
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
+        pieces, scalars = [], {}
+        for name, param in zip(self.names, self.params):
+            shape, slab = global_slab(param)
+            for key, value in self.state[name].items():
+                if np.ndim(value) == 0:
+                    scalars[f"optim/{name}/{key}"] = int(value)
+                else:
+                    pieces.append(Piece(f"optim/{name}/{key}", shape, slab, value))
+        return pieces, scalars
+
+    def load_plan(self, saved: Saved) -> LoadPlan:
+        """Each parameter's saved state, replacing its current state when the load completes."""
+        staged, reads = {}, []
+        for name, param in zip(self.names, self.params):
+            shape, slab = global_slab(param)
+            state = staged[name] = {}
+            for key in saved.state_keys(name):
+                full = f"optim/{name}/{key}"
+                if full in saved.scalars:
+                    state[key] = int(saved.scalars[full])
+                    continue
+
+                def assign(values, state=state, key=key, param=param):
+                    state[key] = to_device(values, param.xp).astype(param.dtype)
+                reads.append(Read(full, shape, slab, assign))
+        return LoadPlan(reads, [lambda: self.state.update(staged)])

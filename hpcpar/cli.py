@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import json
 import os
 import sys
 
@@ -129,11 +130,12 @@ def _train(args) -> int:
     from .train.validate import validate
 
     stop = StopRequest()  # first: until the handlers are in, SLURM's USR1 would kill the rank
+    overrides = args.set + ([f"train.trace={json.dumps(args.trace)}"] if args.trace else [])
     try:  # the same verdict on every rank, before any rank waits on another
-        job = validate(load_job(args.job, args.set), MPI.COMM_WORLD.Get_size())
+        job = validate(load_job(args.job, overrides), MPI.COMM_WORLD.Get_size())
     except JobError as error:
         raise _usage("hpcpar train", str(error)) from None
-    train(job, resume=True if args.resume else None, stop=stop)
+    train(job, resume=True if args.resume else None, stop=stop, progress=args.progress)
     return 0
 
 
@@ -155,6 +157,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a job key, TOML syntax (repeatable): --set parallel.tp=2 (default: none)")
     parser.add_argument("--resume", action="store_true",
                         help="resume from the latest checkpoint (default: checkpoint.resume of the job)")
+    parser.add_argument("--progress", choices=("auto", "bar", "log", "none"), default="auto",
+                        help="bar: a live bar on the terminal the job was started from (under mpiexec too); log: a "
+                             "line every train.log_interval steps with elapsed time and ETA; auto: bar when rank 0's "
+                             "stderr is a terminal, else log; none: neither")
+    parser.add_argument("--trace", metavar="FILE", default=None,
+                        help="write one Chrome/Perfetto trace of every rank's steps to FILE, as train.trace does "
+                             "(default: train.trace of the job)")
     parser.add_argument("--list-keys", action="store_true",
                         help="print every job key with its type, default and meaning (docs/jobs.md), and exit")
     parser.set_defaults(func=_train)

@@ -35,14 +35,25 @@ def train(job, tmp, token_file, *overrides, ranks=4, timeout=240, wait=True):
 @pytest.mark.parametrize("job", JOBS, ids=[os.path.basename(j)[:-5] for j in JOBS])
 def test_every_shipped_job_runs(job, tmp_path, token_file):
     name = os.path.basename(job)[:-5]
+    ranks = RANKS.get(name, 4)
+    averages = ["parallel.local_steps=3"] if "local-sgd" in name else []  # an average inside the traced steps
     proc = train(job, tmp_path, token_file, "train.steps=6", "train.log_interval=3", "train.eval_interval=0",
-                 "checkpoint.interval=3", "train.sample_tokens=0", ranks=RANKS.get(name, 4))
+                 "checkpoint.interval=3", "train.sample_tokens=0", f'train.trace="{tmp_path}/trace.json"',
+                 *averages, ranks=ranks)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step     6/6" in proc.stdout and "val_loss" in proc.stdout
     assert os.path.isdir(tmp_path / "ckpt" / "step-00000006")
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records if "loss" in r] == [1, 3, 6]
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+    # the trace: every rank's steps (a server's rounds) with its compute and its communication
+    spans = [e for e in json.load(open(tmp_path / "trace.json"))["traceEvents"] if e["ph"] == "X"]
+    servers = 1 if "ps" in name else 0
+    for rank in range(ranks):
+        mine = {e["cat"] for e in spans if e["pid"] == rank}
+        trainer = {"forward", "backward"} if rank < ranks - servers else set()
+        assert {"step", "optimizer", "comm"} | trainer <= mine, (rank, mine)
+    assert all(e["args"]["comm"] and e["args"]["bytes"] >= 0 for e in spans if e["cat"] == "comm")
 
 
 def test_sequence_parallelism_trains_like_plain_tensor_parallelism(tmp_path, token_file):

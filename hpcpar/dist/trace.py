@@ -9,11 +9,14 @@
     tracer.write("runs/job/trace.json")               # collective: rank 0 writes the file
 
 Open the file in https://ui.perfetto.dev or chrome://tracing. Each rank is a process
-("rank R") with one track of nested spans: the step, its forward / backward / optimizer (and
-pipeline F, B, W) spans, and a span for every communication call, named after the operation
-(``allreduce``, ``isend``, ``irecv wait``, ...) with the communicator, the bytes given, the
-bytes sent on the wire under ring algorithms and, for point-to-point calls, the peer's world
-rank and the tag in its arguments. Only the first and the last ``steps`` steps are kept.
+("rank R") with one track of nested spans: the step; its forward / backward / optimizer spans
+(a pipeline's F, B and W actions as forward and backward, its other actions -- SEND_F, RECV_B,
+SYNC, ... -- in category "pipeline"); and a "comm" span for every communication call, named
+after the operation (``allreduce``, ``isend``, ``irecv wait``, ...) with the communicator, the
+bytes given, the bytes sent on the wire under ring algorithms and, for point-to-point calls,
+the peer's world rank and the tag in its arguments. A non-blocking call is two spans, its post
+(``irecv``) and its wait (``irecv wait``): a rank idle for a message shows as a long wait. Only
+the first and the last ``steps`` steps are kept.
 
 Clocks. Every rank stamps spans with its own ``time.perf_counter()``. At the start each rank
 plays ping-pong with rank 0 a few times; the round trip with the smallest delay gives the
@@ -33,6 +36,10 @@ import numpy as np
 from mpi4py import MPI
 
 PING_ROUNDS = 8
+# A pipeline's actions: F is a forward, B and W backward; the others (SEND_F, RECV_B, SYNC, ...)
+# are the schedule's communication steps, "pipeline" spans around the calls ("comm" spans) they make.
+ACTION_CATEGORIES = {"F": "forward", "B": "backward", "W": "backward"}
+BLOCKING = ("send", "recv")  # posted and waited for by the Communicator: one span in the trace
 
 
 def measure_offset(world, rounds: int = PING_ROUNDS) -> tuple[float, float]:
@@ -104,18 +111,32 @@ class Tracer:
             self.add(name, start, time.perf_counter(), category, **args)
 
     @contextlib.contextmanager
-    def step(self, number: int):
-        """Everything recorded inside belongs to step ``number`` (kept if among the first or last)."""
+    def step(self, number: int, label: str = "step"):
+        """Everything recorded inside belongs to step ``number`` (kept if among the first or last);
+        the span is named "``label`` ``number``" (a parameter server's steps are its rounds)."""
         self._current = []
         start = time.perf_counter()
         try:
             yield
         finally:
-            spans, self._current = self._current, None
-            spans.insert(0, {"name": f"step {number}", "cat": "step", "ph": "X", "pid": self.rank, "tid": 0,
-                             "ts": self._micros(start), "dur": round((time.perf_counter() - start) * 1e6, 3),
-                             "args": {"step": number}})
-            (self._first if len(self._first) < self.keep else self._last).append(spans)
+            self._close_step(number, start, time.perf_counter(), label)
+
+    def add_recorded_step(self, number: int, start: float, end: float, actions) -> None:
+        """A step recorded earlier as (name, start, end) actions (``PipelineParallel.trace``)."""
+        self._current = []
+        self.add_actions(actions)
+        self._close_step(number, start, end)
+
+    def _close_step(self, number: int, start: float, end: float, label: str = "step") -> None:
+        spans, self._current = self._current, None
+        spans.insert(0, {"name": f"{label} {number}", "cat": "step", "ph": "X", "pid": self.rank, "tid": 0,
+                         "ts": self._micros(start), "dur": round((end - start) * 1e6, 3), "args": {"step": number}})
+        (self._first if len(self._first) < self.keep else self._last).append(spans)
+
+    def add_actions(self, actions) -> None:
+        """A pipeline's (name, start, end) actions: F forward, B and W backward, the others "pipeline"."""
+        for name, start, end in actions:  # "F3@s1", "SEND_F3@s1->s2", "SYNC"
+            self.add(name, start, end, ACTION_CATEGORIES.get(name.split("@")[0].rstrip("0123456789"), "pipeline"))
 
     def watch(self, communicators) -> None:
         """Record every call on these hpcpar Communicators as a communication span."""
@@ -131,10 +152,17 @@ class Tracer:
         world_group.Free()
 
     def _record_call(self, call) -> None:
+        if self._current is None:
+            return
         args = {"comm": call.comm, "bytes": call.nbytes, "wire_bytes": call.wire_bytes}
         if call.peer >= 0:
             ranks = self._world_rank_of.get(call.comm)
             args.update(peer=int(ranks[call.peer]) if ranks is not None else call.peer, tag=call.tag)
+        posted = self._current[-1] if self._current else None
+        if call.wait and call.op in BLOCKING and posted is not None and posted["name"] == call.op \
+                and posted["args"].get("tag") == args.get("tag") and posted["args"].get("peer") == args.get("peer"):
+            posted["dur"] = round(self._micros(call.end) - posted["ts"], 3)  # a blocking call: one span, post to end
+            return
         self.add(call.op + (" wait" if call.wait else ""), call.start, call.end, "comm", **args)
 
     def close(self) -> None:
@@ -165,3 +193,22 @@ class Tracer:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}, f)
         os.replace(path + ".tmp", path)
         return path
+
+
+class NoTrace:
+    """What a strategy calls when the job writes no trace: every recording call does nothing."""
+
+    def add(self, *args, **kwargs) -> None:
+        pass
+
+    def add_actions(self, actions) -> None:
+        pass
+
+    def span(self, *args, **kwargs):
+        return contextlib.nullcontext()
+
+    def step(self, number: int, label: str = "step"):
+        return contextlib.nullcontext()
+
+
+NO_TRACE = NoTrace()

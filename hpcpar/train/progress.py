@@ -74,13 +74,17 @@ def clock(seconds: float) -> str:
 
 
 class Progress:
-    """What rank 0 shows while training; on the other ranks every call does nothing."""
+    """What rank 0 shows while training; on the other ranks every call does nothing.
 
-    def __init__(self, mode: str, total_steps: int, start_step: int, unit: str, show: bool = True):
-        """``unit``: tok or img (per step: ``items_per_step`` in ``step``); ``show``: this is rank 0."""
+    Made before the run's first log line (so that with a bar every line goes to the bar's
+    terminal, in order), started at the first step by ``begin``.
+    """
+
+    def __init__(self, mode: str, total_steps: int, unit: str = "tok", show: bool = True):
+        """``unit``: what a step processes (tok, img); ``show``: this is the rank that shows progress."""
         if mode not in MODES:
             raise ValueError(f"progress must be one of {', '.join(MODES)}, got {mode!r}")
-        self.total, self.start_step, self.unit = total_steps, start_step, unit
+        self.total, self.unit, self.start_step = total_steps, unit, 0
         self.began = time.perf_counter()
         self.rate = None  # items per second, smoothed over steps
         self.bar = self._terminal = None
@@ -90,26 +94,37 @@ class Progress:
             if self._terminal is None:
                 log.get_logger(__name__).info("progress: no terminal for the bar (a batch job?); log lines instead")
             else:
-                self._start_bar()
+                self.lines = False
+                log.set_console_writer(self._write_above)
 
-    def _start_bar(self) -> None:
+    @property
+    def live(self) -> bool:
+        """Whether a bar shows (or will): it wants the loss of every step."""
+        return self._terminal is not None
+
+    def begin(self, start_step: int) -> None:
+        """The run starts (again) at ``start_step``: elapsed time and ETA count from here."""
+        self.start_step, self.began = start_step, time.perf_counter()
+        if self._terminal is None:
+            return
         from tqdm import tqdm
 
         try:  # a terminal that does not know its width (0 columns) gets a bar of 100
             sized = os.get_terminal_size(self._terminal.fileno()).columns > 0
         except OSError:
             sized = False
-        self.bar = tqdm(total=self.total, initial=self.start_step, file=self._terminal, dynamic_ncols=sized,
-                        ncols=None if sized else 100,
-                        mininterval=0, smoothing=0.3, unit="step", desc="train",
+        self.bar = tqdm(total=self.total, initial=start_step, file=self._terminal, dynamic_ncols=sized,
+                        ncols=None if sized else 100, mininterval=0, smoothing=0.3, unit="step", desc="train",
                         bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
                                    "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
-        self.lines = False
-        log.set_console_writer(self._write_above)
 
     def _write_above(self, text: str, level: int) -> None:
-        """A log line printed above the bar (the bar is cleared, the line written, the bar redrawn)."""
-        self.bar.write(text, file=self._terminal)
+        """A log line on the bar's terminal: above the bar (cleared, the line written, the bar redrawn)."""
+        if self.bar is not None:
+            self.bar.write(text, file=self._terminal)
+        else:
+            self._terminal.write(text + "\n")
+            self._terminal.flush()
 
     def step(self, step: int, loss: float, items_per_step: float, step_seconds: float) -> None:
         """Every step: the bar moves on (steps, ETA, rate, tokens/s, loss)."""
@@ -135,9 +150,9 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-            log.set_console_writer(None)
             self.bar = None
-        if self._terminal is not None and self._terminal is not sys.stderr:
-            self._terminal.close()
+        if self._terminal is not None:
+            log.set_console_writer(None)
+            if self._terminal is not sys.stderr:
+                self._terminal.close()
         self._terminal = None
-

@@ -6,13 +6,23 @@ import os
 from mpi4py import MPI
 
 from . import backend
+from .bench.timing import human_bytes
 from .dist.context import init
+from .dist.shm import MIN_BYTES
 
 
 def parallel_hdf5() -> bool:
     import h5py
 
     return bool(h5py.get_config().mpi)
+
+
+def shm_summary(ctx) -> str:
+    """The shared-memory collectives (hpcpar.dist.shm): off, or on with the node size they use."""
+    if not ctx.shm:
+        return f"off (HPCPAR_SHM=0, parallel.shm = false or init(shm=False); CPUs only, device {ctx.device})"
+    nodes = f"pretend nodes of {ctx.shm_node_size} ranks" if ctx.shm_node_size else "real nodes"
+    return f"on ({nodes}; collectives under {human_bytes(MIN_BYTES)} use MPI)"
 
 
 def print_info(dp=None, pp=1, tp=1, device="auto") -> None:
@@ -33,8 +43,11 @@ def print_info(dp=None, pp=1, tp=1, device="auto") -> None:
         f"backends      numpy {facts['numpy']}, cupy {facts['cupy'] or 'not installed'}, GPUs visible: {facts['gpus']}",
         f"bfloat16 CPU  {'yes (ml_dtypes)' if facts['bfloat16_on_cpu'] else 'no (pip install ml_dtypes)'}",
         f"h5py          {h5py.__version__}, HDF5 {h5py.version.hdf5_version}, parallel HDF5: {'yes' if parallel_hdf5() else 'no (file-per-rank checkpoints)'}",
-        f"wait policy   {ctx.wait_policy} ({ctx.node_size} ranks on this node, {os.cpu_count()} CPUs)",
-        f"BLAS threads  {facts['blas_threads']} per rank",
+        f"wait policy   {ctx.wait_policy} ({ctx.node_size} ranks on this node, {ctx.node_cpus} usable CPUs: "
+        f"affinity and cgroup quota; os.cpu_count() {os.cpu_count()})",
+        f"BLAS threads  {facts['blas_threads']} per rank; hpcpar.init: {ctx.host['blas']}",
+        f"allocator     {ctx.host['allocator']}",
+        f"shared memory {shm_summary(ctx)}",
         "",
         ctx.grid_table(),
         "",

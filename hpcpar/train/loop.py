@@ -185,7 +185,8 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
     p = job.parallel
     stop = stop or StopRequest()
     # A parameter-server job's dp counts the workers only: the world context includes the servers.
-    ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device)
+    ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device, shm=p.shm,
+               node_size=p.node_size)
     if ctx.rank == 0:
         print(job.describe(), flush=True)
         print(ctx.grid_table(), flush=True)

@@ -6,23 +6,13 @@ import os
 from mpi4py import MPI
 
 from . import backend
-from .bench.timing import human_bytes
 from .dist.context import init
-from .dist.shm import MIN_BYTES
 
 
 def parallel_hdf5() -> bool:
     import h5py
 
     return bool(h5py.get_config().mpi)
-
-
-def shm_summary(ctx) -> str:
-    """The shared-memory collectives (hpcpar.dist.shm): off, or on with the node size they use."""
-    if not ctx.shm:
-        return f"off (HPCPAR_SHM=0, parallel.shm = false or init(shm=False); CPUs only, device {ctx.device})"
-    nodes = f"pretend nodes of {ctx.shm_node_size} ranks" if ctx.shm_node_size else "real nodes"
-    return f"on ({nodes}; collectives under {human_bytes(MIN_BYTES)} use MPI)"
 
 
 def print_info(dp=None, pp=1, tp=1, device="auto") -> None:
@@ -47,7 +37,7 @@ def print_info(dp=None, pp=1, tp=1, device="auto") -> None:
         f"affinity and cgroup quota; os.cpu_count() {os.cpu_count()})",
         f"BLAS threads  {facts['blas_threads']} per rank; hpcpar.init: {ctx.host['blas']}",
         f"allocator     {ctx.host['allocator']}",
-        f"shared memory {shm_summary(ctx)}",
+        f"shared memory {ctx.shm_description()}",
         "",
         ctx.grid_table(),
         "",

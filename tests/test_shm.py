@@ -4,6 +4,7 @@ MPI tests run at the launcher's size (2 and 4 in `make test`), on real nodes and
 nodes of 2 ranks (HPCPAR_NODE_SIZE; 2 nodes x 2 at 4 ranks: the inter-node step). Test
 models are tiny, so contexts here send every size through the path (``min_bytes = 0``).
 """
+import json
 import os
 import re
 import subprocess
@@ -305,3 +306,25 @@ def test_a_stalled_peer_is_reported_like_in_any_collective(tmp_path):
     reports = [line for line in proc.stderr.splitlines() if line.startswith("hpcpar: stall:")]
     assert reports and all("rank 0 of communicator 'world'" in r for r in reports), proc.stderr
     assert any("in allreduce #" in r and "not arrived: rank 1 (no word" in r for r in reports), reports
+
+
+# ----- the job keys ------------------------------------------------------------------------------
+def test_job_keys_switch_the_path_and_its_nodes(tmp_path, token_file):
+    """parallel.shm and parallel.node_size reach init: the run says so, and DDP's losses are MPI's, bit for bit."""
+    losses, lines = {}, {}
+    for name, keys in {"mpi": ["parallel.shm=false"], "2x2": ["parallel.node_size=2"]}.items():
+        folder = tmp_path / name
+        proc = subprocess.run(
+            [venv_bin("mpiexec"), "-n", "4", sys.executable, "-m", "hpcpar", "train", f"{REPO}/jobs/gpt-dp.toml",
+             "--set", f'data.path="{token_file}"', "--set", f'checkpoint.dir="{folder}/ckpt"',
+             "--set", f'train.metrics="{folder}/metrics.jsonl"', "--set", "model.n_layer=1", "--set", "model.n_embd=64",
+             "--set", "train.precision=\"fp64\"", "--set", "train.steps=3", "--set", "train.log_interval=1",
+             "--set", "train.eval_interval=0", "--set", "train.sample_tokens=0", "--set", "checkpoint.interval=0",
+             *[arg for key in keys for arg in ("--set", key)]],
+            capture_output=True, text=True, timeout=240, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        lines[name] = next(line for line in proc.stdout.splitlines() if line.startswith("shared-memory collectives"))
+        losses[name] = [json.loads(line)["loss"] for line in open(folder / "metrics.jsonl") if '"loss"' in line]
+    assert lines["mpi"].startswith("shared-memory collectives: off")
+    assert lines["2x2"].startswith("shared-memory collectives: on (pretend nodes of 2 ranks")
+    assert len(losses["mpi"]) == 3 and losses["2x2"] == losses["mpi"]

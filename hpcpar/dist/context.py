@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 from .. import backend, host
 from . import nodes
-from .shm import ShmCollectives, shm_setting
+from .shm import MIN_BYTES, ShmCollectives, shm_setting
 from .comm import Communicator, default_wait_policy, query_cuda_aware
 
 
@@ -110,6 +110,13 @@ class ParallelContext:
     def reset_stats(self) -> None:
         for comm in self.communicators().values():
             comm.stats.reset()
+
+    def shm_description(self) -> str:
+        """Whether the shared-memory collectives are on, and with which nodes (hpcpar.dist.shm)."""
+        if not self.shm:
+            return f"off (HPCPAR_SHM=0, parallel.shm = false or init(shm=False); CPUs only, device {self.device})"
+        nodes = f"pretend nodes of {self.shm_node_size} ranks" if self.shm_node_size else "real nodes"
+        return f"on ({nodes}; collectives under {MIN_BYTES >> 10} KiB use MPI)"
 
     def grid_table(self) -> str:
         """The whole grid as text (every rank can print it without communicating)."""

@@ -190,6 +190,7 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
     if ctx.rank == 0:
         print(job.describe(), flush=True)
         print(ctx.grid_table(), flush=True)
+        print(f"shared-memory collectives: {ctx.shm_description()}", flush=True)
     run = build(job, ctx)
     if not run.trains:  # a parameter server: loads with the workers, then serves until each has stopped
         resume_from_checkpoint(run, resume)

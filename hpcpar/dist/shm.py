@@ -147,16 +147,6 @@ class ShmCollectives:
         node.Barrier()  # every control word is zero before anyone reads one
         return True
 
-    def close(self) -> None:
-        """Free the windows and communicators (collective; buffers of ``zeros`` die with them)."""
-        if self.usable:
-            self._drain()
-            self.windows.close()
-            for comm in (self.node, self.cross):
-                if comm is not None:
-                    comm.Free()
-        self.usable = False
-
     def describe(self) -> str:
         if self.usable is None:
             return "on (not used yet)"

@@ -81,12 +81,14 @@ def start(job: Job) -> Run:
     """The context and the run; rank 0 prints the resolved job and the grid."""
     p = job.parallel
     # A parameter-server job's grid holds the workers: the servers come from the same world.
-    ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device)
+    ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device, shm=p.shm,
+               node_size=p.node_size)
     if ctx.rank == 0:
         for notice in job.notices:
             print(f"hpcpar train: notice: {notice}", file=sys.stderr, flush=True)
         print(job.describe(), flush=True)
         print(ctx.grid_table(), flush=True)
+        print(f"shared-memory collectives: {ctx.shm_description()}", flush=True)
     return build(job, ctx)
 
 

@@ -34,7 +34,7 @@ from dataclasses import replace
 import numpy as np
 from mpi4py import MPI
 
-from . import backend, log
+from . import host, log
 from .dist.comm import Communicator
 from .dist.context import init
 from .dist.failfast import UsageError
@@ -146,13 +146,12 @@ def cpu_budget(world) -> tuple[str, str | None]:
     Per node: the CPUs its ranks may run on (the union of their affinity masks, capped by the
     cgroup's quota) against the sum of the ranks' BLAS threads (after hpcpar's share of the cores)."""
     node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-    backend.share_cores(node.Get_size())  # what init does in every layout
-    mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    facts = node.gather((sorted(mask), backend.usable_cpus(), backend.blas_thread_count()), root=0)
+    host.share_cores(node.Get_size())  # what init does in every layout
+    facts = node.gather((host.affinity(), host.blas_thread_count()), root=0)
     summary = None
     if node.Get_rank() == 0:
-        cpus = min(len(set().union(*(m for m, _, _ in facts))), max(limit for _, limit, _ in facts))
-        summary = (os.uname().nodename, cpus, [threads for _, _, threads in facts])
+        cpus = host.usable_cpus(set().union(*(mask for mask, _ in facts)))
+        summary = (os.uname().nodename, cpus, [threads for _, threads in facts])
     node.Free()
     nodes = [s for s in world.gather(summary, root=0) or [] if s is not None]
     if world.Get_rank() != 0:
@@ -161,13 +160,13 @@ def cpu_budget(world) -> tuple[str, str | None]:
     per_rank = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     text = (f"{world.Get_size()} ranks on {sum(c for _, c, _ in nodes)} usable CPUs"
             f"{f' of {len(nodes)} nodes' if len(nodes) > 1 else ''}, {per_rank} BLAS thread(s) per rank")
-    over = [(host, cpus, threads) for host, cpus, threads in nodes if sum(threads) > cpus]
+    over = [(name, cpus, threads) for name, cpus, threads in nodes if sum(threads) > cpus]
     if not over:
         return text, None
-    host, cpus, threads = over[0]
+    name, cpus, threads = over[0]
     fix = (f"launch at most {cpus} ranks per node" if len(threads) > cpus else
            f"set OMP_NUM_THREADS and OPENBLAS_NUM_THREADS to {cpus // len(threads)}")
-    return text, (f"{len(threads)} ranks with {sum(threads)} BLAS threads in all on {cpus} usable CPU(s) of {host}: "
+    return text, (f"{len(threads)} ranks with {sum(threads)} BLAS threads in all on {cpus} usable CPU(s) of {name}: "
                   f"the cores are oversubscribed and the timings of every layout are distorted; {fix}")
 
 

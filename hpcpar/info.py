@@ -52,8 +52,11 @@ def print_info(dp=None, pp=1, tp=1, device="auto") -> None:
         f"backends      numpy {facts['numpy']}, cupy {facts['cupy'] or 'not installed'}, GPUs visible: {facts['gpus']}",
         f"bfloat16 CPU  {'yes (ml_dtypes)' if facts['bfloat16_on_cpu'] else 'no (pip install ml_dtypes)'}",
         f"h5py          {h5py.__version__}, HDF5 {h5py.version.hdf5_version}, parallel HDF5: {'yes' if parallel_hdf5() else 'no (file-per-rank checkpoints)'}",
-        f"wait policy   {ctx.wait_policy} ({ctx.node_size} ranks on this node, {os.cpu_count()} CPUs)",
-        f"BLAS threads  {facts['blas_threads']} per rank",
+        f"wait policy   {ctx.wait_policy} ({ctx.node_size} ranks on this node, {ctx.node_cpus} usable CPUs: "
+        f"affinity and cgroup quota; os.cpu_count() {os.cpu_count()})",
+        f"BLAS threads  {facts['blas_threads']} per rank; hpcpar.init: {ctx.host['blas']}",
+        f"allocator     {ctx.host['allocator']}",
+        f"shared memory {ctx.shm_description()}",
         "",
         ctx.grid_table(),
         "",

@@ -243,10 +243,10 @@ def test_jobs_reference_is_current():
 def test_compare_warns_when_the_ranks_threads_exceed_the_usable_cpus(world, monkeypatch, threads):
     from threadpoolctl import threadpool_limits
 
-    from hpcpar import backend, compare
+    from hpcpar import compare, host
 
-    monkeypatch.setattr(backend, "share_cores", lambda ranks: None)  # the thread count under test stays
-    cpus = backend.usable_cpus()
+    monkeypatch.setattr(host, "share_cores", lambda ranks: None)  # the thread count under test stays
+    cpus = host.usable_cpus()
     count = cpus if threads == "all" else 1
     with threadpool_limits(limits=count, user_api="blas"):
         text, problem = compare.cpu_budget(world)

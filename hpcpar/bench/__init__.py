@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 BENCHMARKS = {
-    "allreduce": "hpcpar array all-reduce vs raw C MPI_Allreduce in the same processes",
+    "allreduce": "all-reduce: the same call in C, mpi4py and hpcpar; the shared-memory path vs MPICH and a memory copy",
     "step": "single-process GPT training step vs PyTorch CPU",
     "dp": "data-parallel gradient sync vs one raw flat all-reduce; overlap; weak scaling",
     "pipeline": "measured pipeline bubble vs (p-1)/(m+p-1) per schedule, step time",

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..autograd import Parameter
 from ..backend import get_array_module
+from ..dist.shm import shared_zeros
 from ..optim.clip import scale_to_norm
 from ..optim.optimizer import named_parameter_list
 from ..state import Checkpointable, LoadPlan, Saved, flat_state_load_plan, flat_state_pieces, range_param_slabs
@@ -40,7 +41,9 @@ class ZeroRedundancyOptimizer(Checkpointable):
         self.numel = sum(p.size for p in self.params)
         self.shard_size = math.ceil(self.numel / comm.size)
         xp = get_array_module(self.params[0].data)
-        self.flat = xp.zeros(self.shard_size * comm.size, dtype=self.params[0].dtype)
+        # Both flat buffers in the node's shared window when the shared-memory path is on
+        # (hpcpar.dist.shm): reduce-scatter and all-gather then read and write them in place.
+        self.flat = shared_zeros(comm, self.shard_size * comm.size, self.params[0].dtype, xp)
         self.offsets = []
         offset = 0
         for p in self.params:  # parameters become views into the flat buffer
@@ -54,7 +57,7 @@ class ZeroRedundancyOptimizer(Checkpointable):
         start = comm.rank * self.shard_size
         self.shard = Parameter(self.flat[start: start + self.shard_size].copy(), name=f"zero_shard_{comm.rank}")
         self.optimizer = optimizer_class([("shard", self.shard)], **optimizer_options)
-        self._flat_grad = xp.zeros_like(self.flat)
+        self._flat_grad = shared_zeros(comm, self.flat.size, self.flat.dtype, xp)
 
     # The wrapped optimizer's hyperparameters (lr for schedules) read and write through.
     @property
@@ -114,8 +117,7 @@ class ZeroRedundancyOptimizer(Checkpointable):
         if reduce:
             self.reduce_gradients()
         self.optimizer.step()
-        gathered = self.comm.allgather(self.shard.data)  # (dp, shard)
-        self.flat[...] = gathered.reshape(-1)
+        self.comm.allgather(self.shard.data, out=self.flat)  # every rank's shard into its place
         # Every rank now has the same parameters; the gradients are spent.
         for p in self.params:
             p.grad = None

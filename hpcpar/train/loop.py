@@ -127,7 +127,8 @@ def start_context(job: Job):
     """The context of the job's grid (a parameter-server job's grid holds the workers; the
     servers come from the same world)."""
     p = job.parallel
-    return init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device)
+    return init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device, shm=p.shm,
+                node_size=p.node_size)
 
 
 def describe(job: Job, ctx) -> None:
@@ -137,6 +138,7 @@ def describe(job: Job, ctx) -> None:
             logger.warning(notice)
         logger.info(job.describe())
         logger.info(ctx.grid_table())
+        logger.info(f"shared-memory collectives: {ctx.shm_description()}")
 
 
 def start_trace(run: Run) -> Tracer | None:

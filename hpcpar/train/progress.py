@@ -5,7 +5,8 @@ Modes (``hpcpar train --progress``):
 - ``bar``: a tqdm bar updated every step (steps, elapsed, ETA, steps/s, tokens/s, loss) on the
   terminal the job was started from: rank 0's stderr when it is one, else the terminal of the
   launcher that started the rank through pipes (``mpiexec`` in a terminal); with no terminal
-  (a batch job) it falls back to ``log``. While the bar shows, every log line (evaluation,
+  (a batch job; ``srun`` without ``--pty``, whose ranks run under slurmstepd) it falls back
+  to ``log``. While the bar shows, every log line (evaluation,
   checkpoints, warnings) is printed above it on that terminal, never glued to it.
 - ``log``: a plain line every ``train.log_interval`` steps, with elapsed time and ETA.
 - ``auto`` (the default): ``bar`` when rank 0's stderr is a terminal, else ``log``.

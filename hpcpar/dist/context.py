@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from .. import backend
+from . import topology as _topology
 from .comm import Communicator, default_wait_policy, query_cuda_aware
 
 
@@ -73,6 +74,17 @@ class ParallelContext:
     device: str  # "cpu" or "cuda"
     cuda_aware: bool
     wait_policy: str
+    node: Communicator  # the ranks of this node (MPI_COMM_TYPE_SHARED): the shared-memory domain
+    topology: _topology.Topology  # the node of every world rank
+
+    @property
+    def crossing_axes(self) -> list[str]:
+        """The axes (tp, dp, pp) some of whose communicators span more than one node."""
+        return _topology.crossing_axes(self.topology, self.dp_size, self.pp_size, self.tp_size)
+
+    def placement_report(self) -> str:
+        """The nodes and, per communicator, whether it crosses nodes (every rank can print it)."""
+        return _topology.report(self.topology, self.dp_size, self.pp_size, self.tp_size)
 
     @property
     def xp(self):
@@ -132,6 +144,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
 
     Raises LayoutError on every rank, before any communication, when the layout does not
     fit. With a GPU the device is chosen by node-local rank before anything allocates on it.
+    Rank 0 warns (PlacementWarning) when tensor parallelism crosses nodes but would fit inside them.
     """
     world_mpi = comm if comm is not None else MPI.COMM_WORLD
     dp, pp, tp = resolve_layout(world_mpi.Get_size(), dp, pp, tp)
@@ -139,7 +152,9 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
 
     node = world_mpi.Split_type(MPI.COMM_TYPE_SHARED, key=world_mpi.Get_rank())
     node_rank, node_size = node.Get_rank(), node.Get_size()
-    node.Free()
+    topo = _topology.discover(world_mpi, node)
+    if world_mpi.Get_rank() == 0:
+        _topology.warn_about_placement(topo, dp, pp, tp)
     if device == "cuda":
         backend.select_gpu(node_rank)
     else:
@@ -165,6 +180,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
         pp_next=None if next_stage == MPI.PROC_NULL else next_stage,
         node_rank=node_rank, node_size=node_size,
         device=device, cuda_aware=cuda_aware, wait_policy=policy,
+        node=make(node, "node"), topology=topo,
     )
     assert (pp_rank, dp_rank, tp_rank) == coordinates(world_mpi.Get_rank(), dp, pp, tp)
     return ctx

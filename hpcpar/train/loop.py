@@ -21,12 +21,14 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 
 from .. import checkpoint
 from ..autograd import no_grad
 from ..dist.context import init
+from ..dist.topology import PlacementWarning
 from ..parallel.tensor import clip_grad_norm_parallel, counts_toward_norm, sum_over_model_parallel
 from .build import Run, build
 from .config import Job
@@ -185,10 +187,13 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
     p = job.parallel
     stop = stop or StopRequest()
     # A parameter-server job's dp counts the workers only: the world context includes the servers.
-    ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device)
+    with warnings.catch_warnings():  # the placement report below carries the warning
+        warnings.simplefilter("ignore", PlacementWarning)
+        ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device)
     if ctx.rank == 0:
         print(job.describe(), flush=True)
         print(ctx.grid_table(), flush=True)
+        print(ctx.placement_report(), flush=True)
     run = build(job, ctx)
     if not run.trains:  # a parameter server: loads with the workers, then serves until each has stopped
         resume_from_checkpoint(run, resume)

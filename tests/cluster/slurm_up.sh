@@ -33,18 +33,9 @@ slurmd_pidfile() { echo "$SLURM_DIR/slurmd-$1.pid"; }
 
 config() {
     local node i=0
-    cat <<EOF
-# Written by hpcpar tests/cluster/slurm_up.sh: the test cluster's nodes, without cgroups.
-ClusterName=hpcpar-nodes
-SlurmctldHost=node1($PREFIX.1)
-StateSaveLocation=$SLURM_DIR/ctld
-SlurmdSpoolDir=$SLURM_DIR/spool-%n
-SlurmctldPidFile=$CTLD_PIDFILE
-SlurmdPidFile=$SLURM_DIR/slurmd-%n.pid
-SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd-%n.log
-EOF
-    slurm_common_settings "cred_expire=10,socket=$MUNGE_SOCKET"
+    slurm_conf "tests/cluster/slurm_up.sh: the test cluster's nodes," hpcpar-nodes "node1($PREFIX.1)" \
+        "cred_expire=10,socket=$MUNGE_SOCKET" "$SLURM_DIR/ctld" "$SLURM_DIR/spool-%n" "$CTLD_PIDFILE" \
+        "$SLURM_DIR/slurmd-%n.pid" "$LOG_DIR/slurmctld.log" "$LOG_DIR/slurmd-%n.log"
     for node in $(node_names); do
         i=$((i + 1))
         echo "NodeName=$node NodeAddr=$PREFIX.$i CPUs=$CPUS State=UNKNOWN"

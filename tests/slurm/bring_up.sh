@@ -40,22 +40,11 @@ exec 9>/run/hpcpar-slurm.lock
 flock -w 300 9 || die "another bring_up.sh has held /run/hpcpar-slurm.lock for 300 s"
 
 config() {
-    cat <<EOF
-# Written by hpcpar tests/slurm/bring_up.sh: a one-node test cluster without cgroups.
-ClusterName=hpcpar
-SlurmctldHost=$NODE(127.0.0.1)
-StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
-SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
-SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd.log
-EOF
-    slurm_common_settings cred_expire=10
-    cat <<EOF
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
-PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
-EOF
+    slurm_conf "tests/slurm/bring_up.sh: a one-node test cluster" hpcpar "$NODE(127.0.0.1)" cred_expire=10 \
+        /var/spool/slurmctld /var/spool/slurmd /run/slurmctld.pid /run/slurmd.pid \
+        "$LOG_DIR/slurmctld.log" "$LOG_DIR/slurmd.log"
+    echo "NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN"
+    echo "PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE"
 }
 
 # What tests/slurm/lib.sh needs to know: one node, this machine.

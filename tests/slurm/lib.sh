@@ -6,18 +6,25 @@
 #   slurmd_pidfile NODE             the pid file of NODE's slurmd
 #   LOG_DIR                         where slurmctld.log and the slurmd logs are
 
-# slurm.conf settings common to both test clusters; the caller adds names, hosts, paths and nodes.
+# slurm.conf of a test cluster, all but its nodes and partition (the caller appends those).
 # The configuration is a test cluster, not a template for a real one:
 #   - no cgroups anywhere (proctrack/linuxproc, task/none, no accounting): runs in containers;
 #   - nodes claim more CPUs than the hardware has (SlurmdParameters=config_overrides) and the
 #     partition oversubscribes (OverSubscribe=FORCE), so 4-8 MPI ranks and several jobs fit on 2 cores.
-slurm_common_settings() { # AUTH_INFO
+slurm_conf() { # WHO CLUSTER CONTROLLER AUTH_INFO STATE_DIR SPOOL_DIR CTLD_PIDFILE SLURMD_PIDFILE CTLD_LOG SLURMD_LOG
     cat <<EOC
+# Written by hpcpar $1 without cgroups.
+ClusterName=$2
+SlurmctldHost=$3
 AuthType=auth/munge
-# A requeued job waits cred_expire seconds before it may start again (default 120).
-AuthInfo=$1
 SlurmUser=root
 SlurmdUser=root
+StateSaveLocation=$5
+SlurmdSpoolDir=$6
+SlurmctldPidFile=$7
+SlurmdPidFile=$8
+SlurmctldLogFile=$9
+SlurmdLogFile=${10}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -35,6 +42,8 @@ SlurmdParameters=config_overrides
 MinJobAge=600
 # A job cancelled or preempted gets this long between SIGTERM and SIGKILL.
 KillWait=30
+# A requeued job waits cred_expire seconds before it may start again (default 120).
+AuthInfo=$4
 EOC
 }
 

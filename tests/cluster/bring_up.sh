@@ -55,7 +55,9 @@ if cluster_is_up && [ "$(cat "$STATE/nodes")" = "$NODES" ]; then
     :
 else
     cluster_is_down || { log "rebuilding: the cluster up now is not the one asked for ($NODES nodes)"; remove_cluster; }
-    make_cluster "$NODES" || { status=$?; remove_cluster; exit "$status"; }
+    trap remove_cluster EXIT  # whatever stops the making (die, set -e) removes the half-made cluster
+    make_cluster "$NODES"
+    trap - EXIT
 fi
 shape_links "$RATE" "$DELAY"
 [ "$SLURM" = 0 ] || "$HERE/slurm_up.sh"

@@ -6,10 +6,10 @@
 #   tests/cluster/on node1 COMMAND...    # run COMMAND on node1 (as root)
 #   sudo tests/cluster/tear_down.sh      # remove all of it
 #
-# A node is a network, UTS and mount namespace held by one idle process: its own host name
-# (node1, node2, ...), its own loopback, one Ethernet link (veth) to a switch, its own /dev/shm
-# (so MPI ranks on different nodes cannot meet in shared memory: they must use the network) and
-# its own /etc/hosts that names the nodes. The switch is a bridge inside a namespace of its own,
+# A node is a network, UTS, System V IPC and mount namespace held by one idle process: its own
+# host name (node1, node2, ...), its own loopback, one Ethernet link (veth) to a switch, its own
+# /dev/shm and IPC (so MPI ranks on different nodes cannot meet in shared memory: they must use
+# the network), its own /etc/hosts that names the nodes and a /sys that shows its own devices. The switch is a bridge inside a namespace of its own,
 # so the cluster's subnet (10.77.0.0/24, node i at 10.77.0.i) exists only inside these
 # namespaces: nothing is added to this machine's own network, and no packet can leave.
 # Files (the repository, the venv, /tmp) are shared, as on a cluster with a shared file system.

@@ -64,10 +64,13 @@ def run(argv, timeout=240, **extra):
 
 def test_nodes_have_their_names_links_and_shared_memory(cluster):
     for i, node in ((1, "node1"), (2, "node2")):
-        out = run([ON, node, "sh", "-c", "hostname; cat /proc/net/dev; ip -br -4 addr show dev eth0; ls /dev/shm"])
+        out = run([ON, node, "sh", "-c", "hostname; ip -br -4 addr show dev eth0; findmnt -n -o SOURCE /dev/shm | tail -n 1; "
+                                         "getent hosts node1 node2"])
         lines = out.splitlines()
         assert lines[0] == node
         assert re.search(rf"^eth0\S* +UP +10\.77\.0\.{i}/24", out, re.M), out
+        assert lines[2] == f"shm-{node}", out  # a /dev/shm of its own (mounted over this machine's)
+        assert lines[3].split() == ["10.77.0.1", "node1"] and lines[4].split() == ["10.77.0.2", "node2"], out
     # The subnet is the namespaces' alone: this machine has no address on it and no route to it.
     assert "10.77.0." not in subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True).stdout
     assert "10.77.0." not in subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout

@@ -110,3 +110,25 @@ def test_3d_with_tp_inside_and_pp_across_nodes_equals_one_process(ctx, capsys):
         if ctx.rank == 0:
             with capsys.disabled():
                 print(f"\n{label}: max |parameter - one process| = {diff:.2e} after {test_3d.STEPS} steps", flush=True)
+
+
+def test_hierarchical_allreduce_across_nodes_equals_the_flat_one(ctx):
+    """The shared-memory all-reduce on real nodes: each node reduces in its own memory, the
+    nodes' ranks all-reduce their slices over the network, the node reads back; equal to MPI's
+    flat all-reduce (integer-valued float64: exact in any order)."""
+    from hpcpar.dist.shm import shared_zeros
+
+    comm = ctx.world
+    assert comm.shm is not None
+    rng = np.random.default_rng(comm.rank)
+    for count in (1 << 14, 100_003, 1 << 21):
+        x = rng.integers(-1000, 1000, count).astype(np.float64)
+        flat = x.copy()
+        comm.mpi.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        shared = shared_zeros(comm, count, np.float64)
+        shared[...] = x
+        assert comm.allreduce(shared, "sum", out=shared) is shared
+        np.testing.assert_array_equal(shared, flat)
+        np.testing.assert_array_equal(comm.allreduce(x, "sum"), flat)  # a plain array: copied through the window
+    assert comm.shm.describe() == "on: 2 node(s) x 2 ranks"  # set up on first use: hierarchical
+    assert comm.shm.stats.calls("allreduce") >= 3  # the shared-memory path, not MPI's

@@ -17,7 +17,9 @@ import json
 import os
 import sys
 
-from . import __version__, log
+import hpcpar
+
+from . import log
 
 # name -> (module[:function] that adds the arguments, default add_arguments; one line of help)
 COMMANDS = {
@@ -182,7 +184,7 @@ def build_parser(command: str | None = "*") -> Parser:
     """The whole parser ("*"), or with only ``command``'s arguments filled in (None: none)."""
     parser = Parser(prog="hpcpar", description="Data, pipeline and tensor parallel training of neural networks over MPI.",
                     epilog="hpcpar COMMAND --help describes each command.", top_level=True)
-    parser.add_argument("--version", action="version", version=f"hpcpar {__version__}")
+    parser.add_argument("--version", action="version", version=f"hpcpar {hpcpar.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")

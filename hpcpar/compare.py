@@ -12,6 +12,8 @@ steps after two warm-up steps (the slowest rank decides a step):
   communication (time inside communication calls, pipeline sends and receives included, less
   the pipeline idle time), idle (a pipeline stage waiting with no work: the bubble) and
   compute (the rest); the shares are averaged over the steps and then over the ranks;
+  on several nodes the share spent communicating across nodes (part of communication: the time
+  less that on the communicators whose ranks share a node) and which communicators cross nodes;
 - parameter + optimizer-state memory per rank, and the peak of NumPy allocations during a
   step (activations and workspace, from tracemalloc on one extra step);
 - bytes sent per step on the network (all ranks, all communicators), as ring algorithms
@@ -76,18 +78,20 @@ def layout_job(job, layout, steps: int):
     return validate(replace(job, parallel=parallel, train=train), dp * pp * tp)
 
 
-def step_shares(stats: dict) -> tuple[float, float]:
-    """(communication, idle) shares of one rank's step; compute is the rest, so the three add up to 1.
+def step_shares(stats: dict, inter_node_s: float = 0.0) -> tuple[float, float, float]:
+    """(communication, idle, inter-node) shares of one rank's step: compute is the rest, so that
+    compute, communication and idle add up to 1; the inter-node share (``inter_node_s``, the
+    communication across nodes) is part of the communication share.
 
     The step is the longer of its measured time and its parts (a strategy's finish adds to the
     parts after the step's own time was taken)."""
     parts = sum(max(stats.get(key, 0.0), 0.0) for key in ("compute_s", "comm_s", "idle_s"))
     step = max(stats.get("step_s", 0.0), parts)
     if step <= 0:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     comm = min(max(stats.get("comm_s", 0.0), 0.0), step)
     idle = min(max(stats.get("idle_s", 0.0), 0.0), step - comm)
-    return comm / step, idle / step
+    return comm / step, idle / step, min(max(inter_node_s, 0.0), comm) / step
 
 
 def measure(job, comm, steps: int) -> dict:
@@ -97,19 +101,26 @@ def measure(job, comm, steps: int) -> dict:
     run = build(job, ctx)
     strategy = run.strategy
     times, shares = [], []
+    # Communication on the communicators that stay inside a node; on several nodes, the rest of
+    # comm_s crossed nodes.
+    inside = [c for name, c in (("dp", ctx.dp), ("pp", ctx.pp), ("tp", ctx.tp)) if name not in ctx.crossing_axes]
+    several_nodes = ctx.topology.nodes > 1
     ctx.reset_stats()
     for step in range(steps + 2):
         if step == 2:
             ctx.reset_stats()
         inputs, targets = run.train_data.batch_at(step)
         ctx.world.barrier()
+        inside_before = sum(c.stats.total_seconds for c in inside)
         start = time.perf_counter()
         strategy.train_step(inputs, targets)
         strategy.finish_step(job.optimizer.grad_clip)
         elapsed = ctx.world.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX)
         if step >= 2:
             times.append(elapsed)
-            shares.append(step_shares(strategy.stats))
+            inside_s = sum(c.stats.total_seconds for c in inside) - inside_before
+            inter_node_s = strategy.stats.get("comm_s", 0.0) - inside_s if several_nodes else 0.0
+            shares.append(step_shares(strategy.stats, inter_node_s))
     traffic = sum(c.stats.total_wire_bytes for c in ctx.communicators().values())  # size 1 sends nothing
     tracemalloc.start()
     inputs, targets = run.train_data.batch_at(0)
@@ -122,9 +133,11 @@ def measure(job, comm, steps: int) -> dict:
     step_s = statistics.median(times)
     gather = lambda value, op=MPI.MAX: ctx.world.mpi.allreduce(value, op=op)  # noqa: E731
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
-    comm_share, idle_share = (gather(statistics.fmean(s[k] for s in shares), MPI.SUM) / ctx.world_size for k in (0, 1))
+    comm_share, idle_share, inter_share = (gather(statistics.fmean(s[k] for s in shares), MPI.SUM) / ctx.world_size
+                                           for k in (0, 1, 2))
     return {"layout": [p.dp, p.pp, p.tp], "ranks": ctx.world_size, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "compute_share": 1.0 - comm_share - idle_share, "comm_share": comm_share, "bubble_share": idle_share,
+            "inter_node_share": inter_share, "nodes": ctx.topology.nodes, "across_nodes": ctx.crossing_axes,
             "param_state_mb_per_rank": gather(params + state) / 2**20,
             "activation_peak_mb_per_rank": gather(activation_peak) / 2**20,
             "bytes_per_step": gather(traffic / steps, MPI.SUM)}
@@ -158,8 +171,9 @@ def cpu_budget(world) -> tuple[str, str | None]:
         return "", None
     counts = sorted({t for _, _, threads in nodes for t in threads})
     per_rank = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-    text = (f"{world.Get_size()} ranks on {sum(c for _, c, _ in nodes)} usable CPUs"
-            f"{f' of {len(nodes)} nodes' if len(nodes) > 1 else ''}, {per_rank} BLAS thread(s) per rank")
+    cpus = sum(c for _, c, _ in nodes)
+    text = (f"{world.Get_size()} ranks on {len(nodes)} nodes ({cpus} usable CPUs)" if len(nodes) > 1 else
+            f"{world.Get_size()} ranks on {cpus} usable CPUs") + f", {per_rank} BLAS thread(s) per rank"
     over = [(name, cpus, threads) for name, cpus, threads in nodes if sum(threads) > cpus]
     if not over:
         return text, None
@@ -217,15 +231,24 @@ def run(args) -> int:
 
 
 def report(job, results, skipped, cpus: str, steps: int) -> str:
+    """The table under a header naming the CPUs and threads (``cpus``). On several nodes the comm
+    column adds, in brackets, the share of the step spent communicating across nodes, and a
+    column names the communicators that cross them."""
     unit = "tok/s" if job.model.kind == "gpt" else "img/s"
-    rows = [[r["label"], f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{100 * r['efficiency']:.0f}%",
-             f"{100 * r['comm_share']:.0f}%", f"{100 * r['bubble_share']:.0f}%", f"{r['param_state_mb_per_rank']:.1f}",
-             f"{r['activation_peak_mb_per_rank']:.1f}", f"{r['bytes_per_step'] / 2**20:.2f}"] for r in results]
+    nodes = max(r["nodes"] for r in results)
+    rows = []
+    for r in results:
+        comm = f"{100 * r['comm_share']:.0f}%" + (f" ({100 * r['inter_node_share']:.0f}%)" if nodes > 1 else "")
+        row = [r["label"], f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{100 * r['efficiency']:.0f}%",
+               comm, f"{100 * r['bubble_share']:.0f}%", f"{r['param_state_mb_per_rank']:.1f}",
+               f"{r['activation_peak_mb_per_rank']:.1f}", f"{r['bytes_per_step'] / 2**20:.2f}"]
+        rows.append(row + ([",".join(r["across_nodes"]) or "-"] if nodes > 1 else []))
     m = job.model
     model = (f"GPT layers {m.n_layer}, width {m.n_embd}, heads {m.n_head}, context {m.block_size}"
              if m.kind == "gpt" else "digits CNN")
-    text = format_table(["layout dp x pp x tp", unit, "speed-up", "efficiency", "comm", "bubble",
-                         "params+opt MB/rank", "activations MB/rank", "MB sent/step"], rows,
+    headers = ["layout dp x pp x tp", unit, "speed-up", "efficiency", "comm" if nodes == 1 else "comm (inter-node)",
+               "bubble", "params+opt MB/rank", "activations MB/rank", "MB sent/step"]
+    text = format_table(headers + (["across nodes"] if nodes > 1 else []), rows,
                         f"hpcpar compare: {model}, global batch {job.data.batch_size}, {cpus}, median of {steps} steps")
     for name, why in skipped:
         text += f"\nskipped {name}: {why}"

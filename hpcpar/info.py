@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 from mpi4py import MPI
 
 from . import backend
 from .dist.context import LayoutError, init, resolve_layout
 from .dist.failfast import UsageError
+from .dist.topology import PlacementWarning
 
 
 def add_arguments(parser) -> None:
@@ -35,7 +37,9 @@ def parallel_hdf5() -> bool:
 
 
 def print_info(dp=None, pp=1, tp=1, device="auto") -> None:
-    ctx = init(dp=dp, pp=pp, tp=tp, device=device)
+    with warnings.catch_warnings():  # the placement report below carries the warning
+        warnings.simplefilter("ignore", PlacementWarning)
+        ctx = init(dp=dp, pp=pp, tp=tp, device=device)
     placement = ctx.world.gather_object((ctx.rank, os.uname().nodename, ctx.node_rank, os.getpid()))
     if ctx.rank != 0:
         return
@@ -63,4 +67,5 @@ def print_info(dp=None, pp=1, tp=1, device="auto") -> None:
         "rank  host                 node-local rank  pid",
     ]
     lines += [f"{r:>4}  {host:<20} {local:>15}  {pid}" for r, host, local, pid in placement]
+    lines += ["", ctx.placement_report()]
     print("\n".join(lines), flush=True)

@@ -76,3 +76,12 @@ def test_bench_async_runs_every_mode(ranks, slow_rank):
     assert modes == ["allreduce", "allreduce (W)", "ps sync", "ps async s=1", "ps async s=4", "local SGD H=4",
                      "local SGD H=16"]
     assert all(positive(row[-7]) for row in rows)  # time s
+
+
+def test_bench_net_needs_two_nodes_and_says_so():
+    """On one node there is nothing to compare (its run on two nodes: tests/test_cluster.py)."""
+    proc = subprocess.run([venv_bin("mpiexec"), "-n", "2", sys.executable, "-m", "hpcpar", "bench", "net"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "hpcpar bench net: needs ranks on at least 2 nodes and 2 on the first (got [2] ranks on 1 node(s))" \
+        in proc.stderr

@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from .. import backend, host, log
 from . import nodes
+from . import topology as _topology
 from .shm import MIN_BYTES, ShmCollectives, shm_setting
 from .comm import Communicator, default_wait_policy, query_cuda_aware
 
@@ -75,10 +76,21 @@ class ParallelContext:
     device: str  # "cpu" or "cuda"
     cuda_aware: bool
     wait_policy: str
+    node: Communicator  # the ranks of this node (MPI_COMM_TYPE_SHARED): the shared-memory domain
+    topology: _topology.Topology  # the node of every world rank
     node_cpus: int = 1  # CPUs the node's ranks may run on (affinity and cgroup quota)
     host: dict = field(default_factory=dict)  # what init changed in the process (hpcpar.host.apply)
     shm: bool = False  # the shared-memory collectives are attached (hpcpar.dist.shm)
     shm_node_size: int | None = None  # pretend nodes of this many ranks for them (None: real nodes)
+
+    @property
+    def crossing_axes(self) -> list[str]:
+        """The axes (tp, dp, pp) some of whose communicators span more than one node."""
+        return _topology.crossing_axes(self.topology, self.dp_size, self.pp_size, self.tp_size)
+
+    def placement_report(self) -> str:
+        """The nodes and, per communicator, whether it crosses nodes (every rank can print it)."""
+        return _topology.report(self.topology, self.dp_size, self.pp_size, self.tp_size)
 
     @property
     def xp(self):
@@ -155,6 +167,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
     CPUs each rank's BLAS gets its share of the node's cores. ``shm`` (default HPCPAR_SHM)
     attaches the shared-memory collectives (hpcpar.dist.shm) on CPUs; ``node_size``
     (default HPCPAR_NODE_SIZE) cuts nodes into pretend nodes for them (hpcpar.dist.nodes).
+    Rank 0 warns (PlacementWarning) when tensor parallelism crosses nodes but would fit inside them.
     """
     world_mpi = comm if comm is not None else MPI.COMM_WORLD
     dp, pp, tp = resolve_layout(world_mpi.Get_size(), dp, pp, tp)
@@ -167,7 +180,9 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
     # The CPUs of the node's ranks together: each rank pinned to its own core is not oversubscribed.
     node_cpus = host.usable_cpus(set().union(*node.allgather(host.affinity())))
     color = nodes.node_color(world_mpi, node, shm_node_size) if use_shm and device == "cpu" else None
-    node.Free()
+    topo = _topology.discover(world_mpi, node)
+    if world_mpi.Get_rank() == 0:
+        _topology.warn_about_placement(topo, dp, pp, tp)
     if device == "cuda":
         backend.select_gpu(node_rank)
     settings = host.apply(node_size, tune_allocator, set_blas_threads=device != "cuda")
@@ -193,6 +208,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
         node_rank=node_rank, node_size=node_size,
         device=device, cuda_aware=cuda_aware, wait_policy=policy,
         node_cpus=node_cpus, host=settings, shm=color is not None, shm_node_size=shm_node_size,
+        node=make(node, "node"), topology=topo,
     )
     assert (pp_rank, dp_rank, tp_rank) == coordinates(world_mpi.Get_rank(), dp, pp, tp)
     if color is not None:

@@ -14,11 +14,13 @@ signal or ``train.max_seconds`` ends the run at a step boundary with a checkpoin
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 
 from .. import checkpoint, log as logs
 from ..dist.context import init
+from ..dist.topology import PlacementWarning
 from ..dist.trace import Tracer
 from .build import Run, build
 from .config import Job
@@ -127,17 +129,20 @@ def start_context(job: Job):
     """The context of the job's grid (a parameter-server job's grid holds the workers; the
     servers come from the same world)."""
     p = job.parallel
-    return init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device, shm=p.shm,
-                node_size=p.node_size)
+    with warnings.catch_warnings():  # the placement report (describe) carries the warning
+        warnings.simplefilter("ignore", PlacementWarning)
+        return init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device, shm=p.shm,
+                    node_size=p.node_size)
 
 
 def describe(job: Job, ctx) -> None:
-    """Rank 0 logs the resolved job and the grid (and notices about the job file)."""
+    """Rank 0 logs the resolved job, the grid and the placement (and notices about the job file)."""
     if ctx.rank == 0:
         for notice in job.notices:
             logger.warning(notice)
         logger.info(job.describe())
         logger.info(ctx.grid_table())
+        logger.info(ctx.placement_report())
         logger.info(f"shared-memory collectives: {ctx.shm_description()}")
 
 

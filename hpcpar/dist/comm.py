@@ -151,7 +151,9 @@ class CommStats:
     listener: Callable[[CallRecord], None] | None = None  # hears every call: a trace (hpcpar.dist.trace)
 
     def add(self, op: str, nbytes: int, seconds: float, wire: int | None = None, peer: int = -1,
-            tag: int = -1) -> None:
+            tag: int = -1, start: float | None = None) -> None:
+        """One call of ``seconds``; ``start`` (its ``time.perf_counter()`` at the start) places it
+        in a listener's timeline, which would otherwise end it now."""
         count = self.ops.setdefault(op, OpCount())
         wire = ring_wire_bytes(op, int(nbytes), self.size) if wire is None else int(wire)
         count.calls += 1
@@ -159,15 +161,16 @@ class CommStats:
         count.wire_bytes += wire
         count.seconds += seconds
         if self.listener is not None:
-            end = time.perf_counter()
-            self.listener(CallRecord(self.name, op, end - seconds, end, int(nbytes), wire, peer, tag))
+            begin = time.perf_counter() - seconds if start is None else start
+            self.listener(CallRecord(self.name, op, begin, begin + seconds, int(nbytes), wire, peer, tag))
 
-    def add_seconds(self, op: str, seconds: float, peer: int = -1, tag: int = -1, nbytes: int = 0) -> None:
-        """The time a non-blocking call spent in its wait."""
+    def add_seconds(self, op: str, seconds: float, peer: int = -1, tag: int = -1, nbytes: int = 0,
+                    start: float | None = None) -> None:
+        """The time a non-blocking call spent in its wait (``start`` as for ``add``)."""
         self.ops.setdefault(op, OpCount()).seconds += seconds
         if self.listener is not None:
-            end = time.perf_counter()
-            self.listener(CallRecord(self.name, op, end - seconds, end, nbytes, 0, peer, tag, wait=True))
+            begin = time.perf_counter() - seconds if start is None else start
+            self.listener(CallRecord(self.name, op, begin, begin + seconds, nbytes, 0, peer, tag, wait=True))
 
     def _counts(self, op: str) -> list[OpCount]:
         names = FAMILIES.get(op, (op,))
@@ -284,7 +287,7 @@ class Handle:
             start = time.perf_counter()
             self._comm._wait(self._request, self._waiting)
             self._comm.stats.add_seconds(self._op, time.perf_counter() - start, peer=self._waiting.peer,
-                                         tag=self._waiting.tag, nbytes=self._nbytes)
+                                         tag=self._waiting.tag, nbytes=self._nbytes, start=start)
             self._complete()
         return self._result
 
@@ -344,7 +347,7 @@ class Communicator:
             self.mpi.Barrier()
         else:
             self._wait(self.mpi.Ibarrier(), waiting)
-        self.stats.add("barrier", 0, time.perf_counter() - start)
+        self.stats.add("barrier", 0, time.perf_counter() - start, start=start)
 
     # ----- collectives --------------------------------------------------------------
     def allreduce(self, x, op: str = "sum", out=None):
@@ -361,7 +364,7 @@ class Communicator:
         else:
             self._wait(self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op]), waiting)
         result = finish()
-        self.stats.add("allreduce", x.nbytes, time.perf_counter() - start)
+        self.stats.add("allreduce", x.nbytes, time.perf_counter() - start, start=start)
         return result
 
     def iallreduce(self, x, op: str = "sum", out=None) -> Handle:
@@ -376,7 +379,7 @@ class Communicator:
         start = time.perf_counter()
         staged, finish = self._prepare_allreduce("iallreduce", x, op, out)
         request = self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op])
-        self.stats.add("iallreduce", x.nbytes, time.perf_counter() - start)
+        self.stats.add("iallreduce", x.nbytes, time.perf_counter() - start, start=start)
         return Handle(self, "iallreduce", request, finish, self._next_collective("iallreduce"), nbytes=x.nbytes)
 
     def _prepare_allreduce(self, name: str, x, op: str, out):
@@ -417,7 +420,7 @@ class Communicator:
         result = recv.finish()
         if op == "mean":
             result /= self.size
-        self.stats.add("reduce_scatter", x.nbytes, time.perf_counter() - start)
+        self.stats.add("reduce_scatter", x.nbytes, time.perf_counter() - start, start=start)
         return result
 
     def allgather(self, x, out=None):
@@ -440,7 +443,7 @@ class Communicator:
         send, recv = _Staged(x, self.cuda_aware), _Staged(out, self.cuda_aware, copy_in=False)
         self._wait(self.mpi.Iallgather(send.buffer, recv.buffer), self._next_collective("allgather"))
         result = recv.finish()
-        self.stats.add("allgather", x.nbytes, time.perf_counter() - start)
+        self.stats.add("allgather", x.nbytes, time.perf_counter() - start, start=start)
         return result
 
     def broadcast(self, x, root: int = 0):
@@ -451,7 +454,7 @@ class Communicator:
         staged = _Staged(x, self.cuda_aware, copy_in=self.rank == root)
         self._wait(self.mpi.Ibcast(staged.buffer, root=root), self._next_collective("broadcast"))
         staged.finish()
-        self.stats.add("broadcast", x.nbytes, time.perf_counter() - start)
+        self.stats.add("broadcast", x.nbytes, time.perf_counter() - start, start=start)
         return x
 
     # ----- point-to-point -----------------------------------------------------------
@@ -467,7 +470,7 @@ class Communicator:
         x = x if x.flags.c_contiguous else get_array_module(x).ascontiguousarray(x)
         staged = _Staged(x, self.cuda_aware)
         request = self.mpi.Isend(staged.buffer, dest=dest, tag=tag)
-        self.stats.add(_op_name, x.nbytes, time.perf_counter() - start, peer=dest, tag=tag)
+        self.stats.add(_op_name, x.nbytes, time.perf_counter() - start, start=start, peer=dest, tag=tag)
         # The staged host copy must outlive the request: the handle keeps it alive.
         return Handle(self, _op_name, request, lambda: x, Waiting.point_to_point(_op_name, dest, tag), keepalive=staged,
                       nbytes=x.nbytes)
@@ -477,7 +480,7 @@ class Communicator:
         start = time.perf_counter()
         staged = _Staged(buf, self.cuda_aware, copy_in=False)
         request = self.mpi.Irecv(staged.buffer, source=source, tag=tag)
-        self.stats.add(_op_name, buf.nbytes, time.perf_counter() - start, peer=source, tag=tag)
+        self.stats.add(_op_name, buf.nbytes, time.perf_counter() - start, start=start, peer=source, tag=tag)
         return Handle(self, _op_name, request, staged.finish, Waiting.point_to_point(_op_name, source, tag),
                       nbytes=buf.nbytes)
 
@@ -509,7 +512,7 @@ class Communicator:
         result = call()
         nbytes = len(pickle.dumps(obj)) if obj is not None else 0
         wire = ring_wire_bytes(op, len(pickle.dumps(result)) if wire_of_result else nbytes, self.size) if sends else 0
-        self.stats.add(op, nbytes, time.perf_counter() - start, wire=wire, peer=peer, tag=tag)
+        self.stats.add(op, nbytes, time.perf_counter() - start, start=start, wire=wire, peer=peer, tag=tag)
         return result
 
     # ----- structure ----------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import get_array_module
-from . import deferred
+from . import deferred, precision
 from .function import Function
 
 
@@ -120,6 +120,7 @@ class Tensor:
             grad = self.xp.ones_like(self.data)
         elif isinstance(grad, Tensor):
             grad = grad.data
+        grad = precision.like(grad, self.data.dtype)
         if tuple(grad.shape) != self.shape:
             raise ValueError(f"backward(): grad has shape {tuple(grad.shape)} but the tensor has shape {self.shape}")
 
@@ -157,6 +158,7 @@ class Tensor:
                     continue
                 key = id(parent)
                 if parent_grad is not None:
+                    parent_grad = precision.like(parent_grad, parent.data.dtype)  # a float32 loss's grad -> bf16 logits
                     previous = grads.get(key)
                     grads[key] = parent_grad if previous is None else previous + parent_grad
                 pending[key] -= 1

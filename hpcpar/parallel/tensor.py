@@ -36,6 +36,7 @@ import numpy as np
 
 from ..autograd import Function, Parameter, Tensor
 from ..autograd import ops
+from ..autograd import precision
 from ..autograd.ops._common import scatter_add_rows
 from ..backend import get_array_module
 from ..nn import init
@@ -76,6 +77,8 @@ def sharded_parameter(global_shape, axis: int, comm, rule, dtype, xp, what: str)
 # Differentiable communication
 # ----------------------------------------------------------------------------------------
 class _CopyToTP(Function):
+    op = "tp_communication"
+
     def forward(self, x, comm):
         self.comm = comm
         return x
@@ -85,6 +88,8 @@ class _CopyToTP(Function):
 
 
 class _ReduceFromTP(Function):
+    op = "tp_communication"
+
     def forward(self, x, comm):
         return comm.allreduce(x, "sum")
 
@@ -93,6 +98,8 @@ class _ReduceFromTP(Function):
 
 
 class _ScatterToTP(Function):
+    op = "tp_communication"
+
     def forward(self, x, comm):
         self.comm = comm
         start, stop = shard_range(x.shape[-1], comm, "last dimension")
@@ -103,6 +110,8 @@ class _ScatterToTP(Function):
 
 
 class _GatherFromTP(Function):
+    op = "tp_communication"
+
     def forward(self, x, comm):
         self.comm = comm
         self.width = x.shape[-1]
@@ -145,6 +154,8 @@ def _reduce_scatter_sequence(x, comm):
 class _GatherSequence(Function):
     """Entering a sharded region: all-gather the sequence forward, reduce-scatter backward."""
 
+    op = "tp_communication"
+
     def forward(self, x, comm):
         self.comm = comm
         return _gather_sequence(x, comm)
@@ -155,6 +166,8 @@ class _GatherSequence(Function):
 
 class _ReduceScatterSequence(Function):
     """Leaving a sharded region: reduce-scatter the sequence forward, all-gather backward."""
+
+    op = "tp_communication"
 
     def forward(self, x, comm):
         self.comm = comm
@@ -272,6 +285,8 @@ class RowParallelLinear(_TensorParallelLayer):
 class _MaskedEmbedding(Function):
     """Rows of ``weight`` for the ids in [start, start + rows); zeros for the others."""
 
+    op = "embedding"
+
     def forward(self, weight, ids, start):
         xp = get_array_module(weight)
         local = ids - start
@@ -315,8 +330,11 @@ class _VocabParallelCrossEntropy(Function):
     softmax minus the one-hot of the target, on this rank's columns.
     """
 
+    op = "vocab_parallel_cross_entropy"
+
     def forward(self, logits, targets, comm, ignore_index):
         xp = get_array_module(logits)
+        logits = precision.upcast(logits)  # 16 bits: computed and all-reduced in float32
         n, width = logits.shape
         start = comm.rank * width
         peak = comm.allreduce(logits.max(axis=1), "max")
@@ -339,7 +357,7 @@ class _VocabParallelCrossEntropy(Function):
         dlogits = self.softmax
         rows = xp.nonzero(self.mine)[0]
         dlogits[rows, self.local[rows]] -= 1
-        dlogits *= (self.valid[:, None] * (grad / self.count)).astype(dlogits.dtype)
+        dlogits *= (self.valid[:, None] * (grad.astype(dlogits.dtype) / self.count)).astype(dlogits.dtype)
         return dlogits
 
 

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from ..autograd import Parameter
+from ..autograd import Parameter, precision
 from ..backend import get_array_module
 from ..optim.clip import scale_to_norm
 from ..optim.optimizer import named_parameter_list
@@ -102,7 +102,7 @@ class ZeroRedundancyOptimizer:
         for p, offset in zip(self.params, self.offsets):
             lo, hi = max(offset, start), min(offset + p.size, start + self.shard_size)
             if lo < hi and counts(p):
-                piece = grad[lo - start: hi - start].astype(np.promote_types(grad.dtype, np.float32), copy=False)
+                piece = grad[lo - start: hi - start].astype(precision.accumulation_dtype(grad.dtype), copy=False)
                 pieces.append(xp.dot(piece, piece))
         return float(sum(pieces)) if pieces else 0.0  # one device-to-host transfer
 

@@ -135,12 +135,13 @@ def clip(run: Run, max_norm: float) -> float:
     return clip_grad_norm_parallel(run.named_parameters(), max_norm, run.ctx, owns=owns)
 
 
-def optimizer_step(run: Run, clipped_zero: bool) -> None:
+def optimizer_step(run: Run, clipped_zero: bool, loss: float) -> None:
     if run.mode is not None:  # parameter server or local SGD: exchange, clip, step, clear grads
         run.mode.after_backward()
         return
-    if run.amp is not None:
-        run.amp.step(run.optimizer, allreduce_max=lambda v: float(run.ctx.world.allreduce(np.array([v]), "max")[0]),
+    if run.amp is not None:  # skipped everywhere when the loss or a gradient is not finite on any rank
+        run.amp.step(run.optimizer, loss=loss,
+                     allreduce_max=lambda v: float(run.ctx.world.allreduce(np.array([v]), "max")[0]),
                      **({"reduce": False} if clipped_zero else {}))
     elif clipped_zero:
         run.optimizer.step(reduce=False)  # the gradients were reduced for clipping already
@@ -222,7 +223,7 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
             clipped_zero = hasattr(run.optimizer, "clip_grad_norm")
         lr = run.optimizer.lr
         exchange_start = time.perf_counter()
-        optimizer_step(run, clipped_zero)
+        optimizer_step(run, clipped_zero, loss)
         # parameter server / local SGD: their exchange happens here, not inside the engine's step
         exchange_s = time.perf_counter() - exchange_start if run.mode is not None else 0.0
         run.schedule.step()

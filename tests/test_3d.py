@@ -19,6 +19,7 @@ from hpcpar.parallel.zero import ZeroRedundancyOptimizer
 
 CONFIG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=4, n_embd=16, seed=21)
 STEPS, BATCH, MICRO, CLIP = 3, 8, 2, 0.5
+NO_DECAY = ("*.bias", "*ln_*", "embed.*")  # the job default: no decay of biases, norms, embeddings
 
 
 def data(step):
@@ -26,9 +27,9 @@ def data(step):
     return ids[:, :-1], ids[:, 1:]
 
 
-def reference():
+def reference(no_decay=()):
     model = GPT(CONFIG, np.float64)
-    optimizer = AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1, no_decay=no_decay)
     losses = []
     for step in range(STEPS):
         loss = model.loss(*data(step))
@@ -40,15 +41,16 @@ def reference():
     return dict(model.named_parameters()), losses
 
 
-def build(ctx, zero=False, sequence_parallel=False):
+def build(ctx, zero=False, sequence_parallel=False, no_decay=()):
     """The 3D model and AdamW; with ``zero`` the optimizer state is sharded over dp (ZeRO-1),
     which then does the dp reduction of gradients instead of the pipeline."""
     model = GPT(CONFIG, np.float64, tp=ctx.tp)
     model.sequence_parallel = sequence_parallel
     pipe = PipelineParallel(model, ctx, schedule="1f1b", micro_batches=MICRO, dp_average=not zero)
     if zero:
-        return pipe, ZeroRedundancyOptimizer(pipe.named_parameters(), ctx.dp, AdamW, lr=1e-2, weight_decay=0.1)
-    return pipe, AdamW(pipe.named_parameters(), lr=1e-2, weight_decay=0.1)
+        return pipe, ZeroRedundancyOptimizer(pipe.named_parameters(), ctx.dp, AdamW, lr=1e-2, weight_decay=0.1,
+                                             no_decay=no_decay)
+    return pipe, AdamW(pipe.named_parameters(), lr=1e-2, weight_decay=0.1, no_decay=no_decay)
 
 
 def clip_and_step(pipe, optimizer, ctx):
@@ -89,11 +91,11 @@ def assert_matches(pipe, losses, expected_params, expected_losses, label, tol=1e
         assert diff <= tol, (label, name, diff)
 
 
-def check_layout(world, dp, pp, tp, zero=False, sequence_parallel=False):
+def check_layout(world, dp, pp, tp, zero=False, sequence_parallel=False, no_decay=()):
     ctx = layout_context(world, dp, pp, tp)
     if ctx is not None:
-        params, ref_losses = reference()
-        pipe, losses = train(ctx, built=build(ctx, zero, sequence_parallel))
+        params, ref_losses = reference(no_decay)
+        pipe, losses = train(ctx, built=build(ctx, zero, sequence_parallel, no_decay))
         label = f"{dp}x{pp}x{tp}{' zero' if zero else ''}{' sequence-parallel' if sequence_parallel else ''}"
         assert_matches(pipe, losses, params, ref_losses, label)
     world.Barrier()
@@ -144,4 +146,41 @@ def test_checkpoint_moves_between_3d_layouts(world, tmp_path_factory, saved, loa
         assert checkpoint.load(root, pipe, optimizer, ctx)["layout"]["tp"] == saved[2]
         _, losses = train(ctx, range(1, STEPS), (pipe, optimizer))
         assert_matches(pipe, losses, params, ref_losses[1:], f"{saved} -> {loaded}", tol=1e-12)
+    world.Barrier()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("layout, zero", [((2, 1, 2), True), ((2, 2, 1), True), ((1, 2, 2), False), ((4, 1, 1), True)])
+def test_weight_decay_groups_in_3d_equal_one_process(world, layout, zero):
+    """Groups by name: ZeRO-1's runs along its shard, tp shards and pp stages decay as one process does."""
+    check_layout(world, *layout, zero=zero, no_decay=NO_DECAY)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_checkpoint_keeps_weight_decay_groups_in_any_layout(world, tmp_path_factory):
+    """Saved by ZeRO-1 on 2x1x2: resumed there bitwise, and in 1x2x2 by an optimizer built without the
+    groups (they come from the checkpoint), equal to one process with the groups."""
+    root = world.bcast(str(tmp_path_factory.mktemp("ckpt-groups")) if world.Get_rank() == 0 else None)
+    params, ref_losses = reference(NO_DECAY)
+    ctx = layout_context(world, 2, 1, 2)
+    if ctx is not None:
+        straight, _ = train(ctx, built=build(ctx, zero=True, no_decay=NO_DECAY))
+        pipe, optimizer = build(ctx, zero=True, no_decay=NO_DECAY)
+        train(ctx, range(1), (pipe, optimizer))
+        checkpoint.save(root, 1, pipe, optimizer, ctx)
+        pipe, optimizer = build(ctx, zero=True, no_decay=NO_DECAY)
+        checkpoint.load(root, pipe, optimizer, ctx)
+        resumed, _ = train(ctx, range(1, STEPS), (pipe, optimizer))
+        for (name, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters()):
+            np.testing.assert_array_equal(a.data, b.data, err_msg=name)
+    world.Barrier()
+    ctx = layout_context(world, 1, 2, 2)
+    if ctx is not None:
+        pipe, optimizer = build(ctx)  # every parameter decays ... until the checkpoint's groups are loaded
+        checkpoint.load(root, pipe, optimizer, ctx)
+        assert all(optimizer.named_weight_decays()[name] == (0.0 if name.endswith(".bias") or ".ln_" in name
+                                                              or name.startswith("embed.") else 0.1)
+                   for name, _ in pipe.named_parameters())
+        _, losses = train(ctx, range(1, STEPS), (pipe, optimizer))
+        assert_matches(pipe, losses, params, ref_losses[1:], "2x1x2 zero -> 1x2x2", tol=1e-12)
     world.Barrier()

@@ -117,6 +117,23 @@ def test_bfloat16_trains_with_pipelines_and_zero_and_resumes_exactly(tmp_path, t
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+def test_checkpoints_keep_weight_decay_groups_and_a_resume_cannot_change_them(tmp_path, token_file):
+    job = os.path.join(REPO, "jobs", "demo.toml")  # weight_decay 0.01, no_decay: biases, LayerNorms, embeddings
+    common = ["model.n_layer=2", "model.n_embd=32", "train.log_interval=1", "train.eval_interval=0",
+              "train.sample_tokens=0", "checkpoint.interval=0", "checkpoint.resume=true"]
+    first = train(job, tmp_path, token_file, *common, "train.steps=2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    with open(tmp_path / "ckpt" / "step-00000002" / "manifest.json") as f:
+        scalars = json.load(f)["scalars"]
+    assert scalars["weight_decay/blocks.0.ln_1.weight"] == 0.0 and scalars["weight_decay/embed.wte.weight"] == 0.0
+    assert scalars["weight_decay/blocks.1.mlp.fc.weight"] == 0.01
+    changed = train(job, tmp_path, token_file, *common, "train.steps=3", "optimizer.no_decay=[]", timeout=60)
+    assert changed.returncode != 0 and "Traceback" not in changed.stderr
+    assert "optimizer.no_decay: the checkpoint in" in changed.stderr and "another weight decay for" in changed.stderr
+    same = train(job, tmp_path, token_file, *common, "train.steps=3")
+    assert same.returncode == 0 and "resumed from" in same.stdout, same.stdout + same.stderr
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.tpp=2"], "parallel.tpp"),
     (["train.steps=\"many\""], "train.steps"),

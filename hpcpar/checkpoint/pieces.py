@@ -100,6 +100,21 @@ def optimizer_pieces(optimizer, named_parameters) -> tuple[list[Piece], dict]:
     return pieces, scalars
 
 
+WEIGHT_DECAY = "weight_decay"  # scalars "weight_decay/<param>": the groups, by name, so any layout restores them
+
+
+def weight_decay_scalars(optimizer) -> dict:
+    """{"weight_decay/<param name>": value} of the parameters ``optimizer`` updates."""
+    decays = optimizer.named_weight_decays() if hasattr(optimizer, "named_weight_decays") else {}
+    return {f"{WEIGHT_DECAY}/{name}": float(value) for name, value in decays.items()}
+
+
+def saved_weight_decays(scalars: dict) -> dict:
+    """{param name: weight decay} from a manifest's scalars (empty for checkpoints from before groups)."""
+    prefix = WEIGHT_DECAY + "/"
+    return {key[len(prefix):]: float(value) for key, value in scalars.items() if key.startswith(prefix)}
+
+
 def range_param_slabs(names, params, offsets, begin: int, end: int):
     """The flat range [begin, end) of parameters laid end to end (``offsets``: where each starts),
     cut into rectangular slabs: (name, param, global shape, global slab, local shape, offset of

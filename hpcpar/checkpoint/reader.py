@@ -15,7 +15,7 @@ import numpy as np
 
 from ..backend import to_device
 from .manifest import INDEX, CheckpointError, list_steps, read_manifest, resolve_step_dir, step_dirname, verify_files
-from .pieces import global_slab, slab_slices, zero_param_slabs
+from .pieces import global_slab, saved_weight_decays, slab_slices, zero_param_slabs
 
 
 def verify_collectively(step_dir: str, manifest: dict, comm) -> None:
@@ -161,6 +161,8 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
             _load_model(source, named, what)
             if optimizer is not None:
                 _load_optimizer(source, optimizer, named, what)
+                if hasattr(optimizer, "load_weight_decays"):  # the groups the run was trained with
+                    optimizer.load_weight_decays(saved_weight_decays(manifest["scalars"]))
         finally:
             source.close()
     if hasattr(optimizer, "refresh_shard"):

@@ -37,7 +37,7 @@ from ..backend import to_host
 from ..dist.comm import wait_politely
 from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, SHARED_FILE, VERSION, CheckpointError, fsync_path,
                        list_steps, shard_filename, step_dirname, sync_and_checksum, write_json_atomically)
-from .pieces import model_pieces, optimizer_pieces, slab_slices
+from .pieces import model_pieces, optimizer_pieces, slab_slices, weight_decay_scalars
 
 
 def split_extra(extra: dict | None) -> tuple[dict, dict]:
@@ -75,6 +75,7 @@ class SaveJob:
             pieces = model_pieces(named)
             opt_pieces, self.scalars = optimizer_pieces(optimizer, named)
             pieces += opt_pieces
+        self.scalars.update(weight_decay_scalars(optimizer))  # the groups, by parameter name
         for piece in pieces:
             if piece.array.dtype.kind not in "fiub":
                 raise CheckpointError(f"{piece.key}: dtype {piece.array.dtype} cannot be stored in HDF5; "

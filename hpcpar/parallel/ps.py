@@ -79,6 +79,7 @@ from ..checkpoint.pieces import Piece, flat_state_pieces, range_param_slabs
 from ..dist.comm import _YIELD_SLEEP_S, Communicator, wait_all
 from ..dist.context import init
 from ..optim.clip import clip_grad_norm
+from ..optim.groups import flat_range_decays, flatten_groups, set_flat_range_decay
 from ..optim.optimizer import named_parameter_list
 
 TAG_PUSH_HEADER, TAG_PUSH_GRAD, TAG_REPLY_HEADER, TAG_REPLY_PARAMS = 7301, 7302, 7303, 7304
@@ -112,8 +113,9 @@ class ParameterServer:
     """
 
     def __init__(self, params, ctx, optimizer_class, servers: int = 1, staleness: int = 0,
-                 max_grad_norm: float = 0.0, **optimizer_options):
-        named = named_parameter_list(params)
+                 max_grad_norm: float = 0.0, no_decay=(), **optimizer_options):
+        items, given = flatten_groups(params)
+        named = named_parameter_list(items)
         world = ctx.world
         if ctx.pp_size > 1 or ctx.tp_size > 1:
             raise ValueError(f"ParameterServer runs data parallel only; the context has pp = {ctx.pp_size}, "
@@ -146,6 +148,7 @@ class ParameterServer:
         dtype = self.params[0].dtype
         # Instantiated on every rank (on one element here): bad options fail everywhere, before any message.
         probe = optimizer_class([("probe", Parameter(xp.zeros(1, dtype=dtype)))], **optimizer_options)
+        self.weight_decays = flat_range_decays(self.names, probe, given, no_decay)  # by name: groups, no_decay
 
         self.spans, offset = [], 0
         for p in self.params:
@@ -174,6 +177,7 @@ class ParameterServer:
             start, stop = self.ranges[self.server_index]
             self.shard = Parameter(flat[start:stop].copy(), name=f"ps_shard_{self.server_index}")
             self.optimizer = optimizer_class([("shard", self.shard)], **optimizer_options)
+            self._set_shard_decay()
             self.version = 0
             self.update_log: list[UpdateRecord] = []
 
@@ -370,6 +374,21 @@ class ParameterServer:
                  for name, _, shape, glob, local, offset in slabs]
         state, scalars = flat_state_pieces(slabs, self.optimizer.state.get("shard", {}))
         return model + state, scalars
+
+    def _set_shard_decay(self) -> None:
+        start, stop = self.ranges[self.server_index]
+        set_flat_range_decay(self.optimizer, self.names, [p.size for p in self.params], self.weight_decays,
+                             start, stop)
+
+    def named_weight_decays(self) -> dict:
+        """{parameter name: weight decay} of every parameter (the same on workers and servers)."""
+        return dict(self.weight_decays)
+
+    def load_weight_decays(self, decays: dict) -> None:
+        """Set the weight decay of the named parameters (a checkpoint's groups); servers' runs follow."""
+        self.weight_decays.update({name: float(v) for name, v in decays.items() if name in self.weight_decays})
+        if not self.is_worker:
+            self._set_shard_decay()
 
     def refresh_shard(self) -> None:
         """After a checkpoint was loaded into the model's parameters on every rank: servers take

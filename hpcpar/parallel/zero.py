@@ -4,6 +4,9 @@
     loss.backward()          # no DDP wrapper: the gradient reduction happens in step()
     opt.step()
 
+Weight decay stays per parameter (groups and ``no_decay`` patterns, by name): the wrapped
+optimizer gets it as ``DecayRuns`` along the shard, one run per stretch of equal decay.
+
 All parameters are laid end to end in one flat buffer (padded to a multiple of the dp
 size) and each parameter's array becomes a view into it. Each dp rank owns one contiguous
 1/dp shard and keeps optimizer state (Adam's two moments, momentum, ...) for that shard
@@ -21,12 +24,15 @@ import numpy as np
 from ..autograd import Parameter, precision
 from ..backend import get_array_module
 from ..optim.clip import scale_to_norm
+from ..optim.groups import flat_range_decays, flatten_groups, set_flat_range_decay
 from ..optim.optimizer import named_parameter_list
 
 
 class ZeroRedundancyOptimizer:
-    def __init__(self, params, comm, optimizer_class, broadcast_parameters: bool = True, **optimizer_options):
-        named = named_parameter_list(params)
+    def __init__(self, params, comm, optimizer_class, broadcast_parameters: bool = True, no_decay=(),
+                 **optimizer_options):
+        items, given = flatten_groups(params)
+        named = named_parameter_list(items)
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         dtypes = {p.dtype for p in self.params}
@@ -50,6 +56,9 @@ class ZeroRedundancyOptimizer:
         start = comm.rank * self.shard_size
         self.shard = Parameter(self.flat[start: start + self.shard_size].copy(), name=f"zero_shard_{comm.rank}")
         self.optimizer = optimizer_class([("shard", self.shard)], **optimizer_options)
+        # Weight decay by parameter name (groups, no_decay), as runs along this rank's shard.
+        self.weight_decays = flat_range_decays(self.names, self.optimizer, given, no_decay)
+        self._set_shard_decay()
         self._flat_grad = xp.zeros_like(self.flat)
 
     # The wrapped optimizer's hyperparameters (lr for schedules) read and write through.
@@ -60,6 +69,20 @@ class ZeroRedundancyOptimizer:
     @lr.setter
     def lr(self, value: float) -> None:
         self.optimizer.lr = value
+
+    def _set_shard_decay(self) -> None:
+        begin = self.comm.rank * self.shard_size
+        set_flat_range_decay(self.optimizer, self.names, [p.size for p in self.params], self.weight_decays,
+                             begin, begin + self.shard_size)
+
+    def named_weight_decays(self) -> dict:
+        """{parameter name: weight decay} of every parameter (not only this rank's shard)."""
+        return dict(self.weight_decays)
+
+    def load_weight_decays(self, decays: dict) -> None:
+        """Set the weight decay of the named parameters (a checkpoint's groups); the shard's runs follow."""
+        self.weight_decays.update({name: float(v) for name, v in decays.items() if name in self.weight_decays})
+        self._set_shard_decay()
 
     def refresh_shard(self) -> None:
         """Copy this rank's part of the flat parameters into the shard (after loading a checkpoint)."""

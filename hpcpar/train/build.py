@@ -112,10 +112,11 @@ def build_data(job: Job, ctx):
 def make_optimizer(job: Job, named):
     """(optimizer class, its options) from the job's [optimizer] section."""
     o = job.optimizer
+    decay = dict(weight_decay=o.weight_decay, no_decay=o.no_decay)  # groups by parameter name
     if o.name == "sgd":
-        return SGD, dict(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        return SGD, dict(lr=o.lr, momentum=o.momentum, **decay)
     cls = AdamW if o.name == "adamw" else Adam
-    return cls, dict(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    return cls, dict(lr=o.lr, betas=tuple(o.betas), **decay)
 
 
 def build(job: Job, ctx) -> Run:

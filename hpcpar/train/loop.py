@@ -29,7 +29,7 @@ from ..autograd import no_grad
 from ..dist.context import init
 from ..parallel.tensor import clip_grad_norm_parallel, counts_toward_norm, sum_over_model_parallel
 from .build import Run, build
-from .config import Job
+from .config import Job, JobError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -175,11 +175,28 @@ def resume_from_checkpoint(run: Run, resume: bool | None) -> dict | None:
     if not ((job.checkpoint.resume if resume is None else resume) and checkpoint.list_steps(job.checkpoint.dir)):
         return None
     named, optimizer, ctx = run.checkpoint_target
+    job_decays = optimizer.named_weight_decays() if hasattr(optimizer, "named_weight_decays") else {}
     info = checkpoint.load_latest(job.checkpoint.dir, named, optimizer, ctx,
                                   extra=run.extra_state() if run.trains else None)
     if info is not None and run.amp is not None:
         run.amp.copy_to_model()
+    if info is not None:
+        check_weight_decay_groups(job, ctx, job_decays, optimizer)
     return info
+
+
+def check_weight_decay_groups(job: Job, ctx, job_decays: dict, optimizer) -> None:
+    """The checkpoint restores the weight-decay groups it was trained with; a job that asks for other
+    ones (optimizer.weight_decay, optimizer.no_decay) fails on every rank instead of being ignored."""
+    restored = optimizer.named_weight_decays() if hasattr(optimizer, "named_weight_decays") else {}
+    differ = sorted(name for name, value in job_decays.items() if restored.get(name, value) != value)
+    differ = sorted(set().union(*ctx.world.allgather_object(differ)))
+    if differ:
+        raise JobError(job.source, [("optimizer.no_decay", f"the checkpoint in {job.checkpoint.dir} was trained with "
+                                     f"another weight decay for {len(differ)} parameter(s) ({', '.join(differ[:3])}"
+                                     f"{', ...' if len(differ) > 3 else ''}) than optimizer.weight_decay and "
+                                     f"optimizer.no_decay give; resume with the settings it was trained with, or "
+                                     f"start anew with checkpoint.resume = false")])
 
 
 def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None) -> dict:

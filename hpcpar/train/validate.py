@@ -113,6 +113,8 @@ def validate(job: Job, world_size: int) -> Job:
         problems.append(("schedule.min_lr", f"{job.schedule.min_lr:g} is above optimizer.lr = "
                                             f"{job.optimizer.lr:g}; the cosine decays from lr down to min_lr"))
 
+    if "optimizer.no_decay" in job.given:
+        problems += _check_no_decay(job)
     if job.data.kind == "text":
         problems += _check_token_file(job)
     if problems:
@@ -145,3 +147,29 @@ def _check_token_file(job: Job) -> list[tuple[str, str]]:
             problems.append(("data.path", f"the {split} split of {path} has {info[split]} tokens, not more than "
                                           f"model.block_size = {m.block_size}; prepare more text"))
     return problems
+
+
+def parameter_names(job: Job) -> list[str]:
+    """The model's parameter names, from a copy of it with every width 1 (names do not depend on widths)."""
+    m = job.model
+    if m.kind == "gpt":
+        from ..nn.gpt import GPT, GPTConfig
+
+        tiny = GPTConfig(vocab_size=1, block_size=1, n_layer=m.n_layer, n_head=1, n_embd=1, bias=m.bias,
+                         tie_weights=m.tie_weights)
+        return [name for name, _ in GPT(tiny).named_parameters()]
+    from ..nn.cnn import DigitsCNN
+
+    return [name for name, _ in DigitsCNN(channels=(1, 1)).named_parameters()]
+
+
+def _check_no_decay(job: Job) -> list[tuple[str, str]]:
+    from ..optim.groups import unmatched_patterns
+
+    names = parameter_names(job)
+    unmatched = unmatched_patterns(names, job.optimizer.no_decay)
+    if not unmatched:
+        return []
+    return [("optimizer.no_decay", f"{', '.join(map(toml_value, unmatched))} match(es) no parameter of the "
+                                   f"{job.model.kind}; its names look like {', '.join(names[:4])}, ... "
+                                   f"(shell-style patterns: * matches any text, dots included)")]

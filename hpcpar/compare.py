@@ -22,13 +22,12 @@ import json
 import os
 import statistics
 import time
-import tracemalloc
 from dataclasses import replace
 
 import numpy as np
 from mpi4py import MPI
 
-from .bench.timing import format_table
+from .bench.timing import format_table, traced_peak
 from .dist.comm import Communicator
 from .dist.context import init
 from .train.build import build
@@ -51,7 +50,7 @@ def label(layout) -> str:
     return f"{dp}x{pp}x{tp} {kind}"
 
 
-def layout_job(job, layout, steps: int):
+def layout_job(job, layout, steps: int, precision: str | None = None):
     dp, pp, tp = layout
     micro = job.parallel.micro_batches if pp > 1 else 1
     if pp > 1 and micro < pp:
@@ -61,7 +60,8 @@ def layout_job(job, layout, steps: int):
                        sequence_parallel=job.parallel.sequence_parallel and tp > 1)  # nothing to split at tp = 1
     if parallel.schedule == "interleaved" and (micro % pp or pp * parallel.chunks > job.num_layers):
         parallel = replace(parallel, schedule="1f1b", chunks=1)
-    train = replace(job.train, steps=steps + 2, eval_interval=0, sample_tokens=0)
+    train = replace(job.train, steps=steps + 2, eval_interval=0, sample_tokens=0,
+                    precision=precision or job.train.precision)
     return validate(replace(job, parallel=parallel, train=train), dp * pp * tp)
 
 
@@ -78,33 +78,43 @@ def measure(job, comm, steps: int) -> dict:
         inputs, targets = run.train_data.batch_at(step)
         ctx.world.barrier()
         start = time.perf_counter()
-        run.engine.train_step(inputs, targets)
-        run.optimizer.step()
-        run.optimizer.zero_grad()
+        optimizer_step(run, run.engine.train_step(inputs, targets))
         elapsed = ctx.world.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX)
         if step >= 2:
             times.append(elapsed)
             comm_s.append(run.engine.stats.get("comm_s", 0.0))
             idle_s.append(run.engine.stats.get("idle_s", 0.0))
     traffic = sum(c.stats.total_bytes for c in ctx.communicators().values() if c.size > 1)  # size 1: local copies
-    tracemalloc.start()
     inputs, targets = run.train_data.batch_at(0)
-    run.engine.train_step(inputs, targets)
-    activation_peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
+    activation_peak = traced_peak(lambda: run.engine.train_step(inputs, targets))
     run.optimizer.zero_grad()
+    for _, param in run.engine.named_parameters():  # the model's own grads (distinct from masters under amp)
+        param.grad = None
     state = run.optimizer.state_bytes() if hasattr(run.optimizer, "state_bytes") else sum(
         v.nbytes for s in run.optimizer.state.values() for v in s.values() if hasattr(v, "nbytes"))
     params = sum(q.data.nbytes for _, q in run.engine.named_parameters())
+    if run.amp is not None:  # the float32 masters beside the 16-bit parameters
+        params += sum(q.data.nbytes for q in run.amp.master_parameters())
     step_s = statistics.median(times)
     gather = lambda value, op=MPI.MAX: ctx.world.mpi.allreduce(value, op=op)  # noqa: E731
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
-    return {"layout": [p.dp, p.pp, p.tp], "ranks": ctx.world_size, "step_s": step_s, "tokens_per_s": tokens / step_s,
+    return {"layout": [p.dp, p.pp, p.tp], "precision": job.train.precision, "ranks": ctx.world_size, "step_s": step_s,
+            "tokens_per_s": tokens / step_s,
             "comm_share": gather(statistics.median(comm_s)) / step_s,
             "bubble_share": gather(statistics.median(idle_s)) / step_s,
             "param_state_mb_per_rank": gather(params + state) / 2**20,
             "activation_peak_mb_per_rank": gather(activation_peak) / 2**20,
             "bytes_per_step": gather(traffic / steps, MPI.SUM)}
+
+
+def optimizer_step(run, loss: float) -> None:
+    """The step after ``engine.train_step``; under mixed precision through the float32 masters."""
+    if run.amp is not None:
+        run.amp.step(run.optimizer, loss=loss,
+                     allreduce_max=lambda v: float(run.ctx.world.allreduce(np.array([v]), "max")[0]))
+    else:
+        run.optimizer.step()
+    run.optimizer.zero_grad()
 
 
 def main(argv: list[str]) -> int:
@@ -113,6 +123,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--out", default=None, help="folder for compare.json and compare.png (default runs/compare-JOB)")
+    parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="also measure each layout in these precisions, beside fp32 (default: the job's only)")
     args = parser.parse_args(argv)
 
     world = MPI.COMM_WORLD
@@ -120,10 +132,12 @@ def main(argv: list[str]) -> int:
     waiting = Communicator(world, "world", wait_policy="yield")
     job = load_job(args.job, args.set)
     out = args.out or os.path.join("runs", "compare-" + os.path.basename(args.job).rsplit(".", 1)[0])
+    precisions = [None] if args.precision is None else ["fp32"] + [p for p in args.precision if p != "fp32"]
     results, skipped = [], []
-    for layout in [(1, 1, 1)] + (factorisations(world.Get_size()) if world.Get_size() > 1 else []):
+    layouts = [(1, 1, 1)] + (factorisations(world.Get_size()) if world.Get_size() > 1 else [])
+    for layout, precision in [(layout, precision) for layout in layouts for precision in precisions]:
         try:
-            layout_run = layout_job(job, layout, args.steps)
+            layout_run = layout_job(job, layout, args.steps, precision)
         except JobError as error:
             skipped.append((label(layout), "; ".join(text for _, text in error.problems)))
             continue
@@ -137,11 +151,16 @@ def main(argv: list[str]) -> int:
         waiting.barrier()
     if world.Get_rank() != 0:
         return 0
-    base = results[0]["tokens_per_s"]
+    base = {r["precision"]: r["tokens_per_s"] for r in reversed(results)}  # one rank, in each precision
+    fp32 = {tuple(r["layout"]): r for r in results if r["precision"] == "fp32"}
     for r in results:
-        r["speedup"] = r["tokens_per_s"] / base
+        r["speedup"] = r["tokens_per_s"] / base[r["precision"]]
         r["efficiency"] = r["speedup"] / r["ranks"]
-        r["label"] = label(r["layout"])
+        r["label"] = label(r["layout"]) + (f" {r['precision']}" if len(precisions) > 1 else "")
+        same = fp32.get(tuple(r["layout"]))
+        if same is not None:  # beside the same layout in float32
+            r["step_vs_fp32"] = r["step_s"] / same["step_s"]
+            r["activations_vs_fp32"] = r["activation_peak_mb_per_rank"] / same["activation_peak_mb_per_rank"]
     print(report(job, results, skipped, world.Get_size(), args.steps), flush=True)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "compare.json"), "w") as f:
@@ -156,16 +175,27 @@ def main(argv: list[str]) -> int:
 
 def report(job, results, skipped, world, steps) -> str:
     unit = "tok/s" if job.model.kind == "gpt" else "img/s"
-    rows = [[r["label"], f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{100 * r['efficiency']:.0f}%",
-             f"{100 * r['comm_share']:.0f}%", f"{100 * r['bubble_share']:.0f}%", f"{r['param_state_mb_per_rank']:.1f}",
-             f"{r['activation_peak_mb_per_rank']:.1f}", f"{r['bytes_per_step'] / 2**20:.2f}"] for r in results]
+    versus = any(r["precision"] != "fp32" and "step_vs_fp32" in r for r in results)
+    rows = []
+    for r in results:
+        row = [r["label"], f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{100 * r['efficiency']:.0f}%",
+               f"{100 * r['comm_share']:.0f}%", f"{100 * r['bubble_share']:.0f}%", f"{r['param_state_mb_per_rank']:.1f}",
+               f"{r['activation_peak_mb_per_rank']:.1f}", f"{r['bytes_per_step'] / 2**20:.2f}"]
+        if versus:
+            row += [f"{r['step_vs_fp32']:.2f}" if "step_vs_fp32" in r else "-",
+                    f"{r['activations_vs_fp32']:.2f}" if "activations_vs_fp32" in r else "-"]
+        rows.append(row)
     m = job.model
     model = (f"GPT layers {m.n_layer}, width {m.n_embd}, heads {m.n_head}, context {m.block_size}"
              if m.kind == "gpt" else "digits CNN")
-    text = format_table(["layout dp x pp x tp", unit, "speed-up", "efficiency", "comm", "bubble",
-                         "params+opt MB/rank", "activations MB/rank", "MB sent/step"], rows,
-                        f"hpcpar compare: {model}, global batch {job.data.batch_size}, {world} ranks on "
-                        f"{os.cpu_count()} cores, median of {steps} steps")
+    headers = ["layout dp x pp x tp", unit, "speed-up", "efficiency", "comm", "bubble", "params+opt MB/rank",
+               "activations MB/rank", "MB sent/step"] + (["step vs fp32", "activations vs fp32"] if versus else [])
+    text = format_table(headers, rows, f"hpcpar compare: {model}, global batch {job.data.batch_size}, {world} ranks on "
+                                       f"{os.cpu_count()} cores, median of {steps} steps")
     for name, why in skipped:
         text += f"\nskipped {name}: {why}"
+    if versus:
+        from .bench.step import CPU_NOTE
+
+        text += "\n\nspeed-up: over one rank in the same precision. " + CPU_NOTE
     return text

@@ -17,6 +17,18 @@ def time_loop(fn, iters: int, warmup: int, barrier=None) -> float:
     return (time.perf_counter() - start) / iters
 
 
+def traced_peak(fn) -> int:
+    """Peak bytes of NumPy (and other traced) allocations made while ``fn()`` runs (tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def median(values) -> float:
     return statistics.median(values)
 

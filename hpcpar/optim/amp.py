@@ -43,6 +43,21 @@ from ..backend import get_array_module, to_device
 from .optimizer import named_parameter_list
 
 
+PRECISIONS = ("fp32", "fp64", "fp16", "bf16")
+
+
+def precision_dtype(name: str):
+    """The compute dtype of a precision name (``train.precision``); bf16 needs ``ml_dtypes`` on CPUs."""
+    if name == "bf16":
+        import ml_dtypes  # an ImportError names the package to install
+
+        return np.dtype(ml_dtypes.bfloat16)
+    dtypes = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16}
+    if name not in dtypes:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    return np.dtype(dtypes[name])
+
+
 class DynamicLossScaler:
     """Backs the scale off after an overflow; grows it after ``growth_interval`` clean steps in a row."""
 

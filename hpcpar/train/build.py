@@ -12,13 +12,11 @@ import numpy as np
 
 from ..data.loader import TextBatches, TokenDataset
 from ..nn.gpt import GPT
-from ..optim import SGD, Adam, AdamW, DynamicLossScaler, MixedPrecision, WarmupCosine
+from ..optim import SGD, Adam, AdamW, DynamicLossScaler, MixedPrecision, WarmupCosine, precision_dtype
 from ..parallel.compression import make_compressor
 from ..parallel.zero import ZeroRedundancyOptimizer
 from .config import Job, JobError
 from .engines import DataParallelEngine, PipelineEngine
-
-DTYPES = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16": "bfloat16"}
 
 
 @dataclass
@@ -65,14 +63,10 @@ class Run:
 
 
 def compute_dtype(job: Job):
-    dtype = DTYPES[job.train.precision]
-    if dtype == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise JobError(job.source, [("train.precision", "bf16 on CPUs needs ml_dtypes: pip install ml_dtypes")]) from None
-        dtype = ml_dtypes.bfloat16
-    return dtype
+    try:
+        return precision_dtype(job.train.precision)
+    except ImportError:
+        raise JobError(job.source, [("train.precision", "bf16 on CPUs needs ml_dtypes: pip install ml_dtypes")]) from None
 
 
 def build_model(job: Job, ctx, dtype):

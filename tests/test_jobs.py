@@ -104,6 +104,8 @@ def test_bfloat16_trains_with_pipelines_and_zero_and_resumes_exactly(tmp_path, t
     assert straight.returncode == 0, straight.stdout + straight.stderr
     losses = [json.loads(line)["loss"] for line in open(tmp_path / "straight" / "metrics.jsonl") if '"loss"' in line]
     assert len(losses) == 8 and all(np.isfinite(losses)) and losses[-1] < losses[0]
+    records = [json.loads(line) for line in open(tmp_path / "straight" / "metrics.jsonl") if '"loss"' in line]
+    assert [r["skipped_steps"] for r in records] == [0] * 8  # bf16: nothing overflowed
 
     # the same job interrupted after its step-4 checkpoint: that checkpoint alone, then resume
     shutil.copytree(tmp_path / "straight" / "ckpt" / "step-00000004", tmp_path / "stopped" / "ckpt" / "step-00000004")

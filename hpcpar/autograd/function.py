@@ -73,8 +73,9 @@ class Function(ABC):
         """Run ``forward`` on the inputs' arrays and return a Tensor that remembers this op.
 
         Non-Tensor inputs (Python numbers, arrays) become constants of the first tensor
-        input's dtype, so float32 models stay float32. With a 16-bit input the output gets the
-        dtype the op's precision rule gives (NumPy's bfloat16 matmul, say, returns float32).
+        input's dtype, so float32 models stay float32 (a number next to a 16-bit tensor stays
+        float32). With a 16-bit input the output gets the dtype the op's precision rule gives
+        (NumPy's bfloat16 matmul, say, returns float32).
         """
         from .tensor import Tensor
 

@@ -131,8 +131,10 @@ def like(grad, dtype):
 
 
 def matmul(a, b, keep_float32: bool = False):
-    """``a @ b``; with a 16-bit operand, float32 accumulation rounded once to the compute dtype
-    (or kept in float32 with ``keep_float32``, for a softmax that follows)."""
+    """``a @ b``; with a 16-bit operand, float32 accumulation rounded once to the compute dtype, or
+    returned as float32 with ``keep_float32`` (for a softmax or a bias that follows). On NumPy the
+    operands are upcast for float32 BLAS; on CuPy cuBLAS multiplies float16 with float32
+    accumulation and ``keep_float32`` upcasts its float16 result."""
     low = compute_dtype((a, b))
     if low is None:
         return a @ b

@@ -36,9 +36,12 @@ class Tensor:
             return Tensor(np.asarray(value))
         xp = like.xp
         array = xp.asarray(value)
-        floating = like.dtype.kind in "fc"  # an integer tensor times 0.5 must not truncate 0.5 to 0
+        floating = like.dtype.kind in "fc" or precision.is_low(like.dtype)  # int tensor * 0.5 must not truncate 0.5
         if floating and (array.dtype.kind in "fc" or array.dtype.kind in "iub" and np.ndim(value) == 0):
-            array = array.astype(like.dtype, copy=False)
+            # A number next to a 16-bit tensor stays float32 (the op rounds its result once, as a GPU's
+            # float32 "opmath" does); arrays take the tensor's dtype.
+            dtype = precision.accumulation_dtype(like.dtype) if np.ndim(value) == 0 else like.dtype
+            array = array.astype(dtype, copy=False)
         return Tensor(array)
 
     # ----- array facts --------------------------------------------------------------

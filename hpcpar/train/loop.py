@@ -254,6 +254,8 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
                      "step_s": step_s, "compute_s": stats.get("compute_s", 0.0),
                      "comm_s": stats.get("comm_s", 0.0) + exchange_s,
                      "idle_s": stats.get("idle_s", 0.0), "peak_mem_mb": memory, "time": time.time()}
+            if run.amp is not None:  # steps skipped for a non-finite loss or gradient (the same on every rank)
+                entry["skipped_steps"] = run.amp.skipped_steps
             logger.record(entry)
             logger.progress(step, f"step {step:>5}/{job.train.steps}  loss {loss_mean:.4f}  lr {lr:.2e}  "
                                   f"{entry['tokens_per_s']:,.0f} {unit}/s  step {1e3 * step_s:.0f} ms = compute "

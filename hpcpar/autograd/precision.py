@@ -144,6 +144,12 @@ def matmul(a, b, keep_float32: bool = False):
     return out.astype(_FLOAT32 if keep_float32 else low, copy=False)
 
 
+def gemm_operand(x):
+    """``x`` as the operand of several ``matmul`` calls: upcast once on NumPy (which would upcast it
+    for each), unchanged elsewhere (CuPy multiplies float16 itself)."""
+    return upcast(x) if get_array_module(x) is np else x
+
+
 def sum(x, axis=None, keepdims=False):  # noqa: A001 - the reduction of the policy, like ndarray.sum
     """``x.sum(axis)`` accumulated in float32 when ``x`` is 16-bit; the result in the accumulation dtype."""
     if is_low(x.dtype):

@@ -252,7 +252,7 @@ class Linear(Function):
         return out.reshape(x.shape[:-1] + (weight.shape[1],))  # (N, out) -> (..., out)
 
     def backward(self, grad):
-        g2 = grad.reshape(-1, grad.shape[-1])  # (..., out) -> (N, out)
+        g2 = precision.gemm_operand(grad.reshape(-1, grad.shape[-1]))  # (..., out) -> (N, out)
         grad_x = precision.matmul(g2, self.weight.T).reshape(self.x_shape) if wants_grad(self, 0) else None
         grad_w = precision.matmul(self.x2.T, g2) if wants_grad(self, 1) else None
         if not self.has_bias:
@@ -294,6 +294,7 @@ class Attention(Function):
 
     def backward(self, grad):
         probs, keep = self.probs, self.keep
+        grad = precision.gemm_operand(grad)  # used by two products and a sum
         weights = probs if keep is None else (precision.upcast(probs) * keep).astype(probs.dtype, copy=False)
         grad_v = precision.matmul(weights.swapaxes(-1, -2), grad)
         d_scores = precision.matmul(grad, self.v.swapaxes(-1, -2), keep_float32=True)  # d weights, (B, H, T, T)

@@ -129,6 +129,9 @@ def test_checkpoints_keep_weight_decay_groups_and_a_resume_cannot_change_them(tm
         scalars = json.load(f)["scalars"]
     assert scalars["weight_decay/blocks.0.ln_1.weight"] == 0.0 and scalars["weight_decay/embed.wte.weight"] == 0.0
     assert scalars["weight_decay/blocks.1.mlp.fc.weight"] == 0.01
+    inspect = subprocess.run([sys.executable, "-m", "hpcpar", "ckpt", "inspect", str(tmp_path / "ckpt")],
+                             capture_output=True, text=True, timeout=120)
+    assert "weight_decay 0.01: 8 parameter(s)" in inspect.stdout, inspect.stdout  # 2 blocks x 4 matrices
     changed = train(job, tmp_path, token_file, *common, "train.steps=3", "optimizer.no_decay=[]", timeout=60)
     assert changed.returncode != 0 and "Traceback" not in changed.stderr
     assert "optimizer.no_decay: the checkpoint in" in changed.stderr and "another weight decay for" in changed.stderr

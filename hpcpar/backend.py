@@ -1,7 +1,7 @@
 """Array backend: NumPy on CPUs, CuPy on GPUs, chosen once per process.
 
 Everything in hpcpar reaches the array library through ``xp = get_array_module(x)``
-(principle 2 of DESIGN.md), so one code path serves both. ``import cupy`` is guarded:
+(docs/architecture.md), so one code path serves both. ``import cupy`` is guarded:
 on a machine without CuPy (or without a working CUDA driver) everything still imports
 and runs on NumPy.
 """

@@ -27,9 +27,11 @@ from dataclasses import replace
 import numpy as np
 from mpi4py import MPI
 
-from .bench.timing import format_table, traced_peak
+from .bench.step import traced_peak
+from .tables import format_table
 from .dist.comm import Communicator
 from .dist.context import init
+from .parallel.pipeline.schedules import interleaved_fit
 from .train.build import build
 from .train.config import JobError, load_job
 from .train.validate import validate
@@ -58,7 +60,7 @@ def layout_job(job, layout, steps: int, precision: str | None = None):
     parallel = replace(job.parallel, dp=dp, pp=pp, tp=tp, micro_batches=micro,
                        schedule=job.parallel.schedule if pp > 1 else "1f1b", chunks=1 if pp == 1 else job.parallel.chunks,
                        sequence_parallel=job.parallel.sequence_parallel and tp > 1)  # nothing to split at tp = 1
-    if parallel.schedule == "interleaved" and (micro % pp or pp * parallel.chunks > job.num_layers):
+    if parallel.schedule == "interleaved" and (interleaved_fit(pp, micro) is not None or pp * parallel.chunks > job.num_layers):
         parallel = replace(parallel, schedule="1f1b", chunks=1)
     train = replace(job.train, steps=steps + 2, eval_interval=0, sample_tokens=0,
                     precision=precision or job.train.precision)
@@ -70,6 +72,7 @@ def measure(job, comm, steps: int) -> dict:
     p = job.parallel
     ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, comm=comm, device=job.train.device)
     run = build(job, ctx)
+    strategy = run.strategy
     times, comm_s, idle_s = [], [], []
     ctx.reset_stats()
     for step in range(steps + 2):
@@ -78,23 +81,20 @@ def measure(job, comm, steps: int) -> dict:
         inputs, targets = run.train_data.batch_at(step)
         ctx.world.barrier()
         start = time.perf_counter()
-        optimizer_step(run, run.engine.train_step(inputs, targets))
+        loss = strategy.train_step(inputs, targets)
+        strategy.finish_step(job.optimizer.grad_clip, loss)
         elapsed = ctx.world.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX)
         if step >= 2:
             times.append(elapsed)
-            comm_s.append(run.engine.stats.get("comm_s", 0.0))
-            idle_s.append(run.engine.stats.get("idle_s", 0.0))
+            comm_s.append(strategy.stats.get("comm_s", 0.0))
+            idle_s.append(strategy.stats.get("idle_s", 0.0))
     traffic = sum(c.stats.total_bytes for c in ctx.communicators().values() if c.size > 1)  # size 1: local copies
     inputs, targets = run.train_data.batch_at(0)
-    activation_peak = traced_peak(lambda: run.engine.train_step(inputs, targets))
-    run.optimizer.zero_grad()
-    for _, param in run.engine.named_parameters():  # the model's own grads (distinct from masters under amp)
-        param.grad = None
-    state = run.optimizer.state_bytes() if hasattr(run.optimizer, "state_bytes") else sum(
-        v.nbytes for s in run.optimizer.state.values() for v in s.values() if hasattr(v, "nbytes"))
-    params = sum(q.data.nbytes for _, q in run.engine.named_parameters())
-    if run.amp is not None:  # the float32 masters beside the 16-bit parameters
-        params += sum(q.data.nbytes for q in run.amp.master_parameters())
+    losses = []
+    activation_peak = traced_peak(lambda: losses.append(strategy.train_step(inputs, targets)))
+    strategy.finish_step(0.0, losses[0])
+    state = strategy.optimizer_state_bytes()  # with the float32 masters under mixed precision
+    params = sum(q.data.nbytes for _, q in strategy.named_parameters())
     step_s = statistics.median(times)
     gather = lambda value, op=MPI.MAX: ctx.world.mpi.allreduce(value, op=op)  # noqa: E731
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
@@ -105,16 +105,6 @@ def measure(job, comm, steps: int) -> dict:
             "param_state_mb_per_rank": gather(params + state) / 2**20,
             "activation_peak_mb_per_rank": gather(activation_peak) / 2**20,
             "bytes_per_step": gather(traffic / steps, MPI.SUM)}
-
-
-def optimizer_step(run, loss: float) -> None:
-    """The step after ``engine.train_step``; under mixed precision through the float32 masters."""
-    if run.amp is not None:
-        run.amp.step(run.optimizer, loss=loss,
-                     allreduce_max=lambda v: float(run.ctx.world.allreduce(np.array([v]), "max")[0]))
-    else:
-        run.optimizer.step()
-    run.optimizer.zero_grad()
 
 
 def main(argv: list[str]) -> int:

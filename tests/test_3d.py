@@ -10,11 +10,11 @@ from mpi4py import MPI
 
 import hpcpar
 from hpcpar import checkpoint
-from hpcpar.checkpoint.pieces import global_slab, slab_slices
+from hpcpar.state import global_slab, slab_slices
 from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.optim import AdamW, clip_grad_norm
 from hpcpar.parallel.pipeline import PipelineParallel
-from hpcpar.parallel.tensor import clip_grad_norm_parallel, counts_toward_norm, sum_over_model_parallel
+from hpcpar.parallel.grad_norm import clip_grad_norm_parallel, counts_toward_norm, sum_over_model_parallel
 from hpcpar.parallel.zero import ZeroRedundancyOptimizer
 
 CONFIG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=4, n_embd=16, seed=21)

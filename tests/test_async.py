@@ -20,8 +20,9 @@ from dp_reference import CONFIG, make_model, max_difference
 from hpcpar.optim import SGD, AdamW
 from hpcpar.parallel import DistributedDataParallel
 from hpcpar.parallel.local_sgd import LocalSGD
-from hpcpar.parallel.modes import make_mode, mode_options
 from hpcpar.parallel.ps import ParameterServer, shard_ranges
+from hpcpar.train.config import ParallelSection, load_job
+from hpcpar.train.strategies import STRATEGIES, make_strategy
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 workers
 STEPS = 3
@@ -96,16 +97,11 @@ def test_parameter_server_needs_a_worker():
         ParameterServer(make_model().named_parameters(), ctx, AdamW, servers=1)
 
 
-def test_unknown_mode_is_named():
-    with pytest.raises(ValueError, match="parallel.mode must be one of"):
-        make_mode("gossip", make_model(), hpcpar.dist.single_process(), AdamW)
+def test_every_mode_of_the_job_schema_has_a_strategy():
+    from dataclasses import fields
 
-
-def test_mode_options_reads_the_parallel_section():
-    from hpcpar.train.config import ParallelSection
-
-    assert mode_options(ParallelSection()) == {"staleness": 0, "servers": 1, "local_steps": 4,
-                                               "average_optimizer_state": False, "bucket_mb": 25.0, "overlap": True}
+    modes = next(f for f in fields(ParallelSection) if f.name == "mode").metadata["choices"]
+    assert set(modes) <= set(STRATEGIES)
 
 
 PS_SCRIPT = """
@@ -339,27 +335,28 @@ def test_local_sgd_averages_every_h_steps_and_at_shutdown():
 
 
 # ----------------------------------------------------------------------------------------
-# the uniform mode interface
+# the uniform Strategy interface
 # ----------------------------------------------------------------------------------------
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mode", ["allreduce", "ps", "local_sgd"])
-def test_every_mode_through_make_mode(mode):
+def test_every_strategy_equals_one_process(mode):
     ctx = hpcpar.init(device="cpu")
     workers = ctx.world_size - 1 if mode == "ps" else ctx.world_size
     if GLOBAL_BATCH % workers:
         pytest.skip(f"the global batch {GLOBAL_BATCH} does not split over {workers} workers")
     model = make_model()
-    trainer = make_mode(mode, model, ctx, SGD, {"lr": 0.1}, staleness=0, servers=1, local_steps=1)
-    assert trainer.is_worker == (mode != "ps" or ctx.rank < workers)
-    trainer.serve()
-    if trainer.is_worker:
-        assert trainer.ctx.dp_size == workers and trainer.optimizer.lr == 0.1
-        for step in range(STEPS):
-            model.loss(*local_batch(step, trainer.ctx)).backward()
-            trainer.after_backward()
-            assert all(p.grad is None for p in model.parameters())
-    else:
-        assert trainer.ctx is None
-    trainer.shutdown()
-    if trainer.is_worker:
-        assert max_difference(parameters(model), train_serial(SGD_PLAIN)) <= 1e-10
+    keys = [f"parallel.mode={mode}", "optimizer.name=sgd", "optimizer.lr=0.1"]
+    strategy = make_strategy(load_job(None, keys + (["parallel.local_steps=1"] if mode == "local_sgd" else [])),
+                             ctx, model, data=None)
+    assert strategy.trains == (mode != "ps" or ctx.rank < workers)
+    if not strategy.trains:
+        assert strategy.ctx is None
+        strategy.serve(save_step=None)
+        return
+    assert strategy.ctx.dp_size == workers and strategy.optimizer.lr == 0.1
+    for step in range(STEPS):
+        loss = strategy.train_step(*local_batch(step, strategy.ctx))
+        strategy.finish_step(0.0, loss)
+        assert all(p.grad is None for p in model.parameters())
+    strategy.shutdown()
+    assert max_difference(parameters(model), train_serial(SGD_PLAIN)) <= 1e-10

@@ -157,7 +157,7 @@ def test_unused_parameters_contribute_zeros_instead_of_hanging():
 def test_evaluation_counts_every_sample_once_and_equals_one_process():
     """Uneven shards, no padded duplicates: the reduced metric is the single-process mean."""
     from hpcpar.autograd import no_grad
-    from hpcpar.parallel import DistributedSampler, reduce_metric
+    from hpcpar.data.sampler import DistributedSampler, reduce_metric
 
     ctx = hpcpar.init(device="cpu")
     model = make_model()

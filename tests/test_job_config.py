@@ -270,3 +270,15 @@ def test_no_decay_patterns_default_to_biases_norms_and_embeddings(tmp_path):
                                                                world_size=2)
     # the defaults need not all match (a model without biases): only patterns the job gives are checked
     validate(load_job(path, ["model.bias=false"]), 2)
+
+
+def test_the_old_schedule_section_is_read_with_a_notice(tmp_path):
+    path = tmp_path / "old.toml"
+    path.write_text("[schedule]\nwarmup_steps = 7\n")
+    job = load_job(str(path), ["schedule.min_lr=0.0001"])
+    assert job.lr_schedule.warmup_steps == 7 and job.lr_schedule.min_lr == 1e-4
+    assert any("[schedule] is deprecated" in n and "[lr_schedule]" in n for n in job.notices)
+    assert any("--set lr_schedule.min_lr" in n for n in job.notices)
+    path.write_text("[schedule]\nwarmup_steps = 7\n[lr_schedule]\nmin_lr = 0.0\n")
+    with pytest.raises(JobError, match=r"\[schedule\]: is the old name of \[lr_schedule\]"):
+        load_job(str(path))

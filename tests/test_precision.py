@@ -226,7 +226,7 @@ def _function_classes(cls=Function):
 
 
 def test_every_op_of_hpcpar_names_its_rule_in_the_policy():
-    import hpcpar.parallel.tensor  # noqa: F401 - its ops too
+    import hpcpar.nn.tensor_parallel  # noqa: F401 - its ops too
     from hpcpar.autograd import precision
 
     mine = [cls for cls in _function_classes() if cls.__module__.startswith("hpcpar.")]

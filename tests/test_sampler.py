@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from hpcpar.parallel import DistributedSampler
+from hpcpar.data.sampler import DistributedSampler
 
 
 @pytest.mark.parametrize("n, replicas", [(20, 4), (23, 4), (7, 2), (5, 1), (3, 4)])

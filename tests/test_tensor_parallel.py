@@ -4,11 +4,13 @@ import pytest
 
 import hpcpar
 from hpcpar.autograd import Tensor
-from hpcpar.checkpoint.pieces import global_slab, slab_slices
+from hpcpar.state import global_slab, slab_slices
 from hpcpar.nn import init
 from hpcpar.nn.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
-from hpcpar.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                    scatter_to_tp, sync_sequence_parallel_grads, vocab_parallel_cross_entropy)
+from hpcpar.autograd.ops.mappings import scatter_to_tp
+from hpcpar.nn.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                       vocab_parallel_cross_entropy)
+from hpcpar.parallel.sequence import sync_sequence_parallel_grads
 
 pytestmark = pytest.mark.mpi(min_size=2)
 CONFIG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=4, n_embd=16, seed=11)

@@ -11,12 +11,13 @@ Bus bandwidth = bytes x 2(n-1)/n / time (the OSU/NCCL-tests convention).
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import numpy as np
 
 from ..dist.context import init
 from .. import native
-from .timing import format_table, human_bytes, median
+from ..tables import format_table, human_bytes
 
 
 def sizes(max_bytes: int, min_bytes: int = 8) -> list[int]:
@@ -86,7 +87,7 @@ def main(argv: list[str]) -> None:
         for _ in range(args.rounds):
             c_times.append(native.time_raw_allreduce(comm.mpi, buf.nbytes, warmup, iters))
             py_times.append(time_hpcpar(comm, buf, warmup, iters))
-        c_s, py_s = median(c_times), median(py_times)
+        c_s, py_s = statistics.median(c_times), statistics.median(py_times)
         rows.append([human_bytes(buf.nbytes), c_s * 1e6, py_s * 1e6, py_s / c_s,
                      bus_bandwidth(buf.nbytes, c_s, comm.size), bus_bandwidth(buf.nbytes, py_s, comm.size)])
     if ctx.rank == 0:

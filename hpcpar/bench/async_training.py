@@ -42,10 +42,10 @@ from ..autograd import no_grad
 from ..data.corpus import batch_windows, stdlib_corpus
 from ..dist.context import init
 from ..nn.gpt import GPT, GPTConfig
-from ..optim import AdamW
-from ..parallel.modes import make_mode
+from ..tables import format_table
+from ..train.config import load_job
+from ..train.strategies import make_strategy
 from .step import limit_blas_threads
-from .timing import format_table
 
 BENCH_CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128)
 HELD_OUT_WINDOWS = 32
@@ -64,6 +64,13 @@ def mode_specs(servers: int) -> list[dict]:
     ]
 
 
+def bench_job(spec: dict, args):
+    """The job of one row: its strategy's keys; AdamW as ``AdamW(lr=args.lr)`` makes it."""
+    keys = [f"parallel.mode={spec['mode']}", f"optimizer.lr={args.lr}", "optimizer.weight_decay=0.01"]
+    keys += [f"parallel.{key}={spec[key]}" for key in ("staleness", "servers", "local_steps") if key in spec]
+    return load_job(None, keys)
+
+
 def run_mode(spec: dict, world_ctx, args, train_tokens, held_out) -> dict | None:
     """Train with one mode on every rank; rank 0 returns the row's numbers."""
     world = world_ctx.world
@@ -76,33 +83,29 @@ def run_mode(spec: dict, world_ctx, args, train_tokens, held_out) -> dict | None
         ctx = init(comm=group, device="cpu", wait_policy=world.wait_policy) if member else None
 
     model = GPT(BENCH_CONFIG, dtype=np.float32)
-    mode = None
-    if member:
-        mode = make_mode(spec["mode"], model, ctx, AdamW, {"lr": args.lr}, staleness=spec.get("staleness", 0),
-                         servers=spec.get("servers", 1), local_steps=spec.get("local_steps", 1))
+    strategy = make_strategy(bench_job(spec, args), ctx, model, data=None) if member else None
     world.barrier()
     start = time.perf_counter()
     losses, compute = [], 0.0
-    if mode is not None:
-        mode.serve()
-        if mode.is_worker:
-            for step in range(args.steps):
-                begin, begin_cpu = time.perf_counter(), time.process_time()
-                rng = np.random.default_rng([args.seed, step, mode.ctx.dp_rank])
-                starts = rng.integers(0, len(train_tokens) - BENCH_CONFIG.block_size - 1, args.batch)
-                loss = model.loss(*batch_windows(train_tokens, starts, BENCH_CONFIG.block_size))
-                loss.backward()
-                slow = (mode.ctx.dp_rank == (args.slow_rank + step) % mode.ctx.dp_size if args.rotate
-                        else world.rank == args.slow_rank)
-                if slow and args.slow_rank >= 0:
-                    time.sleep((args.slow_factor - 1) * (time.process_time() - begin_cpu))
-                compute += time.perf_counter() - begin
-                mode.after_backward()
-                losses.append(loss.item())
-        mode.shutdown()
+    if strategy is not None and not strategy.trains:
+        strategy.serve(save_step=None)
+    elif strategy is not None:
+        for step in range(args.steps):
+            begin, begin_cpu = time.perf_counter(), time.process_time()
+            rng = np.random.default_rng([args.seed, step, strategy.ctx.dp_rank])
+            starts = rng.integers(0, len(train_tokens) - BENCH_CONFIG.block_size - 1, args.batch)
+            loss = strategy.train_step(*batch_windows(train_tokens, starts, BENCH_CONFIG.block_size))
+            slow = (strategy.ctx.dp_rank == (args.slow_rank + step) % strategy.ctx.dp_size if args.rotate
+                    else world.rank == args.slow_rank)
+            if slow and args.slow_rank >= 0:
+                time.sleep((args.slow_factor - 1) * (time.process_time() - begin_cpu))
+            compute += time.perf_counter() - begin
+            strategy.finish_step(0.0, loss)
+            losses.append(loss)
+        strategy.shutdown()
     elapsed = time.perf_counter() - start
-    is_worker = mode is not None and mode.is_worker
-    ps = getattr(mode, "ps", None)
+    is_worker = strategy is not None and strategy.trains
+    ps = getattr(strategy, "ps", None)
     mine = {"elapsed": elapsed, "worker": is_worker, "tail": float(np.mean(losses[-TAIL_STEPS:])) if losses else None,
             "busy": compute / elapsed, "staleness": ps.max_staleness if ps else 0, "lead": ps.max_lead if ps else 0}
     everyone = world.allgather_object(mine)

@@ -22,6 +22,7 @@ The files go to a fresh folder under ``--dir`` (default: the system temp folder)
 from __future__ import annotations
 
 import argparse
+import statistics
 from dataclasses import replace
 import os
 import shutil
@@ -38,7 +39,7 @@ from ..nn.gpt import GPT
 from ..optim import AdamW
 from ..parallel.zero import ZeroRedundancyOptimizer
 from .dp import BENCH_CONFIG
-from .timing import format_table, human_bytes, median
+from ..tables import format_table, human_bytes
 
 
 def build(ctx, zero: bool, device: str, config=BENCH_CONFIG):
@@ -108,7 +109,7 @@ def measure(ctx, folder: str, repeats: int, zero: bool, device: str, config=BENC
         if ctx.rank == 0 and repeat:  # outside the timings: keep one step on disk
             shutil.rmtree(os.path.join(root, step_dirname(repeat - 1)))
     shard_bytes = comm.allgather(written)
-    return {name: median(values) for name, values in times.items()} | {
+    return {name: statistics.median(values) for name, values in times.items()} | {
         "shard_bytes": shard_bytes, "held_bytes": comm.allgather(held),
         "folder_bytes": sum(e.stat().st_size for e in os.scandir(step_dir) if e.is_file())}
 

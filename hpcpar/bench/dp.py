@@ -16,6 +16,7 @@ wait at a barrier) each rank trains the GPT of ``hpcpar bench step`` on its own 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
@@ -26,7 +27,7 @@ from ..dist.context import init
 from ..nn.gpt import GPT, GPTConfig
 from ..optim import AdamW
 from ..parallel import DistributedDataParallel
-from .timing import format_table, median
+from ..tables import format_table
 
 BENCH_CONFIG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
 
@@ -69,6 +70,7 @@ def measure(ctx, batch: int, steps: int, bucket_mb: float, overlap: bool, seed: 
             sync_times.append(sync)
             if not overlap:
                 raw_times.append(raw)
+    median = statistics.median
     return {"step": median(step_times), "sync": median(sync_times), "raw": median(raw_times) if raw_times else None,
             "bytes": nbytes, "buckets": len(ddp.buckets)}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from dataclasses import replace
 
 import numpy as np
@@ -24,7 +25,7 @@ from ..dist.context import init
 from ..nn.gpt import GPT
 from ..parallel.pipeline import PipelineParallel
 from .dp import BENCH_CONFIG
-from .timing import format_table, median
+from ..tables import format_table
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1))
 
@@ -45,7 +46,7 @@ def run_case(ctx, schedule, chunks, m, batch, steps, sample, config=BENCH_CONFIG
         pipe.zero_grad()
         if step:
             records.append(pipe.stats)
-    pick = lambda key: median([r[key] for r in records])  # noqa: E731
+    pick = lambda key: statistics.median([r[key] for r in records])  # noqa: E731
     step_s = ctx.pp.mpi.allreduce(pick("step_s"), op=MPI.MAX)
     bubble = ctx.pp.mpi.allreduce(pick("idle_s"), op=MPI.SUM) / ctx.pp_size / step_s
     comm = ctx.pp.mpi.allreduce(pick("comm_s"), op=MPI.SUM) / ctx.pp_size / step_s

@@ -16,9 +16,10 @@ of each: the tracemalloc peak of the NumPy allocations of one forward and backwa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
+import contextlib
 import pstats
+import statistics
 import time
 
 import numpy as np
@@ -26,7 +27,7 @@ import numpy as np
 from ..autograd import Function
 from ..nn.gpt import GPT, GPTConfig
 from ..optim import AdamW, DynamicLossScaler, MixedPrecision, precision_dtype
-from .timing import format_table, median, traced_peak
+from ..tables import format_table
 
 BENCH_CONFIG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, dropout=0.0, seed=0)
 
@@ -56,7 +57,7 @@ def _time_interleaved(steps_by_name: dict, steps: int, warmup: int) -> dict:
             step()
             times[name][0].append(time.perf_counter() - wall)
             times[name][1].append(time.process_time() - cpu)
-    return {name: (median(wall), median(cpu)) for name, (wall, cpu) in times.items()}
+    return {name: (statistics.median(wall), statistics.median(cpu)) for name, (wall, cpu) in times.items()}
 
 
 def _batches(config: GPTConfig, batch_size: int, seed: int = 0):
@@ -93,6 +94,18 @@ def hpcpar_step(config: GPTConfig, batch_size: int, precision: str = "fp32", pha
             amp.step(optimizer, loss=loss)
 
     return step
+
+
+def traced_peak(fn) -> int:
+    """Peak bytes of NumPy (and other traced) allocations made while ``fn()`` runs (tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 def activation_peak(config: GPTConfig, batch_size: int, precision: str) -> int:

@@ -20,10 +20,10 @@ import time
 
 import h5py
 
-from ..bench.timing import format_table, human_bytes
+from ..tables import format_table, human_bytes
 from .manifest import (INDEX, LATEST, MANIFEST, CheckpointError, latest_step, list_steps,
                        read_manifest, resolve_step_dir, step_dirname, verify_files)
-from .pieces import saved_weight_decays
+from ..state import saved_weight_decays
 
 TMP_PATTERN = re.compile(r"^step-(\d{8})\.tmp$")
 EXPORT_BLOCK_BYTES = 64 << 20  # export copies big tensors in row blocks of about this size

@@ -1,10 +1,22 @@
 """Loading a checkpoint into any layout: each rank reads exactly the slabs it now holds.
 
+The objects being loaded say what they need through the checkpoint protocol (``hpcpar.state``):
+a ``LoadPlan`` of reads (key, global shape, slab) and what to do once all are in. A load is a
+transaction over all ranks:
+
+1. every file is checked against the manifest (presence, size, CRC-32; the ranks share the
+   work): a missing shard would otherwise read silently as fill values;
+2. every rank checks every read of its plans against the manifest (the tensor exists, its
+   global shape matches) and, with ``strict``, that every model tensor lands on some rank;
+3. every rank reads its slabs into host memory;
+4. only when every rank got this far are the values assigned and the plans finished.
+
+Any failure before step 4 raises the same ``CheckpointError`` on every rank and leaves the
+model, the optimizer and every ``extra`` exactly as they were.
+
 Reads go through ``index.h5``'s virtual datasets, so a rank that now holds rows 0..511 of a
 tensor written as four column shards reads just that hyperslab and HDF5 stitches it; a slab
-that is exactly a written piece (the same layout again) is read from its shard directly. Before
-anything is read, every file is checked against the manifest (presence, size, CRC-32; the
-ranks share the work): a missing shard would otherwise read silently as fill values.
+that is exactly a written piece (the same layout again) is read from its shard directly.
 """
 from __future__ import annotations
 
@@ -13,9 +25,8 @@ import os
 import h5py
 import numpy as np
 
-from ..backend import to_device
+from ..state import Saved, checkpointable, slab_slices
 from .manifest import INDEX, CheckpointError, list_steps, read_manifest, resolve_step_dir, step_dirname, verify_files
-from .pieces import global_slab, saved_weight_decays, slab_slices, zero_param_slabs
 
 
 def verify_collectively(step_dir: str, manifest: dict, comm) -> None:
@@ -27,6 +38,15 @@ def verify_collectively(step_dir: str, manifest: dict, comm) -> None:
         raise CheckpointError("damaged checkpoint: " + "; ".join(problems))
 
 
+def agree(comm, problems: list[str], what: str) -> None:
+    """Raise on every rank when any rank found a problem (each named with its rank)."""
+    everyone = comm.allgather(problems)
+    found = [f"rank {rank}: {p}" for rank, mine in enumerate(everyone) for p in mine]
+    if found:
+        shown = "; ".join(found[:6]) + (f"; ... ({len(found) - 6} more)" if len(found) > 6 else "")
+        raise CheckpointError(f"{what}: {shown}")
+
+
 class _Source:
     """Where tensors are read from: a piece's own dataset in its shard file when this rank's
     slab is exactly a piece that was written (loading into the layout that saved), the index's
@@ -36,13 +56,8 @@ class _Source:
         self.step_dir, self.manifest, self.index = step_dir, manifest, index
         self.files: dict = {}
 
-    def read(self, key: str, shape: tuple, slab, what: str):
-        table = self.manifest["tensors"].get(key)
-        if table is None:
-            raise CheckpointError(f"{what}: the checkpoint has no tensor {key!r}")
-        if tuple(table["shape"]) != tuple(shape):
-            raise CheckpointError(f"{what}: {key} has global shape {tuple(table['shape'])} in the checkpoint "
-                                  f"but {tuple(shape)} here")
+    def read(self, key: str, slab):
+        table = self.manifest["tensors"][key]
         wanted = [list(map(int, bounds)) for bounds in slab]
         for piece in table["pieces"]:
             if piece["slab"] == wanted:  # the same piece: skip the virtual-dataset mapping
@@ -70,60 +85,23 @@ class _Source:
             f.close()
 
 
-def _load_model(source, named, what):
-    for name, param in named:
-        shape, slab = global_slab(param)
-        param.data[...] = to_device(source.read(f"model/{name}", shape, slab, what), param.xp)
+def check_reads(reads, manifest: dict) -> list[str]:
+    """What does not fit: a tensor the checkpoint lacks, or one of another global shape."""
+    problems = []
+    for read in reads:
+        table = manifest["tensors"].get(read.key)
+        if table is None:
+            problems.append(f"the checkpoint has no tensor {read.key!r}")
+        elif tuple(table["shape"]) != tuple(read.global_shape):
+            problems.append(f"{read.key} has global shape {tuple(table['shape'])} in the checkpoint but "
+                            f"{tuple(read.global_shape)} here")
+    return problems
 
 
-def _state_keys(manifest, name) -> list[str]:
-    prefix = f"optim/{name}/"
-    return sorted({k[len(prefix):] for k in list(manifest["tensors"]) + list(manifest["scalars"]) if k.startswith(prefix)})
-
-
-def _load_optimizer(source, optimizer, named, what):
-    from ..parallel.zero import ZeroRedundancyOptimizer
-
-    manifest = source.manifest
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.optimizer.state["shard"] = _load_flat_state(source, list(zero_param_slabs(optimizer)),
-                                                              optimizer.shard, what)
-        return
-    if hasattr(optimizer, "flat_range_slabs"):  # a parameter server: each server loads its range's state
-        slabs = optimizer.flat_range_slabs()
-        if slabs is not None:
-            optimizer.optimizer.state["shard"] = _load_flat_state(source, slabs, optimizer.shard, what)
-        return
-    params = dict(named)
-    for name, param in zip(optimizer.names, optimizer.params):
-        shape, slab = global_slab(params.get(name, param))
-        state = {}
-        for key in _state_keys(manifest, name):
-            full = f"optim/{name}/{key}"
-            if full in manifest["scalars"]:
-                state[key] = int(manifest["scalars"][full])
-            else:
-                state[key] = to_device(source.read(full, shape, slab, what), param.xp).astype(param.dtype)
-        optimizer.state[name] = state
-
-
-def _load_flat_state(source, slabs: list, shard, what) -> dict:
-    """The state of an optimizer over a flat range (ZeRO-1's shard, a parameter server's range),
-    assembled from the per-parameter global tensors; ``slabs`` from ``range_param_slabs``."""
-    manifest = source.manifest
-    first_name = slabs[0][0]
-    state = {}
-    for key in _state_keys(manifest, first_name):
-        first = f"optim/{first_name}/{key}"
-        if first in manifest["scalars"]:
-            state[key] = int(manifest["scalars"][first])
-            continue
-        flat = np.zeros(shard.size, dtype=shard.dtype)
-        for name, _, shape, glob, local_shape, offset in slabs:
-            block = source.read(f"optim/{name}/{key}", shape, glob, what).reshape(-1)
-            flat[offset: offset + block.size] = block
-        state[key] = to_device(flat, shard.xp)
-    return state
+def unused_model_tensors(reads, manifest: dict, comm) -> list[str]:
+    """Model tensors of the checkpoint that no rank reads (strict loading refuses them)."""
+    loaded = set().union(*comm.allgather({r.key for r in reads if r.key.startswith("model/")}))
+    return sorted(k for k in manifest["tensors"] if k.startswith("model/") and k not in loaded)
 
 
 def _load_extra(manifest, extra, ctx) -> dict:
@@ -146,33 +124,41 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
          strict: bool = True) -> dict:
     """Load the checkpoint at ``path`` (a root: its ``latest``, or ``step``; or a step folder).
 
+    ``model`` and ``optimizer`` are Checkpointables (``hpcpar.state``: a Module, a pipeline, an
+    optimizer, ZeRO-1, a parameter server) or (name, parameter) pairs; ``optimizer`` may be None.
     Returns ``{"step", "step_dir", "layout", "extra"}`` (``extra``: the plain JSON values).
-    Collective over ``ctx.world``; every rank raises the same CheckpointError on damage.
+    Collective over ``ctx.world``; every rank raises the same CheckpointError, and then nothing
+    has changed.
     """
     comm = ctx.world.mpi
     step_dir = resolve_step_dir(path, step)
     manifest = read_manifest(step_dir)
-    verify_collectively(step_dir, manifest, comm)
-    named = list(model.named_parameters()) if hasattr(model, "named_parameters") else list(model)
     what = f"loading {step_dir}"
+    verify_collectively(step_dir, manifest, comm)
+    saved = Saved(manifest["tensors"], manifest["scalars"])
+    plan = checkpointable(model).load_plan(saved)
+    if optimizer is not None:
+        plan.extend(checkpointable(optimizer).load_plan(saved))
+    problems = check_reads(plan.reads, manifest)
+    unused = unused_model_tensors(plan.reads, manifest, comm) if strict else []
+    if unused and comm.Get_rank() == 0:
+        problems.append(f"tensors no rank of this model takes: {unused[:5]}{' ...' if len(unused) > 5 else ''} "
+                        f"(pass strict=False to ignore)")
+    agree(comm, problems, what)
+    values, problems = [], []
     with h5py.File(os.path.join(step_dir, INDEX), "r") as index:
         source = _Source(step_dir, manifest, index)
         try:
-            _load_model(source, named, what)
-            if optimizer is not None:
-                _load_optimizer(source, optimizer, named, what)
-                if hasattr(optimizer, "load_weight_decays"):  # the groups the run was trained with
-                    optimizer.load_weight_decays(saved_weight_decays(manifest["scalars"]))
+            values = [source.read(read.key, read.slab) for read in plan.reads]
+        except (OSError, ValueError, KeyError, CheckpointError) as error:
+            problems.append(f"{type(error).__name__}: {error}")
         finally:
             source.close()
-    if hasattr(optimizer, "refresh_shard"):
-        optimizer.refresh_shard()
-    if strict:  # every model tensor of the checkpoint must land on some rank
-        loaded = set().union(*comm.allgather({f"model/{n}" for n, _ in named}))
-        unused = sorted(k for k in manifest["tensors"] if k.startswith("model/") and k not in loaded)
-        if unused:
-            raise CheckpointError(f"{what}: tensors no rank of this model takes: {unused[:5]}"
-                                  f"{' ...' if len(unused) > 5 else ''} (pass strict=False to ignore)")
+    agree(comm, problems, what)
+    for read, value in zip(plan.reads, values):  # the point of no return: every rank has every value
+        read.assign(value)
+    for finish in plan.finish:
+        finish()
     values = _load_extra(manifest, extra, ctx)
     return {"step": manifest["step"], "step_dir": step_dir, "layout": manifest["layout"], "extra": values}
 

@@ -34,10 +34,10 @@ import h5py
 import numpy as np
 
 from ..backend import to_host
-from ..dist.comm import wait_politely
+from ..dist.waiting import wait_politely
 from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, SHARED_FILE, VERSION, CheckpointError, fsync_path,
                        list_steps, shard_filename, step_dirname, sync_and_checksum, write_json_atomically)
-from .pieces import model_pieces, optimizer_pieces, slab_slices, weight_decay_scalars
+from ..state import checkpointable, slab_slices
 
 
 def split_extra(extra: dict | None) -> tuple[dict, dict]:
@@ -54,10 +54,6 @@ def split_extra(extra: dict | None) -> tuple[dict, dict]:
     return shared, per_rank
 
 
-def _named(model):
-    return list(model.named_parameters()) if hasattr(model, "named_parameters") else list(model)
-
-
 class SaveJob:
     """One checkpoint: built on the calling thread, written by ``run`` (possibly on another)."""
 
@@ -68,14 +64,11 @@ class SaveJob:
                                   "built against parallel HDF5 (h5py.get_config().mpi is False here); the "
                                   "default file-per-rank layout works everywhere")
         self.collective = collective
-        if hasattr(optimizer, "checkpoint_pieces"):  # a parameter server: its servers hold both, workers nothing
-            pieces, self.scalars = optimizer.checkpoint_pieces()
-        else:
-            named = _named(model)
-            pieces = model_pieces(named)
-            opt_pieces, self.scalars = optimizer_pieces(optimizer, named)
+        pieces, self.scalars = checkpointable(model).checkpoint_pieces()
+        if optimizer is not None:
+            opt_pieces, opt_scalars = checkpointable(optimizer).checkpoint_pieces()
             pieces += opt_pieces
-        self.scalars.update(weight_decay_scalars(optimizer))  # the groups, by parameter name
+            self.scalars.update(opt_scalars)
         for piece in pieces:
             if piece.array.dtype.kind not in "fiub":
                 raise CheckpointError(f"{piece.key}: dtype {piece.array.dtype} cannot be stored in HDF5; "
@@ -329,7 +322,8 @@ atexit.register(wait)
 
 def save(root: str, step: int, model, optimizer, ctx, extra: dict | None = None, keep: int | None = None,
          asynchronous: bool = False, collective: bool = False):
-    """Write a checkpoint of ``model`` (a Module or (name, param) pairs) and ``optimizer``; collective.
+    """Write a checkpoint of ``model`` and ``optimizer`` (Checkpointables of ``hpcpar.state``, or
+    (name, param) pairs; ``optimizer`` may be None); collective over ``ctx.world``.
 
     Returns the committed step folder, or an ``AsyncSave`` whose ``wait()`` returns it.
     """

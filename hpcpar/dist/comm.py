@@ -22,12 +22,11 @@ from mpi4py import MPI
 
 from ..backend import get_array_module, is_gpu_array, synchronize, to_host
 from . import debug
+from .waiting import polite_pause, wait_politely
 from .watchdog import StallWatchdog, Waiting
 
 REDUCE_OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 WAIT_POLICIES = ("spin", "yield")
-_YIELD_SLEEP_S = 50e-6  # long enough to give the core away, short next to any real transfer
-_YIELD_EAGER_S = 2e-3  # first poll eagerly (yielding the core between polls): quick collectives stay quick
 
 
 # ----------------------------------------------------------------------------------------
@@ -57,7 +56,7 @@ def default_wait_policy(node_size: int) -> str:
     """``yield`` when more ranks than cores share the node, else ``spin``; ``HPCPAR_WAIT`` overrides.
 
     MPICH busy-polls inside blocking waits; oversubscribed, three spinning ranks halve the
-    fourth one's compute (measured in DESIGN.md), so waits must give the core away.
+    fourth one's compute (docs/architecture.md, measured facts), so waits must give the core away.
     """
     policy = os.environ.get("HPCPAR_WAIT")
     if policy is not None:
@@ -65,27 +64,6 @@ def default_wait_policy(node_size: int) -> str:
             raise ValueError(f"HPCPAR_WAIT must be one of {WAIT_POLICIES}, got {policy!r}")
         return policy
     return "yield" if node_size > (os.cpu_count() or 1) else "spin"
-
-
-def polite_pause(waited: float) -> None:
-    """Between two polls of a wait that has lasted ``waited`` seconds, give the core away.
-
-    A non-blocking collective advances only inside MPI calls, one algorithm stage per poll:
-    sleeping from the first poll on made an 8-byte all-reduce on 4 ranks cost ~450 us. So
-    poll eagerly for a moment, handing the core over between polls (sched_yield), and only
-    then sleep between polls.
-    """
-    if waited < _YIELD_EAGER_S:
-        os.sched_yield()
-    else:
-        time.sleep(_YIELD_SLEEP_S)
-
-
-def wait_politely(request) -> None:
-    """Complete an MPI request without spinning on a core another rank needs."""
-    start = time.perf_counter()
-    while not request.Test():
-        polite_pause(time.perf_counter() - start)
 
 
 # ----------------------------------------------------------------------------------------

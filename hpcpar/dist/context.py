@@ -101,6 +101,10 @@ class ParallelContext:
     def communicators(self) -> dict:
         return {"world": self.world, "dp": self.dp, "pp": self.pp, "tp": self.tp}
 
+    def comm_seconds(self) -> float:
+        """Seconds spent in communication so far, on all of this rank's communicators."""
+        return sum(comm.stats.total_seconds for comm in self.communicators().values())
+
     def reset_stats(self) -> None:
         for comm in self.communicators().values():
             comm.stats.reset()

@@ -13,12 +13,11 @@ import numpy as np
 
 from ..autograd import Tensor, no_grad
 from ..autograd import ops
+from ..autograd.ops import mappings
 from ..backend import array_module, resolve_device, to_device, to_host
-from . import init
+from . import init, tensor_parallel
 from .layers import Dropout, Embedding, HeadDropout, LayerNorm, Linear
 from .module import Module, ModuleList
-# The module, not its names: hpcpar.parallel.tensor builds on hpcpar.nn, which exports this GPT.
-from ..parallel import tensor as tensor_parallel
 
 
 @dataclass
@@ -69,7 +68,7 @@ class GPTEmbedding(Module):
             raise ValueError(f"sequence length {T} exceeds the context block_size {self.block_size}")
         tokens = self.wte(ids)  # (B, T, C), or (B, T/tp, C) with sequence parallelism
         shards = self.wte.comm if self.wte.sequence_parallel else None  # positions of this rank's slice
-        positions = self.wpe.weight.xp.arange(*tensor_parallel.sequence_range(tokens.shape[1], shards))
+        positions = self.wpe.weight.xp.arange(*mappings.sequence_range(tokens.shape[1], shards))
         return self.drop(tokens + self.wpe(positions))  # (B, T', C) + (T', C)
 
 
@@ -84,7 +83,7 @@ class CausalSelfAttention(Module):
 
     def __init__(self, config: GPTConfig, dtype, xp, tp=None):
         super().__init__()
-        start, stop = tensor_parallel.shard_range(config.n_head, tp, "n_head")
+        start, stop = mappings.shard_range(config.n_head, tp, "n_head")
         self.local_heads = stop - start
         self.attn_drop = HeadDropout(config.attn_dropout, range(start, stop))
         self.head_size = config.n_embd // config.n_head
@@ -154,7 +153,7 @@ class GPTHead(Module):
     def forward(self, x):
         x = self.ln_f(x)
         if self.tied:  # (B, T, C) @ (C, V/tp), the sequence gathered first under sequence parallelism
-            x = tensor_parallel.enter_tp(x, self.tp, self.sequence_parallel)
+            x = mappings.enter_tp(x, self.tp, self.sequence_parallel)
             return ops.linear(x, ops.transpose(self.wte.weight))
         return self.lm_head(x)
 
@@ -211,13 +210,13 @@ class GPT(Module):
         the weights, so it can be switched at any time; with one tp rank it stays off. The
         replicated parameters that then see slices of the sequence are marked
         ``sequence_parallel``: engines sum their gradients over tp after backward
-        (``tensor_parallel.sync_sequence_parallel_grads``). Sequences must divide by tp.
+        (``hpcpar.parallel.sequence.sync_sequence_parallel_grads``). Sequences must divide by tp.
         """
         return self._sequence_parallel
 
     @sequence_parallel.setter
     def sequence_parallel(self, on: bool) -> None:
-        on = bool(on) and tensor_parallel.tp_size(self.tp) > 1
+        on = bool(on) and mappings.tp_size(self.tp) > 1
         object.__setattr__(self, "_sequence_parallel", on)
         split_layers = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear,
                         tensor_parallel.VocabParallelEmbedding, GPTHead)  # the layers that switch communication
@@ -254,7 +253,7 @@ class GPT(Module):
 
     def loss_from_logits(self, logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
         """The loss a pipeline's last stage applies to the head's output (B, T, V/tp)."""
-        if tensor_parallel.tp_size(self.tp) == 1:
+        if mappings.tp_size(self.tp) == 1:
             return ops.cross_entropy(logits, targets, ignore_index=ignore_index)
         B, T, V = logits.shape
         targets = targets.data if isinstance(targets, Tensor) else targets
@@ -278,7 +277,7 @@ class GPT(Module):
             with no_grad():
                 for _ in range(max_new_tokens):
                     context = ids[:, -self.config.block_size:]
-                    logits = tensor_parallel.gather_from_tp(self.forward(context), self.tp)  # (B, T, V/tp) -> (B, T, V)
+                    logits = mappings.gather_from_tp(self.forward(context), self.tp)  # (B, T, V/tp) -> (B, T, V)
                     logits = to_host(logits.data[:, -1, :]).astype(np.float64)  # (B, V)
                     if temperature == 0:
                         next_ids = logits.argmax(axis=-1)

@@ -11,6 +11,7 @@ from typing import Iterator, NamedTuple
 
 from ..autograd import Parameter
 from ..backend import to_device
+from ..state import ParameterHolder
 
 
 class IncompatibleKeys(NamedTuple):
@@ -18,8 +19,11 @@ class IncompatibleKeys(NamedTuple):
     unexpected: list
 
 
-class Module:
-    """Base class of layers and models: subclasses set attributes in ``__init__`` and define ``forward``."""
+class Module(ParameterHolder):
+    """Base class of layers and models: subclasses set attributes in ``__init__`` and define ``forward``.
+
+    A module is checkpointable (``hpcpar.state``): its parameters are ``model/<name>``.
+    """
 
     def __init__(self):
         object.__setattr__(self, "_parameters", {})

@@ -112,6 +112,7 @@ class MixedPrecision:
             for attr in ("global_shape", "global_start"):  # a tensor-parallel shard's master is the same shard
                 if hasattr(param, attr):
                     setattr(master, attr, getattr(param, attr))
+        self._model_of = {id(master): param for (_, master), param in zip(self.master, self.model_params)}
         self._unscaled = False
         self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient
 
@@ -125,6 +126,10 @@ class MixedPrecision:
 
     def master_parameters(self) -> list:
         return [param for _, param in self.master]
+
+    def model_parameter(self, master):
+        """The model's low-precision parameter that ``master`` is the master copy of."""
+        return self._model_of[id(master)]
 
     def backward(self, loss) -> None:
         """``loss.backward()`` with every gradient multiplied by the current scale."""
@@ -186,6 +191,14 @@ class MixedPrecision:
         """The master weights, cast to the compute dtype, into the model (after a step or a load)."""
         for param, (_, master) in zip(self.model_params, self.master):
             param.data[...] = master.data.astype(param.dtype)
+
+    def master_bytes(self) -> int:
+        """Bytes of the master weights, held beside the model's 16-bit parameters."""
+        return sum(master.data.nbytes for _, master in self.master)
+
+    def metrics(self) -> dict:
+        """What a training log reports: the steps skipped so far (for a non-finite loss or gradient)."""
+        return {"skipped_steps": self.skipped_steps}
 
     def state_dict(self) -> dict:
         """The master weights (the true weights of a mixed-precision run) and the scaler."""

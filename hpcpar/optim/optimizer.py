@@ -7,12 +7,13 @@ Parameters (keyed ``"0"``, ``"1"``, ...), or as PyTorch-style groups that set th
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import numpy as np
 
 from ..autograd import Tensor
 from ..backend import to_device
+from ..state import Checkpointable, LoadPlan, Piece, Read, Saved, global_slab, weight_decay_scalars
 from .groups import DecayRuns, decay_overrides, flatten_groups
 
 
@@ -29,12 +30,16 @@ def named_parameter_list(params) -> list[tuple[str, Tensor]]:
     return named
 
 
-class Optimizer(ABC):
+class Optimizer(Checkpointable):
     """Subclasses list their ``hyperparameters`` (float attributes, ``lr`` first) and define ``update``.
 
     A parameter's weight decay is the optimizer's ``weight_decay`` unless its group or a
     ``no_decay`` pattern sets another (``decay_overrides``); ``update`` gets the one of the
     parameter it updates.
+
+    In a checkpoint each state array is a piece of ``optim/<param>/<key>`` at its parameter's
+    place in the global tensor (a tensor-parallel shard's state is a shard too); step counts
+    and each parameter's weight decay (``weight_decay/<param>``) are scalars.
     """
 
     hyperparameters: tuple[str, ...] = ("lr",)
@@ -120,3 +125,37 @@ class Optimizer(ABC):
                                      f"{tuple(value.shape)} but the parameter has shape {param.shape}")
                 loaded[key] = to_device(value, param.xp).astype(param.dtype, copy=True)
             self.state[name] = loaded
+
+    # ----- the checkpoint protocol (hpcpar.state) -------------------------------------
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
+        pieces, scalars = [], {}
+        for name, param in zip(self.names, self.params):
+            shape, slab = global_slab(param)
+            for key, value in self.state[name].items():
+                if np.ndim(value) == 0:
+                    scalars[f"optim/{name}/{key}"] = int(value)
+                else:
+                    pieces.append(Piece(f"optim/{name}/{key}", shape, slab, value))
+        return pieces, scalars | weight_decay_scalars(self.named_weight_decays())
+
+    def load_plan(self, saved: Saved) -> LoadPlan:
+        """Each parameter's saved state and weight decay, replacing the current ones when the load completes."""
+        staged, reads = {}, []
+        for name, param in zip(self.names, self.params):
+            shape, slab = global_slab(param)
+            state = staged[name] = {}
+            for key in saved.state_keys(name):
+                full = f"optim/{name}/{key}"
+                if full in saved.scalars:
+                    state[key] = int(saved.scalars[full])
+                    continue
+
+                def assign(values, state=state, key=key, param=param):
+                    state[key] = to_device(values, param.xp).astype(param.dtype)
+                reads.append(Read(full, shape, slab, assign))
+        decays = saved.weight_decays()
+
+        def finish():
+            self.state.update(staged)
+            self.load_weight_decays(decays)
+        return LoadPlan(reads, [finish])

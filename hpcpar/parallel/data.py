@@ -23,8 +23,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from .. import defaults
 from ..autograd import Parameter
 from ..backend import get_array_module
+from ..state import ParameterHolder
 from .compression import NoCompression
 
 
@@ -66,10 +68,10 @@ def plan_buckets(params: list, bucket_bytes: float) -> list[list[int]]:
     return plan
 
 
-class DistributedDataParallel:
+class DistributedDataParallel(ParameterHolder):
     """Wraps a Module: broadcasts its parameters and averages its gradients over ``ctx.dp``."""
 
-    def __init__(self, module, ctx, bucket_mb: float = 25, overlap: bool = True, compression=None,
+    def __init__(self, module, ctx, bucket_mb: float = defaults.BUCKET_MB, overlap: bool = True, compression=None,
                  broadcast_parameters: bool = True):
         self.module = module
         self.ctx = ctx
@@ -107,6 +109,9 @@ class DistributedDataParallel:
 
     def __getattr__(self, name):  # model.loss(...), model.generate(...) through the wrapper
         return getattr(self.module, name)
+
+    def named_parameters(self):
+        return self.module.named_parameters()
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -67,6 +67,7 @@ Limits: pure data parallelism (pp = tp = 1), one parameter dtype.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -75,12 +76,14 @@ import numpy as np
 
 from ..autograd import Parameter
 from ..backend import get_array_module
-from ..checkpoint.pieces import Piece, flat_state_pieces, range_param_slabs
-from ..dist.comm import _YIELD_SLEEP_S, Communicator, wait_all
+from ..dist.comm import Communicator, wait_all
 from ..dist.context import init
+from ..dist.waiting import YIELD_SLEEP_S
 from ..optim.clip import clip_grad_norm
 from ..optim.groups import flat_range_decays, flatten_groups, set_flat_range_decay
 from ..optim.optimizer import named_parameter_list
+from ..state import (Checkpointable, LoadPlan, Piece, Saved, flat_state_load_plan, flat_state_pieces,
+                     parameter_load_plan, range_param_slabs, weight_decay_scalars)
 
 TAG_PUSH_HEADER, TAG_PUSH_GRAD, TAG_REPLY_HEADER, TAG_REPLY_PARAMS = 7301, 7302, 7303, 7304
 KIND_PUSH, KIND_STOP, KIND_SAVE = 0.0, 1.0, 2.0
@@ -104,7 +107,23 @@ def shard_ranges(numel: int, parts: int) -> list[tuple[int, int]]:
     return [(i * numel // parts, (i + 1) * numel // parts) for i in range(parts)]
 
 
-class ParameterServer:
+def _check_arguments(named, ctx, servers, staleness) -> None:
+    world = ctx.world
+    if ctx.pp_size > 1 or ctx.tp_size > 1:
+        raise ValueError(f"ParameterServer runs data parallel only; the context has pp = {ctx.pp_size}, "
+                         f"tp = {ctx.tp_size}: build it with init(pp=1, tp=1)")
+    if not isinstance(servers, int) or not 1 <= servers < world.size:
+        raise ValueError(f"ParameterServer: servers must be an integer in 1..{world.size - 1} (the world has "
+                         f"{world.size} ranks and needs at least one worker), got {servers!r}; "
+                         f"launch more ranks or lower servers")
+    if not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(f"ParameterServer: staleness must be an integer >= 0, got {staleness!r}")
+    dtypes = {p.dtype for _, p in named}
+    if len(dtypes) != 1:
+        raise ValueError(f"ParameterServer needs one parameter dtype, got {sorted(map(str, dtypes))}")
+
+
+class ParameterServer(Checkpointable):
     """Split the world into workers and servers and run the parameter-server protocol between them.
 
     ``params``: ``model.named_parameters()`` on every rank (servers use only the shapes and
@@ -116,19 +135,8 @@ class ParameterServer:
                  max_grad_norm: float = 0.0, no_decay=(), **optimizer_options):
         items, given = flatten_groups(params)
         named = named_parameter_list(items)
+        _check_arguments(named, ctx, servers, staleness)
         world = ctx.world
-        if ctx.pp_size > 1 or ctx.tp_size > 1:
-            raise ValueError(f"ParameterServer runs data parallel only; the context has pp = {ctx.pp_size}, "
-                             f"tp = {ctx.tp_size}: build it with init(pp=1, tp=1)")
-        if not isinstance(servers, int) or not 1 <= servers < world.size:
-            raise ValueError(f"ParameterServer: servers must be an integer in 1..{world.size - 1} (the world has "
-                             f"{world.size} ranks and needs at least one worker), got {servers!r}; "
-                             f"launch more ranks or lower servers")
-        if not isinstance(staleness, int) or staleness < 0:
-            raise ValueError(f"ParameterServer: staleness must be an integer >= 0, got {staleness!r}")
-        dtypes = {p.dtype for _, p in named}
-        if len(dtypes) != 1:
-            raise ValueError(f"ParameterServer needs one parameter dtype, got {sorted(map(str, dtypes))}")
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.world_ctx = ctx  # checkpoints are collective over the whole world, servers included
@@ -149,11 +157,8 @@ class ParameterServer:
         # Instantiated on every rank (on one element here): bad options fail everywhere, before any message.
         probe = optimizer_class([("probe", Parameter(xp.zeros(1, dtype=dtype)))], **optimizer_options)
         self.weight_decays = flat_range_decays(self.names, probe, given, no_decay)  # by name: groups, no_decay
-
-        self.spans, offset = [], 0
-        for p in self.params:
-            self.spans.append((offset, offset + p.size))
-            offset += p.size
+        starts = list(itertools.accumulate((p.size for p in self.params), initial=0))
+        self.spans = list(zip(starts[:-1], starts[1:]))  # each parameter's [start, stop) in the flat vector
         # A private communicator: these tags can never match someone else's messages on the world.
         self.comm = Communicator(world.mpi.Dup(), "ps", cuda_aware=world.cuda_aware, wait_policy=world.wait_policy)
         flat = xp.empty(self.numel, dtype=dtype)
@@ -162,24 +167,30 @@ class ParameterServer:
         group = world.mpi.Split(0 if self.is_worker else 1, self.rank)
         self._stopped = False
         if self.is_worker:
-            self.ctx = init(dp=self.num_workers, comm=group, device=ctx.device, wait_policy=ctx.wait_policy)
-            self.server_comm = None
-            self.lr = float(probe.lr)
-            self.step_count = 0
-            self.versions = [0] * servers  # per server: the version of the parameters this worker holds
-            self._flat = flat
-            self._flat_grad = xp.zeros_like(flat)
-            self._unpack_parameters()
+            self._become_worker(ctx, group, flat, float(probe.lr))
         else:
-            self.ctx = None
-            self.server_comm = Communicator(group, "ps_servers", cuda_aware=world.cuda_aware,
-                                            wait_policy=world.wait_policy)
-            start, stop = self.ranges[self.server_index]
-            self.shard = Parameter(flat[start:stop].copy(), name=f"ps_shard_{self.server_index}")
-            self.optimizer = optimizer_class([("shard", self.shard)], **optimizer_options)
-            self._set_shard_decay()
-            self.version = 0
-            self.update_log: list[UpdateRecord] = []
+            self._become_server(world, group, flat, optimizer_class, optimizer_options)
+
+    def _become_worker(self, ctx, group, flat, lr: float) -> None:
+        self.ctx = init(dp=self.num_workers, comm=group, device=ctx.device, wait_policy=ctx.wait_policy)
+        self.server_comm = None
+        self.lr = lr
+        self.step_count = 0
+        self.versions = [0] * self.num_servers  # per server: the version of the parameters this worker holds
+        self._flat = flat
+        self._flat_grad = get_array_module(flat).zeros_like(flat)
+        self._unpack_parameters()
+
+    def _become_server(self, world, group, flat, optimizer_class, optimizer_options) -> None:
+        self.ctx = None
+        self.server_comm = Communicator(group, "ps_servers", cuda_aware=world.cuda_aware,
+                                        wait_policy=world.wait_policy)
+        start, stop = self.ranges[self.server_index]
+        self.shard = Parameter(flat[start:stop].copy(), name=f"ps_shard_{self.server_index}")
+        self.optimizer = optimizer_class([("shard", self.shard)], **optimizer_options)
+        self._set_shard_decay()
+        self.version = 0
+        self.update_log: list[UpdateRecord] = []
 
     # ----- what a training loop sees -----------------------------------------------------
     @property
@@ -234,69 +245,18 @@ class ParameterServer:
         """On a server: answer pushes and pulls until every worker has stopped. On a worker: return."""
         if self.is_worker or self._stopped:
             return
-        comm, workers = self.comm, self.num_workers
-        xp = get_array_module(self.shard.data)
-        headers = np.zeros((workers, HEADER_LENGTH), dtype=np.float64)
-        grads = xp.zeros((workers if self.synchronous else 1, self.shard.size), dtype=self.shard.dtype)
-        headers_in = {w: comm.irecv(headers[w], w, TAG_PUSH_HEADER) for w in range(workers)}
-        done = [0] * workers  # steps whose gradient this server has received, per worker
-        lead = [0] * workers  # per worker: its lead over the slowest when it read its current parameters
-        active = set(range(workers))
-        waiting: dict[int, int] = {}  # worker -> the step it waits for parameters for
-        arrived: dict[int, tuple] = {}  # synchronous: this round's pushes, worker -> (step, version read, lr)
-        saving: dict[int, int] = {}  # workers that asked for a checkpoint -> its step
-        sends = []
-        while active:
-            ready = [w for w, handle in headers_in.items() if handle.test()]
+        loop = _ServerLoop(self)
+        while loop.active:
+            ready = loop.ready_workers()
             if not ready:
-                sends = [h for h in sends if not h.test()]
-                if comm.wait_policy == "yield":
-                    time.sleep(_YIELD_SLEEP_S)
+                loop.idle()
                 continue
-            for w in sorted(ready):
-                del headers_in[w]
-                kind, step, version_read, lr = headers[w]
-                if kind == KIND_STOP:
-                    active.discard(w)
-                    continue
-                if kind == KIND_SAVE:  # the worker now waits in the checkpoint; its next push follows it
-                    saving[w] = int(step)
-                    headers_in[w] = comm.irecv(headers[w], w, TAG_PUSH_HEADER)
-                    continue
-                step, version_read = int(step), int(version_read)
-                if step != done[w]:
-                    raise RuntimeError(f"parameter server {self.server_index}: worker {w} pushed step {step}, "
-                                       f"expected step {done[w]}")
-                grad = grads[w] if self.synchronous else grads[0]
-                comm.recv(grad, w, TAG_PUSH_GRAD)
-                done[w] = step + 1
-                waiting[w] = step + 1
-                headers_in[w] = comm.irecv(headers[w], w, TAG_PUSH_HEADER)
-                if self.synchronous:
-                    arrived[w] = (step, version_read, float(lr))
-                else:
-                    grad /= workers
-                    self._apply(grad, float(lr), [(w, step, version_read, lead[w])])
-            if arrived and active <= set(arrived):  # synchronous: every active worker's gradient is in
-                order = sorted(arrived)
-                mean = grads[order[0]].copy()
-                for w in order[1:]:
-                    mean += grads[w]
-                mean /= len(order)
-                self._apply(mean, arrived[order[0]][2], [(w, *arrived[w][:2], lead[w]) for w in order])
-                arrived.clear()
-            # Answer the pulls the staleness bound allows: the slowest active worker is at most s steps behind.
-            slowest = min((done[w] for w in active), default=math.inf)
-            for w, step in list(waiting.items()):
-                if slowest >= step - self.staleness:
-                    lead[w] = step - slowest
-                    sends += self._send_parameters(w)
-                    del waiting[w]
-            if saving and active <= set(saving) and not arrived and not waiting:
-                self._save_when_asked(saving)
-        for w in range(workers):  # every worker stopped: all receive the final parameters
-            sends += self._send_parameters(w)
-        wait_all(sends)
+            for w in ready:
+                loop.take_message(w)
+            loop.apply_synchronous_round()
+            loop.answer_pulls()
+            loop.save_when_everyone_asked()
+        loop.send_final_parameters()
         self._stopped = True
 
     def _apply(self, grad, lr: float, contributions: list[tuple]) -> None:
@@ -373,7 +333,7 @@ class ParameterServer:
         model = [Piece(f"model/{name}", shape, glob, self.shard.data[offset: offset + math.prod(local)].reshape(local))
                  for name, _, shape, glob, local, offset in slabs]
         state, scalars = flat_state_pieces(slabs, self.optimizer.state.get("shard", {}))
-        return model + state, scalars
+        return model + state, scalars | weight_decay_scalars(self.weight_decays)
 
     def _set_shard_decay(self) -> None:
         start, stop = self.ranges[self.server_index]
@@ -389,6 +349,19 @@ class ParameterServer:
         self.weight_decays.update({name: float(v) for name, v in decays.items() if name in self.weight_decays})
         if not self.is_worker:
             self._set_shard_decay()
+
+    def load_plan(self, saved: Saved) -> LoadPlan:
+        """Every rank reads the whole model into its parameters; a server also its range's optimizer
+        state; then every rank takes the saved weight decays, servers their range from the parameters
+        and workers their flat copy."""
+        plan = parameter_load_plan(zip(self.names, self.params))
+        slabs = self.flat_range_slabs()
+        if slabs is not None:
+            plan.extend(flat_state_load_plan(saved, slabs, self.shard,
+                                             lambda state: self.optimizer.state.__setitem__("shard", state)))
+        decays = saved.weight_decays()
+        plan.finish += [lambda: self.load_weight_decays(decays), self.refresh_shard]
+        return plan
 
     def refresh_shard(self) -> None:
         """After a checkpoint was loaded into the model's parameters on every rank: servers take
@@ -418,3 +391,95 @@ class ParameterServer:
     def _unpack_parameters(self) -> None:
         for p, (start, stop) in zip(self.params, self.spans):
             p.data[...] = self._flat[start:stop].reshape(p.shape)
+
+
+class _ServerLoop:
+    """One server's state while it serves: the messages in flight and what each worker has done.
+
+    Each worker's next push header is always posted (``headers_in``); a push's gradient is
+    received right after its header. Synchronous servers collect one gradient per active worker
+    (``arrived``) before they step; asynchronous ones step on each. A pull (the worker waiting
+    for parameters of its next step) is answered when the staleness bound allows.
+    """
+
+    def __init__(self, server: ParameterServer):
+        self.server, self.comm = server, server.comm
+        workers = server.num_workers
+        xp = get_array_module(server.shard.data)
+        self.headers = np.zeros((workers, HEADER_LENGTH), dtype=np.float64)
+        self.grads = xp.zeros((workers if server.synchronous else 1, server.shard.size), dtype=server.shard.dtype)
+        self.headers_in = {w: self.comm.irecv(self.headers[w], w, TAG_PUSH_HEADER) for w in range(workers)}
+        self.done = [0] * workers  # steps whose gradient this server has received, per worker
+        self.lead = [0] * workers  # per worker: its lead over the slowest when it read its current parameters
+        self.active = set(range(workers))
+        self.waiting: dict[int, int] = {}  # worker -> the step it waits for parameters for
+        self.arrived: dict[int, tuple] = {}  # synchronous: this round's pushes, worker -> (step, version read, lr)
+        self.saving: dict[int, int] = {}  # workers that asked for a checkpoint -> its step
+        self.sends: list = []
+
+    def ready_workers(self) -> list[int]:
+        return sorted(w for w, handle in self.headers_in.items() if handle.test())
+
+    def idle(self) -> None:
+        """Nothing arrived: free finished sends and, oversubscribed, give the core away."""
+        self.sends = [h for h in self.sends if not h.test()]
+        if self.comm.wait_policy == "yield":
+            time.sleep(YIELD_SLEEP_S)
+
+    def take_message(self, w: int) -> None:
+        del self.headers_in[w]
+        kind, step, version_read, lr = self.headers[w]
+        if kind == KIND_STOP:
+            self.active.discard(w)
+            return
+        if kind == KIND_SAVE:  # the worker now waits in the checkpoint; its next push follows it
+            self.saving[w] = int(step)
+        else:
+            self._take_push(w, int(step), int(version_read), float(lr))
+        self.headers_in[w] = self.comm.irecv(self.headers[w], w, TAG_PUSH_HEADER)
+
+    def _take_push(self, w: int, step: int, version_read: int, lr: float) -> None:
+        server = self.server
+        if step != self.done[w]:
+            raise RuntimeError(f"parameter server {server.server_index}: worker {w} pushed step {step}, "
+                               f"expected step {self.done[w]}")
+        grad = self.grads[w] if server.synchronous else self.grads[0]
+        self.comm.recv(grad, w, TAG_PUSH_GRAD)
+        self.done[w] = self.waiting[w] = step + 1
+        if server.synchronous:
+            self.arrived[w] = (step, version_read, lr)
+        else:
+            grad /= server.num_workers
+            server._apply(grad, lr, [(w, step, version_read, self.lead[w])])
+
+    def apply_synchronous_round(self) -> None:
+        """Once every active worker's gradient is in: their mean (in worker order), one step."""
+        if not self.arrived or not self.active <= set(self.arrived):
+            return
+        order = sorted(self.arrived)
+        mean = self.grads[order[0]].copy()
+        for w in order[1:]:
+            mean += self.grads[w]
+        mean /= len(order)
+        lr = self.arrived[order[0]][2]
+        self.server._apply(mean, lr, [(w, *self.arrived[w][:2], self.lead[w]) for w in order])
+        self.arrived.clear()
+
+    def answer_pulls(self) -> None:
+        """The pulls the staleness bound allows: the slowest active worker at most s steps behind."""
+        slowest = min((self.done[w] for w in self.active), default=math.inf)
+        for w, step in list(self.waiting.items()):
+            if slowest >= step - self.server.staleness:
+                self.lead[w] = step - slowest
+                self.sends += self.server._send_parameters(w)
+                del self.waiting[w]
+
+    def save_when_everyone_asked(self) -> None:
+        if self.saving and self.active <= set(self.saving) and not self.arrived and not self.waiting:
+            self.server._save_when_asked(self.saving)
+
+    def send_final_parameters(self) -> None:
+        """Every worker stopped: all receive the final parameters."""
+        for w in range(self.server.num_workers):
+            self.sends += self.server._send_parameters(w)
+        wait_all(self.sends)

@@ -14,6 +14,9 @@ only. A step is: reduce-scatter the flat gradient (each rank receives the dp mea
 shard), run the wrapped optimizer on the shard, all-gather the updated shards back into
 the flat buffer — so every parameter is updated in place. Traffic equals one all-reduce
 (reduce-scatter + all-gather); optimizer memory falls by the dp size.
+
+In a checkpoint each rank saves its shard's state as slabs of the per-parameter tensors
+``optim/<name>/<key>`` (``hpcpar.state``), so it loads into any layout, with or without ZeRO.
 """
 from __future__ import annotations
 
@@ -26,9 +29,11 @@ from ..backend import get_array_module
 from ..optim.clip import scale_to_norm
 from ..optim.groups import flat_range_decays, flatten_groups, set_flat_range_decay
 from ..optim.optimizer import named_parameter_list
+from ..state import (Checkpointable, LoadPlan, Saved, flat_state_load_plan, flat_state_pieces, range_param_slabs,
+                     weight_decay_scalars)
 
 
-class ZeroRedundancyOptimizer:
+class ZeroRedundancyOptimizer(Checkpointable):
     def __init__(self, params, comm, optimizer_class, broadcast_parameters: bool = True, no_decay=(),
                  **optimizer_options):
         items, given = flatten_groups(params)
@@ -105,9 +110,9 @@ class ZeroRedundancyOptimizer:
 
         The sum of squares is completed over dp (each rank holds one shard), then, when the
         model itself is split, over its other pieces by ``model_parallel_sum`` (tp and pp:
-        ``parallel.tensor.sum_over_model_parallel``). ``counts(param)`` says whether this rank
+        ``parallel.grad_norm.sum_over_model_parallel``). ``counts(param)`` says whether this rank
         counts a parameter's elements, so that a tp-replicated or tied weight counts once
-        (``parallel.tensor.counts_toward_norm``).
+        (``parallel.grad_norm.counts_toward_norm``).
         """
         local = self._counted_squares(counts or (lambda param: True))
         total = float(self.comm.allreduce(np.array([local], dtype=np.float64), "sum")[0])
@@ -153,6 +158,25 @@ class ZeroRedundancyOptimizer:
         """What the same optimizer would hold on every rank without ZeRO."""
         per_element = self.state_bytes() / self.shard_size if self.shard_size else 0
         return int(per_element * self.numel)
+
+    # ----- the checkpoint protocol (hpcpar.state) -------------------------------------
+    def param_slabs(self) -> list:
+        """This rank's shard of the flat parameters as slabs of the global tensors (``range_param_slabs``)."""
+        begin = self.comm.rank * self.shard_size
+        return list(range_param_slabs(self.names, self.params, self.offsets, begin, begin + self.shard_size))
+
+    def checkpoint_pieces(self) -> tuple[list, dict]:
+        pieces, scalars = flat_state_pieces(self.param_slabs(), self.optimizer.state["shard"])
+        return pieces, scalars | weight_decay_scalars(self.weight_decays)  # every parameter's, on every rank
+
+    def load_plan(self, saved: Saved) -> LoadPlan:
+        """The shard's state from the per-parameter tensors and the saved weight decays; then the shard
+        is refreshed from the flat parameters (loaded by the model's own plan, which runs first)."""
+        plan = flat_state_load_plan(saved, self.param_slabs(), self.shard,
+                                    lambda state: self.optimizer.state.__setitem__("shard", state))
+        decays = saved.weight_decays()
+        plan.finish += [lambda: self.load_weight_decays(decays), self.refresh_shard]
+        return plan
 
     def state_dict(self) -> dict:
         return {"shard_range": [self.comm.rank * self.shard_size, (self.comm.rank + 1) * self.shard_size],

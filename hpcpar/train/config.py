@@ -4,8 +4,9 @@
     if rank == 0:
         print(job.describe())
 
-A job file has the sections [model] [data] [parallel] [optimizer] [schedule] [train]
-[checkpoint]; every key has a default, so an absent key or section means its defaults
+A job file has the sections [model] [data] [parallel] [optimizer] [lr_schedule] [train]
+[checkpoint] ([schedule], the old name of [lr_schedule], is read for one more release with a
+notice); every key has a default, so an absent key or section means its defaults
 (``schema_table()`` lists them all). Checking happens in two steps, both pure functions
 of the file, the overrides and the world size, so every rank reaches the same verdict
 before any rank waits on another:
@@ -34,6 +35,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
+from .. import defaults
 from ..parallel.compression import COMPRESSORS
 from ..parallel.pipeline.partition import PARTITION_METHODS
 from ..parallel.pipeline.schedules import SCHEDULES
@@ -209,15 +211,17 @@ class ParallelSection:
     dp: int | None = _key(None, INTEGER, "data-parallel replicas; unset: world size / (pp x tp)", check=at_least(1))
     pp: int = _key(1, INTEGER, "pipeline stages", check=at_least(1))
     tp: int = _key(1, INTEGER, "tensor-parallel shards of each layer", check=at_least(1))
-    schedule: str = _key("1f1b", STRING, "pipeline schedule (zb1: ZB-H1, weight gradients deferred)",
+    schedule: str = _key(defaults.PIPELINE_SCHEDULE, STRING,
+                         "pipeline schedule (zb1: ZB-H1, weight gradients deferred)",
                          choices=tuple(SCHEDULES))
-    micro_batches: int = _key(1, INTEGER, "micro-batches per step of each dp replica (pipeline or accumulation)",
+    micro_batches: int = _key(defaults.MICRO_BATCHES, INTEGER,
+                              "micro-batches per step of each dp replica (pipeline or accumulation)",
                               check=at_least(1))
-    chunks: int = _key(1, INTEGER, "model chunks per pipeline rank", check=at_least(1),
+    chunks: int = _key(defaults.CHUNKS, INTEGER, "model chunks per pipeline rank", check=at_least(1),
                        applies=("parallel.schedule", ("interleaved",)))
     partition: Any = _key("uniform", PARTITION, "how layers are cut into pp x chunks stages",
                           check=STAGE_COUNTS)
-    bucket_mb: float = _key(25.0, NUMBER, "gradient all-reduce bucket size in MiB", check=above(0))
+    bucket_mb: float = _key(defaults.BUCKET_MB, NUMBER, "gradient all-reduce bucket size in MiB", check=above(0))
     overlap: bool = _key(True, BOOLEAN, "all-reduce buckets while backward runs")
     compression: str = _key("none", STRING, "gradient compression", choices=tuple(COMPRESSORS))
     compression_ratio: float = _key(0.01, NUMBER, "share of entries top-k sends",
@@ -255,7 +259,7 @@ class OptimizerSection:
 
 
 @dataclass(frozen=True)
-class ScheduleSection:
+class LRScheduleSection:
     warmup_steps: int = _key(0, INTEGER, "linear warm-up steps, then cosine decay to min_lr at train.steps",
                              check=at_least(0))
     min_lr: float = _key(0.0, NUMBER, "learning rate at the last step", check=at_least(0))
@@ -289,9 +293,10 @@ class CheckpointSection:
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "parallel": ParallelSection,
-            "optimizer": OptimizerSection, "schedule": ScheduleSection, "train": TrainSection,
+            "optimizer": OptimizerSection, "lr_schedule": LRScheduleSection, "train": TrainSection,
             "checkpoint": CheckpointSection}
 PATH_KEYS = ("data.path", "train.metrics", "train.trace", "checkpoint.dir")
+DEPRECATED_SECTIONS = {"schedule": "lr_schedule"}  # old name -> new name, read with a notice for one release
 
 
 def toml_value(value) -> str:
@@ -311,12 +316,13 @@ class Job:
     data: DataSection = DataSection()
     parallel: ParallelSection = ParallelSection()
     optimizer: OptimizerSection = OptimizerSection()
-    schedule: ScheduleSection = ScheduleSection()
+    lr_schedule: LRScheduleSection = LRScheduleSection()
     train: TrainSection = TrainSection()
     checkpoint: CheckpointSection = CheckpointSection()
     source: str = "<job>"  # the job file, for messages
     given: frozenset = frozenset()  # dotted keys set by the file or --set
     world_size: int | None = None  # set by validate(), which also fills parallel.dp
+    notices: tuple = ()  # deprecations met while reading the job, for rank 0 to print
 
     def sections(self) -> list[tuple[str, Any]]:
         return [(name, getattr(self, name)) for name in SECTIONS]
@@ -446,27 +452,71 @@ def load_job(path: str | None, overrides: list[str] = ()) -> Job:
     """Read a job file (None: all defaults), apply ``section.key=value`` overrides, check each key."""
     raw = _read_toml(path) if path is not None else {}
     source = path if path is not None else "<defaults>"
+    notices, problems = _rename_deprecated_sections(raw, source)
     from_cli = set()
     for text in overrides:
         section, key, value = parse_override(text)
+        if section in DEPRECATED_SECTIONS:
+            notices.append(f"--set {section}.{key}: [{section}] is now [{DEPRECATED_SECTIONS[section]}]; "
+                           f"write --set {DEPRECATED_SECTIONS[section]}.{key}")
+            section = DEPRECATED_SECTIONS[section]
         table = raw.setdefault(section, {})
         if isinstance(table, dict):
             table[key] = value
             from_cli.add(f"{section}.{key}")
     stem = os.path.splitext(os.path.basename(path))[0] if path is not None else "job"
-    return _build(raw, from_cli, source, stem)
+    job = _build(raw, from_cli, source, stem, problems)
+    return replace(job, notices=tuple(notices))
 
 
-def _build(raw: dict, from_cli: set, source: str, stem: str) -> Job:
-    problems = []
+def _rename_deprecated_sections(raw: dict, source: str) -> tuple[list[str], list]:
+    """Read old section names as the new ones: (notices, problems)."""
+    notices, problems = [], []
+    for old, new in DEPRECATED_SECTIONS.items():
+        if old not in raw:
+            continue
+        if new in raw:
+            problems.append((f"[{old}]", f"is the old name of [{new}], and the file has both; keep [{new}] only"))
+            continue
+        raw[new] = raw.pop(old)
+        notices.append(f"{source}: [{old}] is deprecated and will not be read by the next release; rename it "
+                       f"[{new}] (read as [{new}] now)")
+    return notices, problems
 
+
+def _build(raw: dict, from_cli: set, source: str, stem: str, problems: list) -> Job:
+    """The Job of the raw tables, or a JobError listing ``problems`` and every one found here."""
     def where(dotted):
         return f"{dotted} (--set)" if dotted in from_cli else dotted
 
+    problems += _misplaced_tables(raw, from_cli)
+    sections, given = {}, set()
+    for name, cls in SECTIONS.items():
+        table = raw.get(name, {}) if isinstance(raw.get(name, {}), dict) else {}
+        values = {}
+        for key, value in table.items():
+            field_name, converted, problem = _convert_key(name, key, value)
+            if problem:
+                problems.append((where(f"{name}.{key}"), problem))
+                continue
+            values[field_name] = converted
+            given.add(f"{name}.{key}")
+        sections[name] = cls(**values)
+    job = Job(**sections, source=source, given=frozenset(given))
+    problems += [(where(dotted), text) for dotted, text in _without_effect(job)]
+    if problems:
+        raise JobError(source, problems)
+    return _with_paths(job, stem)
+
+
+def _misplaced_tables(raw: dict, from_cli: set) -> list[tuple[str, str]]:
+    """Sections that are not tables, unknown sections, keys outside any section."""
+    problems = []
     for name, table in raw.items():
         if name in SECTIONS:
             if not isinstance(table, dict):
-                problems.append((where(name), f"must be a table [{name}], got {toml_value(table)}"))
+                where = f"{name} (--set)" if name in from_cli else name
+                problems.append((where, f"must be a table [{name}], got {toml_value(table)}"))
         elif isinstance(table, dict):
             cli = " (--set)" if any(d.startswith(f"{name}.") for d in from_cli) else ""
             problems.append((f"[{name}]{cli}", f"unknown section; {_suggest(name, SECTIONS)}"
@@ -476,50 +526,41 @@ def _build(raw: dict, from_cli: set, source: str, stem: str) -> Job:
             hint = f"did you mean {owner[0]}.{name}? " if owner else ""
             problems.append((name, f"a key outside any section; {hint}keys go under a [section]: "
                                    f"{', '.join(SECTIONS)}"))
+    return problems
 
-    sections, given = {}, set()
-    for name, cls in SECTIONS.items():
-        table = raw.get(name, {}) if isinstance(raw.get(name, {}), dict) else {}
-        known = _fields_by_key(cls)
-        values = {}
-        for key, value in table.items():
-            dotted = f"{name}.{key}"
-            if key not in known:
-                elsewhere = [s for s, c in SECTIONS.items() if key in _fields_by_key(c)]
-                hint = f"did you mean {elsewhere[0]}.{key}? " if elsewhere else _suggest(key, known)
-                problems.append((where(dotted), f"unknown key; {hint}[{name}] keys are {', '.join(known)}"))
-                continue
-            meta = known[key].metadata
-            try:
-                value = meta["type"].convert(value)
-            except (TypeError, ValueError):
-                problems.append((where(dotted), f"expected {meta['type'].name}, got {toml_value(value)}"))
-                continue
-            problem = None
-            if meta["choices"] and value not in meta["choices"]:
-                problem = (f"{toml_value(value)} is not one of {', '.join(meta['choices'])}; "
-                           f"{meta['hint'].get(value, '') or _suggest(value, meta['choices'])}").rstrip("; ")
-            elif meta["check"] and (failed := meta["check"](value)):
-                problem = f"{toml_value(value)} {failed}"
-            if problem:
-                problems.append((where(dotted), problem))
-                continue
-            values[known[key].name] = value
-            given.add(dotted)
-        sections[name] = cls(**values)
 
-    job = Job(**sections, source=source, given=frozenset(given))
-    for dotted in sorted(given):
+def _convert_key(section: str, key: str, value) -> tuple[str | None, Any, str | None]:
+    """(field name, converted value, None) for a valid key, or (None, None, what is wrong)."""
+    known = _fields_by_key(SECTIONS[section])
+    if key not in known:
+        elsewhere = [s for s, c in SECTIONS.items() if key in _fields_by_key(c)]
+        hint = f"did you mean {elsewhere[0]}.{key}? " if elsewhere else _suggest(key, known)
+        return None, None, f"unknown key; {hint}[{section}] keys are {', '.join(known)}"
+    meta = known[key].metadata
+    try:
+        value = meta["type"].convert(value)
+    except (TypeError, ValueError):
+        return None, None, f"expected {meta['type'].name}, got {toml_value(value)}"
+    if meta["choices"] and value not in meta["choices"]:
+        return None, None, (f"{toml_value(value)} is not one of {', '.join(meta['choices'])}; "
+                            f"{meta['hint'].get(value, '') or _suggest(value, meta['choices'])}").rstrip("; ")
+    if meta["check"] and (failed := meta["check"](value)):
+        return None, None, f"{toml_value(value)} {failed}"
+    return known[key].name, value, None
+
+
+def _without_effect(job: Job) -> list[tuple[str, str]]:
+    """Keys given a non-default value where another key's value makes them do nothing."""
+    problems = []
+    for dotted in sorted(job.given):
         section, key = dotted.split(".")
         f = _fields_by_key(SECTIONS[section])[key]
         if not job.applies(dotted) and job.get(dotted) != f.default:
             selector, allowed = f.metadata["applies"]
-            problems.append((where(dotted), f"{toml_value(job.get(dotted))} has no effect with {selector} = "
-                                            f"{toml_value(job.get(selector))}; it applies only with {selector} = "
-                                            f"{' or '.join(map(toml_value, allowed))}: remove it or set {selector}"))
-    if problems:
-        raise JobError(source, problems)
-    return _with_paths(job, stem)
+            problems.append((dotted, f"{toml_value(job.get(dotted))} has no effect with {selector} = "
+                                     f"{toml_value(job.get(selector))}; it applies only with {selector} = "
+                                     f"{' or '.join(map(toml_value, allowed))}: remove it or set {selector}"))
+    return problems
 
 
 def _with_paths(job: Job, stem: str) -> Job:

@@ -2,8 +2,8 @@
 
 ``load_job`` (config.py) has already checked each key on its own; ``validate`` checks the
 dp x pp x tp layout, heads and vocabulary divisible by tp, batch divisible by dp and
-micro-batches, pipeline stages versus layers, modes that exclude each other, and the data
-file, and reports every problem in one ``JobError``. A pure function of the job and the
+micro-batches, pipeline stages versus layers, modes that exclude each other, ``no_decay``
+patterns against the model's parameter names, and the data file, and reports every problem in one ``JobError``. A pure function of the job and the
 world size: every rank reaches the same verdict before any rank waits on another.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from ..parallel.pipeline.schedules import interleaved_fit
 from .config import BYTE_VOCAB, Job, JobError, toml_value
 
 
@@ -20,25 +21,44 @@ def _divisors(n: int) -> str:
 
 def validate(job: Job, world_size: int) -> Job:
     """Check the keys together and against ``world_size``; return the job with ``parallel.dp`` filled in."""
+    dp, problems = _check_layout(job, world_size)
+    problems += _check_modes(job)
+    problems += _check_model(job)
+    problems += _check_pipeline(job)
+    problems += _check_batch(job, dp)
+    problems += _check_no_decay(job)
+    if job.lr_schedule.min_lr > job.optimizer.lr:  # a warm-up longer than train.steps is fine (a shortened run)
+        problems.append(("lr_schedule.min_lr", f"{job.lr_schedule.min_lr:g} is above optimizer.lr = "
+                                               f"{job.optimizer.lr:g}; the cosine decays from lr down to min_lr"))
+    if job.data.kind == "text":
+        problems += _check_token_file(job)
+    if problems:
+        raise JobError(job.source, problems)
+    return replace(job, parallel=replace(job.parallel, dp=dp), world_size=world_size)
+
+
+def _check_layout(job: Job, world_size: int) -> tuple[int | None, list]:
+    """(dp, problems): dp stays None when the layout does not fit (the batch checks need it)."""
     from ..dist.context import LayoutError, resolve_layout
 
-    problems = []
-    p, m = job.parallel, job.model
-
-    # the layout
+    p = job.parallel
     workers = world_size - p.servers if p.mode == "ps" else world_size
-    dp = None  # stays None when the layout does not fit: the batch checks below need it
     if p.mode == "ps" and workers < 1:
-        problems.append(("parallel.servers", f"{p.servers} server(s) leave no worker among {world_size} ranks; "
-                                             f"launch more than {p.servers} ranks or lower parallel.servers"))
-    else:
-        try:
-            dp, _, _ = resolve_layout(workers, p.dp, p.pp, p.tp)
-        except LayoutError as err:
-            keys = "parallel.dp, parallel.pp, parallel.tp" if p.dp is not None else "parallel.pp, parallel.tp"
-            servers = (f" (mode \"ps\": the grid holds the workers, {world_size} ranks minus {p.servers} "
-                       f"server(s))" if p.mode == "ps" else "")
-            problems.append((keys, f"{err}{servers}"))
+        return None, [("parallel.servers", f"{p.servers} server(s) leave no worker among {world_size} ranks; "
+                                           f"launch more than {p.servers} ranks or lower parallel.servers")]
+    try:
+        dp, _, _ = resolve_layout(workers, p.dp, p.pp, p.tp)
+    except LayoutError as err:
+        keys = "parallel.dp, parallel.pp, parallel.tp" if p.dp is not None else "parallel.pp, parallel.tp"
+        servers = (f" (mode \"ps\": the grid holds the workers, {world_size} ranks minus {p.servers} "
+                   f"server(s))" if p.mode == "ps" else "")
+        return None, [(keys, f"{err}{servers}")]
+    return dp, []
+
+
+def _check_modes(job: Job) -> list:
+    """Strategies and options that exclude each other."""
+    p, problems = job.parallel, []
     if p.mode != "allreduce" and (p.pp > 1 or p.tp > 1):
         problems.append(("parallel.mode", f"{toml_value(p.mode)} runs data parallel only, but pp = {p.pp} and "
                                           f"tp = {p.tp}; set pp = tp = 1 or mode = \"allreduce\""))
@@ -51,8 +71,16 @@ def validate(job: Job, world_size: int) -> Job:
     if p.compression != "none" and p.mode != "allreduce":
         problems.append(("parallel.compression", f"compression hooks into the gradient all-reduce; mode = "
                                                  f"{toml_value(p.mode)} needs compression = \"none\""))
+    if p.mode == "ps" and job.train.precision in ("fp16", "bf16"):
+        problems.append(("train.precision", f"{job.train.precision} runs with mode = \"allreduce\" or "
+                                            f"\"local_sgd\" (the parameter server steps the model's own "
+                                            f"parameters, not float32 masters); use fp32"))
+    return problems
 
-    # model against tensor parallelism and the pipeline
+
+def _check_model(job: Job) -> list:
+    """The model against tensor and sequence parallelism, and against the data."""
+    p, m, problems = job.parallel, job.model, []
     if m.kind == "gpt":
         if m.n_embd % m.n_head:
             problems.append(("model.n_head", f"n_embd = {m.n_embd} is not divisible by n_head = {m.n_head} "
@@ -79,11 +107,17 @@ def validate(job: Job, world_size: int) -> Job:
         want = "text" if m.kind == "gpt" else "digits"
         problems.append(("data.kind", f"model.kind = {toml_value(m.kind)} trains on data.kind = "
                                       f"{toml_value(want)}, got {toml_value(job.data.kind)}"))
+    return problems
+
+
+def _check_pipeline(job: Job) -> list:
+    """Stages against layers, explicit partitions, the interleaved schedule's micro-batches."""
+    p, problems = job.parallel, []
     layers, stages = job.num_layers, p.pp * p.chunks
     if stages > layers:
         problems.append(("parallel.pp", f"pp x chunks = {p.pp} x {p.chunks} = {stages} stages, but the model has "
                                         f"only {layers} layers to cut"
-                                        + (f" (n_layer + 2 = {m.n_layer} + 2)" if m.kind == "gpt" else "")
+                                        + (f" (n_layer + 2 = {job.model.n_layer} + 2)" if job.model.kind == "gpt" else "")
                                         + "; lower pp or chunks or add layers"))
     if not isinstance(p.partition, str):
         if len(p.partition) != stages:
@@ -92,34 +126,27 @@ def validate(job: Job, world_size: int) -> Job:
         elif sum(p.partition) != layers:
             problems.append(("parallel.partition", f"per-stage counts {list(p.partition)} add up to "
                                                    f"{sum(p.partition)}, but the model has {layers} layers"))
-    if p.schedule == "interleaved" and p.micro_batches % p.pp:
+    fit = interleaved_fit(p.pp, p.micro_batches)
+    if p.schedule == "interleaved" and fit is not None:
         problems.append(("parallel.micro_batches", f"the interleaved schedule needs micro_batches divisible by pp: "
-                                                   f"{p.micro_batches} % {p.pp} != 0; use "
-                                                   f"{(p.micro_batches // p.pp + 1) * p.pp}"))
+                                                   f"{p.micro_batches} % {p.pp} != 0; use {fit}"))
+    return problems
 
-    # the batch
-    b = job.data.batch_size
-    if dp is not None and b % dp:
-        problems.append(("data.batch_size", f"{b} is not divisible by dp = {dp}: every replica takes an equal "
-                                            f"share; use a multiple of {dp}"))
-    elif dp is not None and (b // dp) % p.micro_batches:
-        problems.append(("parallel.micro_batches", f"each of the dp = {dp} replicas gets {b // dp} samples, not "
-                                                   f"divisible into {p.micro_batches} micro-batches; use "
-                                                   f"micro_batches in {_divisors(b // dp)} or data.batch_size = "
-                                                   f"{dp * p.micro_batches * max(1, b // (dp * p.micro_batches))}"))
 
-    # optimizer schedule (a warm-up longer than train.steps is fine: a shortened run of a job stays in it)
-    if job.schedule.min_lr > job.optimizer.lr:
-        problems.append(("schedule.min_lr", f"{job.schedule.min_lr:g} is above optimizer.lr = "
-                                            f"{job.optimizer.lr:g}; the cosine decays from lr down to min_lr"))
-
-    if "optimizer.no_decay" in job.given:
-        problems += _check_no_decay(job)
-    if job.data.kind == "text":
-        problems += _check_token_file(job)
-    if problems:
-        raise JobError(job.source, problems)
-    return replace(job, parallel=replace(p, dp=dp), world_size=world_size)
+def _check_batch(job: Job, dp: int | None) -> list:
+    """The global batch splits evenly over the replicas and their micro-batches."""
+    b, micro = job.data.batch_size, job.parallel.micro_batches
+    if dp is None:
+        return []
+    if b % dp:
+        return [("data.batch_size", f"{b} is not divisible by dp = {dp}: every replica takes an equal "
+                                    f"share; use a multiple of {dp}")]
+    if (b // dp) % micro:
+        return [("parallel.micro_batches", f"each of the dp = {dp} replicas gets {b // dp} samples, not "
+                                           f"divisible into {micro} micro-batches; use micro_batches in "
+                                           f"{_divisors(b // dp)} or data.batch_size = "
+                                           f"{dp * micro * max(1, b // (dp * micro))}")]
+    return []
 
 
 def _check_token_file(job: Job) -> list[tuple[str, str]]:
@@ -164,8 +191,11 @@ def parameter_names(job: Job) -> list[str]:
 
 
 def _check_no_decay(job: Job) -> list[tuple[str, str]]:
+    """Given ``optimizer.no_decay`` patterns each match some parameter of the model (the default's may not)."""
     from ..optim.groups import unmatched_patterns
 
+    if "optimizer.no_decay" not in job.given:
+        return []
     names = parameter_names(job)
     unmatched = unmatched_patterns(names, job.optimizer.no_decay)
     if not unmatched:

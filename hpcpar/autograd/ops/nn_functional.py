@@ -2,7 +2,7 @@
 
 Each is one Function with a closed-form backward, so a model step makes a few passes over
 memory per op instead of one per primitive. Elementwise passes, not matmuls, decide how
-close NumPy gets to PyTorch (DESIGN.md), so temporaries are updated in place. Saved
+close NumPy gets to PyTorch (docs/architecture.md, measured facts), so temporaries are updated in place. Saved
 buffers are overwritten during backward where noted: graphs are single-use (tensor.py).
 """
 from __future__ import annotations

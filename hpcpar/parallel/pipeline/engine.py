@@ -12,7 +12,8 @@ the schedule (``schedules.py``: GPipe, 1F1B, interleaved, and ZB-H1, whose B act
 the weight gradients to later W actions: ``autograd.deferred``) under its execution contract:
 sends are non-blocking and waited for at the end of the step, a receive is posted at its
 RECV action and waited for by the compute that needs it. The tag names the channel
-(``2 * sending_stage + is_gradient``), so MPI's non-overtaking rule pairs messages in order.
+(``4 * sending_stage + 2 * is_header + is_gradient``: ``_channel_tag``), so MPI's
+non-overtaking rule pairs messages in order.
 
 Activation shapes are agreed once per step and channel: micro-batch 0's activation is
 preceded by a small header (dtype and shape), and every micro-batch of a step has that shape;
@@ -31,12 +32,14 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ... import defaults
 from ...autograd import Tensor, no_grad
 from ...autograd.deferred import deferred_weight_grads
 from ...backend import get_array_module
 from ...dist.comm import Communicator
+from ...state import ParameterHolder
 from ..data import DistributedDataParallel
-from ..tensor import sync_sequence_parallel_grads
+from ..sequence import sync_sequence_parallel_grads
 from .partition import partition as partition_layers
 from .schedules import make_schedule, theoretical_bubble
 
@@ -56,9 +59,10 @@ def _channel_tag(sending_stage: int, gradient: bool, header: bool = False) -> in
     return 4 * sending_stage + (1 if gradient else 0) + (2 if header else 0)
 
 
-class PipelineParallel:
-    def __init__(self, model, ctx, schedule: str = "1f1b", micro_batches: int = 4, loss_fn=None,
-                 partition="uniform", chunks: int = 1, sample_input=None, wire_dtype=None, bucket_mb: float = 25,
+class PipelineParallel(ParameterHolder):
+    def __init__(self, model, ctx, schedule: str = defaults.PIPELINE_SCHEDULE, micro_batches: int = defaults.MICRO_BATCHES,
+                 loss_fn=None, partition="uniform", chunks: int = defaults.CHUNKS, sample_input=None, wire_dtype=None,
+                 bucket_mb: float = defaults.BUCKET_MB,
                  dp_average: bool = True, backward_loss=None):
         """``dp_average=False`` leaves the dp reduction of gradients to the optimizer (ZeRO-1);
         ``backward_loss(loss)`` runs the last stage's backward (mixed precision: ``amp.backward``,

@@ -166,6 +166,14 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]
     return _plain(p, m, warmup=lambda r: min(p - r - 1, m), deferred_weights=lambda r: r)
 
 
+def interleaved_fit(num_stages: int, num_microbatches: int) -> int | None:
+    """The interleaved schedule's rule, in one place (the schedule, job validation and ``hpcpar
+    compare`` ask here): micro-batches pass the ranks in groups of ``num_stages``, so their number
+    must divide by it. None when it does, else the next count that would."""
+    p, m = num_stages, num_microbatches
+    return None if m % p == 0 else (m // p + 1) * p
+
+
 def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> list[list[Action]]:
     """Megatron's interleaved 1F1B (Narayanan et al. 2021): v = ``chunks`` model chunks per rank.
 
@@ -178,9 +186,10 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> lis
     """
     p, m, v = num_stages, num_microbatches, chunks
     _check(p, m, v)
-    if m % p:
+    fit = interleaved_fit(p, m)
+    if fit is not None:
         raise ValueError(f"interleaved schedule needs num_microbatches divisible by num_stages "
-                         f"(as Megatron does): got m={m}, p={p}; use m = {(m // p + 1) * p}")
+                         f"(as Megatron does): got m={m}, p={p}; use m = {fit}")
     group = p * v
 
     def micro_and_chunk(k: int, forward: bool) -> tuple[int, int]:

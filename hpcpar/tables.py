@@ -1,39 +1,9 @@
-"""Timing helpers shared by the benchmarks: medians, max over ranks, table printing."""
+"""Plain-text tables and byte counts for the commands' reports (benchmarks, compare, ckpt)."""
 from __future__ import annotations
-
-import statistics
-import time
-
-
-def time_loop(fn, iters: int, warmup: int, barrier=None) -> float:
-    """Mean seconds per call of ``fn`` over ``iters`` calls after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    if barrier is not None:
-        barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - start) / iters
-
-
-def traced_peak(fn) -> int:
-    """Peak bytes of NumPy (and other traced) allocations made while ``fn()`` runs (tracemalloc)."""
-    import tracemalloc
-
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-
-
-def median(values) -> float:
-    return statistics.median(values)
 
 
 def format_table(headers: list[str], rows: list[list], title: str | None = None) -> str:
+    """Right-aligned columns under a dashed header line; floats get a sensible number of digits."""
     cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = [title] if title else []

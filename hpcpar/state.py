@@ -1,0 +1,260 @@
+"""What a rank holds, as pieces of global tensors, and the protocol by which objects save and load them.
+
+A ``Piece`` is a hyperslab of one global tensor (``model/<param>`` or ``optim/<param>/<state>``)
+and the local array holding it. Every layout reduces to pieces: a data-parallel replica offers
+whole tensors, a tensor-parallel shard a block of columns or rows, a ZeRO-1 rank or a parameter
+server runs of the flattened parameters (cut into row-major slabs here).
+
+Anything that has state in a checkpoint implements ``Checkpointable``:
+
+- ``checkpoint_pieces()`` -> (pieces, scalars: integer step counts, an optimizer's
+  ``weight_decay/<param>``): what this rank saves;
+- ``load_plan(saved)`` -> ``LoadPlan``: the slabs this rank will read (``Read``: key, global
+  shape, slab, and where the values go) and what to do once they are all in (``finish``).
+
+The checkpoint package (``hpcpar.checkpoint``) knows only this protocol. It checks every read
+of every rank against the checkpoint before anything is assigned, reads them all, and only
+then assigns and finishes: a load that fails leaves every object as it was. Models (every
+``Module``), pipelines, optimizers, ZeRO-1 and the parameter server implement it; a plain list
+of (name, parameter) pairs is wrapped in ``ParameterList``.
+
+A parameter that is a shard of a larger tensor says so with two attributes set by the layer
+that sharded it: ``global_shape`` and ``global_start`` (the index of its first element in the
+global tensor). Without them a parameter is its whole tensor.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .backend import to_device
+
+Slab = tuple  # ((start, stop), ...) per axis, in global coordinates
+
+
+@dataclass
+class Piece:
+    key: str
+    global_shape: tuple
+    slab: Slab
+    array: object  # NumPy or CuPy array of the slab's shape
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(stop - start for start, stop in self.slab)
+
+
+@dataclass(frozen=True)
+class Read:
+    """One slab a rank reads at load; ``assign(values)`` gets a host array of the slab's shape."""
+
+    key: str
+    global_shape: tuple
+    slab: Slab
+    assign: Callable[[np.ndarray], None]
+
+
+@dataclass
+class LoadPlan:
+    reads: list = field(default_factory=list)  # [Read]
+    finish: list = field(default_factory=list)  # callables run after every read is assigned
+
+    def extend(self, other: "LoadPlan") -> "LoadPlan":
+        self.reads += other.reads
+        self.finish += other.finish
+        return self
+
+
+class Saved:
+    """What a checkpoint holds, as a load plan needs to know it: tensor keys and scalars (integer
+    step counts, ``weight_decay/<param>`` floats)."""
+
+    def __init__(self, tensor_keys, scalars: dict):
+        self.tensor_keys = set(tensor_keys)
+        self.scalars = dict(scalars)
+
+    def state_keys(self, name: str) -> list[str]:
+        """The optimizer state saved for parameter ``name`` (``exp_avg``, ``step`` ...)."""
+        prefix = f"optim/{name}/"
+        return sorted({k[len(prefix):] for k in self.tensor_keys | set(self.scalars) if k.startswith(prefix)})
+
+    def weight_decays(self) -> dict:
+        """{parameter name: weight decay} saved (empty for checkpoints from before decay groups)."""
+        return saved_weight_decays(self.scalars)
+
+
+class Checkpointable(ABC):
+    """The checkpoint protocol (see the module docstring)."""
+
+    @abstractmethod
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
+        """(pieces this rank saves, ``{key: number}`` scalars)."""
+
+    @abstractmethod
+    def load_plan(self, saved: Saved) -> LoadPlan:
+        """What this rank reads from a checkpoint holding ``saved``; nothing may change before ``finish``."""
+
+
+class ParameterHolder(Checkpointable):
+    """The protocol for anything with ``named_parameters()``: its parameters as ``model/<name>``."""
+
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
+        return parameter_pieces(self.named_parameters()), {}
+
+    def load_plan(self, saved: Saved) -> LoadPlan:
+        return parameter_load_plan(self.named_parameters())
+
+
+class ParameterList(ParameterHolder):
+    """(name, parameter) pairs as a Checkpointable."""
+
+    def __init__(self, named):
+        self.named = list(named)
+
+    def named_parameters(self):
+        return self.named
+
+
+def checkpointable(obj) -> Checkpointable:
+    """``obj`` itself when it implements the protocol, else its (name, parameter) pairs wrapped."""
+    return obj if isinstance(obj, Checkpointable) else ParameterList(obj)
+
+
+# ----------------------------------------------------------------------------------------
+# Slabs
+# ----------------------------------------------------------------------------------------
+def global_slab(param) -> tuple[tuple, Slab]:
+    """(global shape, slab) of a parameter: the whole tensor unless it is a shard."""
+    shape = tuple(getattr(param, "global_shape", param.shape))
+    start = tuple(getattr(param, "global_start", (0,) * len(shape)))
+    return shape, tuple((s, s + n) for s, n in zip(start, param.shape))
+
+
+def slab_slices(slab: Slab) -> tuple:
+    return tuple(slice(start, stop) for start, stop in slab)
+
+
+def flat_range_to_slabs(shape: tuple, begin: int, end: int) -> list[Slab]:
+    """Cut the row-major flat range [begin, end) of an array of ``shape`` into rectangular slabs.
+
+    A ZeRO shard boundary can fall anywhere inside a parameter; the range splits into at
+    most 2 (ndim - 1) + 1 slabs: a ragged head, whole rows, a ragged tail (recursively).
+    """
+    if begin >= end:
+        return []
+    if len(shape) == 0:
+        return [()]
+    if len(shape) == 1:
+        return [((begin, end),)]
+    row = math.prod(shape[1:])
+    first, last = begin // row, (end - 1) // row
+    if first == last:  # inside one row: recurse into it
+        return [((first, first + 1),) + sub for sub in flat_range_to_slabs(shape[1:], begin - first * row, end - first * row)]
+    slabs = []
+    if begin % row:  # ragged head
+        slabs += flat_range_to_slabs(shape, begin, (first + 1) * row)
+        first += 1
+    whole_end = end // row
+    if whole_end > first:
+        slabs.append(((first, whole_end),) + tuple((0, n) for n in shape[1:]))
+    if end % row and end // row >= first:  # ragged tail
+        slabs += flat_range_to_slabs(shape, whole_end * row, end)
+    return slabs
+
+
+def range_param_slabs(names, params, offsets, begin: int, end: int):
+    """The flat range [begin, end) of parameters laid end to end (``offsets``: where each starts),
+    cut into rectangular slabs: (name, param, global shape, global slab, local shape, offset of
+    the slab's elements in the range). A ZeRO-1 shard and a parameter server's range are such ranges."""
+    for name, param, start in zip(names, params, offsets):
+        lo, hi = max(begin, start), min(end, start + param.size)
+        if lo >= hi:
+            continue
+        shape, param_slab = global_slab(param)
+        offset = lo - begin
+        for local in flat_range_to_slabs(param.shape, lo - start, hi - start):
+            glob = tuple((a + p0, b + p0) for (a, b), (p0, _) in zip(local, param_slab))
+            local_shape = tuple(b - a for a, b in local)
+            yield name, param, shape, glob, local_shape, offset
+            offset += math.prod(local_shape)
+
+
+WEIGHT_DECAY = "weight_decay"  # scalars "weight_decay/<param>": the decay groups by name, so any layout restores them
+
+
+def weight_decay_scalars(decays: dict) -> dict:
+    """``{"weight_decay/<param>": value}`` of an optimizer's ``{parameter name: weight decay}``."""
+    return {f"{WEIGHT_DECAY}/{name}": float(value) for name, value in decays.items()}
+
+
+def saved_weight_decays(scalars: dict) -> dict:
+    """{parameter name: weight decay} from a checkpoint's scalars."""
+    prefix = WEIGHT_DECAY + "/"
+    return {key[len(prefix):]: float(value) for key, value in scalars.items() if key.startswith(prefix)}
+
+
+# ----------------------------------------------------------------------------------------
+# The protocol for the common holders of state
+# ----------------------------------------------------------------------------------------
+def parameter_pieces(named_parameters) -> list[Piece]:
+    pieces = []
+    for name, param in named_parameters:
+        shape, slab = global_slab(param)
+        pieces.append(Piece(f"model/{name}", shape, slab, param.data))
+    return pieces
+
+
+def parameter_load_plan(named_parameters) -> LoadPlan:
+    """Each parameter's slab of ``model/<name>``, copied into it (cast to its dtype, on its device)."""
+    def into(param):
+        def assign(values):
+            param.data[...] = to_device(values, param.xp)
+        return assign
+
+    reads = []
+    for name, param in named_parameters:
+        shape, slab = global_slab(param)
+        reads.append(Read(f"model/{name}", shape, slab, into(param)))
+    return LoadPlan(reads)
+
+
+def flat_state_pieces(slabs, state: dict) -> tuple[list[Piece], dict]:
+    """An optimizer's state over a flat range (``state``: its arrays over the range, and step
+    counts) as pieces of the per-parameter global tensors ``optim/<name>/<key>``, and scalars;
+    ``slabs`` from ``range_param_slabs``."""
+    pieces, scalars = [], {}
+    for name, _, shape, glob, local_shape, offset in slabs:
+        for key, value in state.items():
+            if np.ndim(value) == 0:
+                scalars[f"optim/{name}/{key}"] = int(value)
+            else:
+                block = value[offset: offset + math.prod(local_shape)].reshape(local_shape)
+                pieces.append(Piece(f"optim/{name}/{key}", shape, glob, block))
+    return pieces, scalars
+
+
+def flat_state_load_plan(saved: Saved, slabs: list, shard, commit: Callable[[dict], None]) -> LoadPlan:
+    """Read the state of an optimizer over a flat range (ZeRO-1's shard, a parameter server's range)
+    from the per-parameter global tensors; ``commit(state)`` receives it once every read is in."""
+    if not slabs:
+        return LoadPlan()
+    first_name = slabs[0][0]
+    state, reads = {}, []
+    for key in saved.state_keys(first_name):
+        first = f"optim/{first_name}/{key}"
+        if first in saved.scalars:
+            state[key] = int(saved.scalars[first])
+            continue
+        flat = state[key] = np.zeros(shard.size, dtype=shard.dtype)
+        for name, _, shape, glob, local_shape, offset in slabs:
+            def assign(values, flat=flat, offset=offset):
+                flat[offset: offset + values.size] = values.reshape(-1)
+            reads.append(Read(f"optim/{name}/{key}", shape, glob, assign))
+
+    def finish():
+        commit({key: value if np.ndim(value) == 0 else to_device(value, shard.xp) for key, value in state.items()})
+    return LoadPlan(reads, [finish])

@@ -1,0 +1,165 @@
+"""The Strategy interface: how the data-parallel replicas agree, from a job to a finished step.
+
+A strategy owns, for one way of agreeing:
+
+- building what runs a step from the job: the engine (DDP, the pipeline, a parameter server,
+  local SGD), the optimizer, mixed precision;
+- ``train_step(inputs, targets) -> loss``: forward, backward and the gradient exchange of one
+  step on this dp replica's rows of the global batch;
+- ``finish_step(max_norm, loss) -> taken``: clipping, the optimizer step (under fp16/bf16
+  skipped everywhere when the loss or a gradient is not finite on any rank), clearing the
+  gradients;
+- what it contributes to a checkpoint (``save``, ``load``: through the checkpoint protocol of
+  ``hpcpar.state``, so ``hpcpar.checkpoint`` knows nothing of strategies) and which steps may
+  be saved (``checkpoint_allowed``); a resume keeps the weight decay of each parameter the job
+  asks for (``weight_decays``), or fails on every rank;
+- the extra processes it serves (``trains`` is False on a parameter server's server ranks,
+  which run ``serve`` instead of the loop), and the end of training (``finish_training``).
+
+``stats`` says where the last step's time went: ``compute_s``, ``comm_s``, ``idle_s`` (the
+pipeline bubble), which add up to ``step_s``; under fp16/bf16 also ``skipped_steps``, the
+steps skipped so far in this process.
+"""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+
+from ... import checkpoint
+from ..config import JobError
+
+
+def split_rows(batch, parts: int) -> list:
+    size = len(batch) // parts
+    return [batch[k * size:(k + 1) * size] for k in range(parts)]
+
+
+def accumulate_gradients(model, inputs, targets, micro_batches: int, backward, no_sync=None) -> float:
+    """Forward and backward of ``micro_batches`` slices of the rows, gradients summed; the mean loss.
+
+    ``no_sync()`` (DDP's) wraps every backward but the last, so the all-reduce runs once.
+    """
+    total = 0.0
+    pieces = list(zip(split_rows(inputs, micro_batches), split_rows(targets, micro_batches)))
+    for k, (x, y) in enumerate(pieces):
+        loss = model.loss(x, y) * (1.0 / micro_batches)
+        if no_sync is not None and k < len(pieces) - 1:
+            with no_sync():
+                backward(loss)
+        else:
+            backward(loss)
+        total += loss.item()
+    return total
+
+
+class Strategy(ABC):
+    """How the replicas agree (see the module docstring). Subclasses set the attributes below."""
+
+    name: str = ""
+    trains: bool = True  # False on ranks that only serve (parameter servers)
+
+    def __init__(self, job, ctx, model):
+        self.job, self.ctx, self.model = job, ctx, model
+        self.world_ctx = ctx  # the ranks a checkpoint is collective over
+        self.stats: dict = {}
+
+    # ----- a training step ------------------------------------------------------------
+    @property
+    @abstractmethod
+    def optimizer(self):
+        """What a learning-rate schedule drives (it reads and sets ``lr``)."""
+
+    @abstractmethod
+    def train_step(self, inputs, targets) -> float:
+        """Forward, backward and the gradient exchange; returns this replica's mean loss."""
+
+    @abstractmethod
+    def finish_step(self, max_norm: float, loss: float) -> bool:
+        """Clip (``max_norm`` > 0), step, clear the gradients; False when the step was skipped.
+
+        ``loss``: what ``train_step`` returned. Under mixed precision a non-finite loss or
+        gradient on any rank skips the step everywhere; full precision takes every step.
+        """
+
+    def local_train_step(self, inputs, targets, backward) -> float:
+        """Forward and backward with no gradient exchange (the exchange is the step's finish)."""
+        start = time.perf_counter()
+        loss = accumulate_gradients(self.model, inputs, targets, self.job.parallel.micro_batches, backward)
+        elapsed = time.perf_counter() - start
+        self.stats = {"step_s": elapsed, "compute_s": elapsed, "comm_s": 0.0, "idle_s": 0.0}
+        return loss
+
+    def evaluate_loss(self, inputs, targets) -> float:
+        """The mean loss of a batch, forward only (every rank of the replica gets it)."""
+        return self.model.loss(inputs, targets).item()
+
+    @abstractmethod
+    def named_parameters(self) -> list:
+        """(name, parameter) pairs this rank computes with."""
+
+    @abstractmethod
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state (and master weights) this rank holds."""
+
+    def describe(self) -> str:
+        return self.name
+
+    # ----- checkpoints ----------------------------------------------------------------
+    @abstractmethod
+    def checkpoint_target(self) -> tuple:
+        """(model, optimizer, context) as ``hpcpar.checkpoint.save`` and ``load`` take them."""
+
+    def checkpoint_extra(self) -> dict:
+        """State an exact resume needs besides the target's (a loss scaler)."""
+        return {}
+
+    def checkpoint_allowed(self, step: int) -> bool:
+        """Whether the replicas agree after ``step``, so it can be saved."""
+        return True
+
+    def after_load(self) -> None:
+        """Derived state to refresh once a checkpoint is in (low-precision copies of the masters)."""
+
+    def save(self, root: str, step: int, extra: dict, keep: int, asynchronous: bool):
+        model, optimizer, ctx = self.checkpoint_target()
+        return checkpoint.save(root, step, model, optimizer, ctx, extra=extra, keep=keep, asynchronous=asynchronous)
+
+    @abstractmethod
+    def weight_decays(self) -> dict:
+        """{parameter name: weight decay} that this rank's optimizer applies (its groups, by name)."""
+
+    def load_latest(self, root: str, extra: dict) -> dict | None:
+        model, optimizer, ctx = self.checkpoint_target()
+        asked = self.weight_decays()
+        info = checkpoint.load_latest(root, model, optimizer, ctx, extra=extra)
+        if info is not None:
+            self.after_load()
+            self.check_weight_decays(asked, root)
+        return info
+
+    def check_weight_decays(self, asked: dict, root: str) -> None:
+        """A checkpoint restores the weight decay each parameter was trained with; a job that asks
+        for another (``optimizer.weight_decay``, ``optimizer.no_decay``) fails on every rank."""
+        restored = self.weight_decays()
+        differ = sorted(name for name, value in asked.items() if restored.get(name, value) != value)
+        differ = sorted(set().union(*self.world_ctx.world.allgather_object(differ)))
+        if differ:
+            raise JobError(self.job.source, [("optimizer.no_decay", f"the checkpoint in {root} was trained with "
+                                              f"another weight decay for {len(differ)} parameter(s) "
+                                              f"({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}) than "
+                                              f"optimizer.weight_decay and optimizer.no_decay give; resume with the "
+                                              f"settings it was trained with, or start anew with "
+                                              f"checkpoint.resume = false")])
+
+    # ----- serving and the end ----------------------------------------------------------
+    def serve(self, save_step) -> None:
+        """On ranks that only serve: serve until training ends (``save_step(step)`` when asked to save)."""
+
+    def finish_training(self, save_final) -> None:
+        """Bring the replicas to agreement, then ``save_final()`` (None: nothing to save)."""
+        self.shutdown()
+        if save_final is not None:
+            save_final()
+
+    def shutdown(self) -> None:
+        """The end of training on every rank."""

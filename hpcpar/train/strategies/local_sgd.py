@@ -1,0 +1,71 @@
+"""Local SGD (``parallel.mode = "local_sgd"``): each replica steps on its own gradients and the
+parameters are averaged every ``local_steps`` steps (``hpcpar.parallel.local_sgd``).
+
+Only a step right after an average is one the replicas agree on, so only those are saved;
+training ends with one more average.
+"""
+from __future__ import annotations
+
+import time
+
+from ...parallel.local_sgd import LocalSGD
+from .base import Strategy
+from .ingredients import make_precision, optimizer_class, state_bytes
+
+
+class LocalSGDStrategy(Strategy):
+    name = "local_sgd"
+
+    def __init__(self, job, ctx, model, data=None):
+        super().__init__(job, ctx, model)
+        p = job.parallel
+        self.precision = make_precision(job, model.named_parameters())
+        cls, options = optimizer_class(job)
+        self._optimizer = cls(self.precision.named_master_parameters(), **options)
+        self.local = LocalSGD(model, ctx, self._optimizer, local_steps=p.local_steps,
+                              average_optimizer_state=p.average_optimizer_state,
+                              max_grad_norm=job.optimizer.grad_clip, amp=self.precision)
+
+    @property
+    def optimizer(self):
+        return self._optimizer
+
+    def named_parameters(self) -> list:
+        return list(self.model.named_parameters())
+
+    def train_step(self, inputs, targets) -> float:
+        return self.local_train_step(inputs, targets, self.precision.backward)
+
+    def finish_step(self, max_norm: float, loss: float) -> bool:
+        """A local step (clipped by the job's grad_clip inside LocalSGD); every H-th, the average.
+        Under mixed precision a non-finite loss or gradient skips this replica's step only."""
+        start = time.perf_counter()
+        taken = self.local.step(loss)
+        self.stats["comm_s"] = time.perf_counter() - start
+        self.stats.update(self.precision.metrics())
+        return taken
+
+    def optimizer_state_bytes(self) -> int:
+        return state_bytes(self._optimizer) + self.precision.master_bytes()
+
+    def weight_decays(self) -> dict:
+        return self._optimizer.named_weight_decays()
+
+    def describe(self) -> str:
+        state = ", optimizer state averaged too" if self.local.average_optimizer_state else ""
+        return f"local SGD: {self.ctx.dp_size} replicas average parameters every {self.local.local_steps} steps{state}"
+
+    def checkpoint_target(self) -> tuple:
+        return self.precision.named_master_parameters(), self._optimizer, self.ctx
+
+    def checkpoint_extra(self) -> dict:
+        return {} if self.precision.scaler is None else {"scaler": self.precision.scaler}
+
+    def checkpoint_allowed(self, step: int) -> bool:
+        return step % self.local.local_steps == 0  # right after an average
+
+    def after_load(self) -> None:
+        self.precision.copy_to_model()
+
+    def shutdown(self) -> None:
+        self.local.shutdown()  # the last average: every replica ends with the same model

@@ -1,0 +1,80 @@
+"""Parameter server (``parallel.mode = "ps"``): the last ``servers`` ranks hold the parameters and
+step them; workers push gradients and pull parameters (``hpcpar.parallel.ps``).
+
+Checkpoints are collective over the whole world and synchronous: a worker asks the servers to
+join, they pause serving and save their ranges of the parameters and of the optimizer state.
+Servers save first at the end, while they still serve; then every worker stops them.
+"""
+from __future__ import annotations
+
+import time
+
+from ... import checkpoint
+from ...parallel.ps import ParameterServer
+from .base import Strategy
+from .ingredients import optimizer_class, state_bytes
+
+
+class ParameterServerStrategy(Strategy):
+    name = "ps"
+
+    def __init__(self, job, ctx, model, data=None):
+        super().__init__(job, ctx, model)
+        p = job.parallel
+        cls, options = optimizer_class(job)
+        self.ps = ParameterServer(model.named_parameters(), ctx, cls, servers=p.servers, staleness=p.staleness,
+                                  max_grad_norm=job.optimizer.grad_clip, **options)
+        self.trains = self.ps.is_worker
+        self.ctx = self.ps.ctx  # the workers' own context (dp = world - servers); None on a server
+
+    @property
+    def optimizer(self):
+        return self.ps if self.trains else self.ps.optimizer  # a worker's lr travels with its pushes
+
+    def named_parameters(self) -> list:
+        return list(self.model.named_parameters())
+
+    def train_step(self, inputs, targets) -> float:
+        return self.local_train_step(inputs, targets, lambda value: value.backward())
+
+    def finish_step(self, max_norm: float, loss: float) -> bool:
+        """Push the gradients and pull fresh parameters (the servers clip and step)."""
+        start = time.perf_counter()
+        self.ps.push_pull()
+        self.stats["comm_s"] = time.perf_counter() - start
+        return True
+
+    def optimizer_state_bytes(self) -> int:
+        return 0 if self.trains else state_bytes(self.ps.optimizer)
+
+    def describe(self) -> str:
+        return self.ps.describe()
+
+    def weight_decays(self) -> dict:
+        return self.ps.named_weight_decays()
+
+    def checkpoint_target(self) -> tuple:
+        return self.ps, None, self.world_ctx  # the servers save parameters and state, the workers nothing
+
+    def save(self, root: str, step: int, extra: dict, keep: int, asynchronous: bool):
+        def write():  # always synchronous: the servers pause serving for it
+            return checkpoint.save(root, step, self.ps, None, self.world_ctx, extra=extra, keep=keep)
+
+        if not self.trains:
+            return write()
+        written = []
+        self.ps.save_checkpoint(step, lambda: written.append(write()))
+        return written[0]
+
+    def serve(self, save_step) -> None:
+        self.ps.on_save = save_step  # when the workers ask
+        self.ps.serve()
+        self.ps.shutdown()
+
+    def finish_training(self, save_final) -> None:
+        if save_final is not None:  # while the servers still serve
+            save_final()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.ps.shutdown()

@@ -1,0 +1,97 @@
+"""The optimizer step of a synchronous strategy, for each way the parameters and their state are held.
+
+    update = ReplicatedUpdate(optimizer, precision, ctx, owns_for_norm)   # DDP, pipeline: averaged grads
+    update = ShardedUpdate(zero, precision, ctx, owns_for_norm)           # ZeRO-1: reduce-scatter first
+    norm = update.clip(max_norm)      # optional: the global norm over dp, tp and pp
+    taken = update.step(loss)         # False when mixed precision found a non-finite loss or gradient
+
+``precision`` is a ``MixedPrecision`` (float32 masters, loss scaling) or ``FullPrecision``
+(the model's own parameters): the same interface, so neither update branches on it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...parallel.grad_norm import clip_grad_norm_parallel, counts_toward_norm, sum_over_model_parallel
+
+
+class FullPrecision:
+    """``MixedPrecision``'s interface when the model's parameters are the ones the optimizer steps.
+
+    Every step is taken: fp32 and fp64 have no overflow to recover from, so ``step`` checks
+    neither the loss nor the gradients (no extra collective per step, as PyTorch without amp),
+    and a loss that turned NaN shows in the log instead of being skipped silently.
+    """
+
+    scaler = None
+
+    def __init__(self, named):
+        self.named = list(named)
+
+    def named_master_parameters(self) -> list:
+        return list(self.named)
+
+    def model_parameter(self, master):
+        return master
+
+    def backward(self, loss) -> None:
+        loss.backward()
+
+    def unscale_grads(self) -> None:
+        pass
+
+    def step(self, optimizer, allreduce_max=None, loss=None, **step_options) -> bool:
+        """``optimizer.step(**step_options)``; ``allreduce_max`` and ``loss`` are unused (every step is taken)."""
+        optimizer.step(**step_options)
+        return True
+
+    def copy_to_model(self) -> None:
+        pass
+
+    def master_bytes(self) -> int:
+        return 0  # no copy beside the model's parameters
+
+    def metrics(self) -> dict:
+        return {}  # nothing is skipped
+
+
+class ReplicatedUpdate:
+    """Every dp replica holds the dp-averaged gradients and the whole optimizer state."""
+
+    def __init__(self, optimizer, precision, ctx, owns_for_norm):
+        self.optimizer, self.precision, self.ctx = optimizer, precision, ctx
+        self.owns = lambda master: owns_for_norm(precision.model_parameter(master))  # noqa: E731
+
+    def clip(self, max_norm: float) -> float:
+        self.precision.unscale_grads()
+        return clip_grad_norm_parallel(self.precision.named_master_parameters(), max_norm, self.ctx, owns=self.owns)
+
+    def step(self, loss: float) -> bool:
+        return self.precision.step(self.optimizer, allreduce_max=world_max(self.ctx), loss=loss)
+
+
+class ShardedUpdate:
+    """ZeRO-1: gradients are reduce-scattered by the optimizer; each rank clips and steps its shard."""
+
+    def __init__(self, zero, precision, ctx, owns_for_norm):
+        self.optimizer, self.precision, self.ctx = zero, precision, ctx
+        self.owns = lambda master: owns_for_norm(precision.model_parameter(master))  # noqa: E731
+        self.reduced = False
+
+    def clip(self, max_norm: float) -> float:
+        self.precision.unscale_grads()
+        self.optimizer.reduce_gradients()
+        self.reduced = True
+        counts = lambda param: counts_toward_norm(param, self.ctx, self.owns)  # noqa: E731
+        return self.optimizer.clip_grad_norm(max_norm, counts=counts, model_parallel_sum=sum_over_model_parallel(self.ctx))
+
+    def step(self, loss: float) -> bool:
+        taken = self.precision.step(self.optimizer, allreduce_max=world_max(self.ctx), loss=loss,
+                                    reduce=not self.reduced)
+        self.reduced = False
+        return taken
+
+
+def world_max(ctx):
+    """``value -> its maximum over every rank``: each rank takes the same skip decision."""
+    return lambda value: float(ctx.world.allreduce(np.array([value]), "max")[0])

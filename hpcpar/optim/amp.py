@@ -92,6 +92,27 @@ class DynamicLossScaler:
         self.growth_interval = int(state["growth_interval"])
 
 
+def scaled_backward(loss, scale: float) -> None:
+    """``loss.backward()`` with every gradient multiplied by ``scale`` (the seed of backward)."""
+    xp = loss.xp
+    # Overflow is the expected signal of a too large scale, detected before the step; not a warning.
+    with np.errstate(over="ignore", invalid="ignore"):
+        loss.backward(xp.full(loss.shape, scale, dtype=np.float64).astype(loss.dtype))
+
+
+def all_finite(grads, loss=None) -> bool:
+    """Whether every element of ``grads`` (arrays) and the ``loss`` (a number or Tensor, when given)
+    is finite; one device-to-host transfer for the arrays."""
+    grads = list(grads)
+    finite = True
+    if grads:
+        xp = get_array_module(*grads)
+        finite = bool(xp.stack([xp.isfinite(g).all() for g in grads]).all())
+    if loss is not None:
+        finite = finite and math.isfinite(loss.item() if hasattr(loss, "item") else float(loss))
+    return finite
+
+
 _DEFAULT_SCALER = object()
 
 
@@ -133,10 +154,7 @@ class MixedPrecision:
 
     def backward(self, loss) -> None:
         """``loss.backward()`` with every gradient multiplied by the current scale."""
-        xp = loss.xp
-        # Overflow is the expected signal of a too large scale, detected in step(); not a warning.
-        with np.errstate(over="ignore", invalid="ignore"):
-            loss.backward(xp.full(loss.shape, self.scale, dtype=np.float64).astype(loss.dtype))
+        scaled_backward(loss, self.scale)
 
     def unscale_grads(self) -> None:
         """Master grads = model grads / scale, in ``master_dtype`` (once per step)."""
@@ -155,12 +173,7 @@ class MixedPrecision:
         """Whether the step must be skipped: the loss (when given) or any master grad is inf or NaN,
         here or, with ``allreduce_max``, on any rank (one all-reduce of one number)."""
         self.unscale_grads()
-        grads = [master.grad for _, master in self.master if master.grad is not None]
-        xp = get_array_module(*grads)
-        all_finite = bool(xp.stack([xp.isfinite(g).all() for g in grads]).all()) if grads else True  # one sync
-        if loss is not None:
-            all_finite = all_finite and math.isfinite(loss.item() if hasattr(loss, "item") else float(loss))
-        local = 0.0 if all_finite else 1.0
+        local = 0.0 if all_finite((m.grad for _, m in self.master if m.grad is not None), loss) else 1.0
         return bool(allreduce_max(local) if allreduce_max is not None else local)
 
     def step(self, optimizer, allreduce_max=None, loss=None, **step_options) -> bool:

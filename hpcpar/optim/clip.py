@@ -14,7 +14,11 @@ def clip_grad_norm(params, max_norm: float, allreduce_sum=None) -> float:
     that each hold a part of the gradients (tensor- or pipeline-parallel shards); each element
     must be counted on exactly one rank. Squares are summed in at least float32 (the precision policy).
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    return clip_arrays([p.grad for p in params if p.grad is not None], max_norm, allreduce_sum)
+
+
+def clip_arrays(grads, max_norm: float, allreduce_sum=None) -> float:
+    """``clip_grad_norm`` of gradient arrays themselves (views of a flat buffer, say)."""
     squares = []
     for grad in grads:
         flat = grad.reshape(-1).astype(precision.accumulation_dtype(grad.dtype), copy=False)

@@ -119,6 +119,40 @@ def test_bfloat16_trains_with_pipelines_and_zero_and_resumes_exactly(tmp_path, t
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+def test_bfloat16_parameter_server_trains_and_resumes_exactly(tmp_path, token_file):
+    """bf16 with mode = "ps": float32 masters on the 2 servers, float32 pushes from the 2 workers. The
+    loss falls, nothing is skipped, the checkpoint holds the float32 masters, and a run resumed
+    from step 4 ends with the masters of an uninterrupted run, bit for bit."""
+    pytest.importorskip("ml_dtypes")
+    job = os.path.join(REPO, "jobs", "gpt-ps.toml")
+    common = ["parallel.staleness=0", "parallel.servers=2", "train.precision=\"bf16\"", "model.n_embd=32",
+              "data.batch_size=8", "train.log_interval=1", "train.eval_interval=0", "train.sample_tokens=0",
+              "checkpoint.interval=4"]
+    straight = train(job, tmp_path / "straight", token_file, *common, "train.steps=8")
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    records = [json.loads(line) for line in open(tmp_path / "straight" / "metrics.jsonl") if '"loss"' in line]
+    losses = [r["loss"] for r in records]
+    assert len(losses) == 8 and all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert [r["skipped_steps"] for r in records] == [0] * 8
+
+    shutil.copytree(tmp_path / "straight" / "ckpt" / "step-00000004", tmp_path / "stopped" / "ckpt" / "step-00000004")
+    (tmp_path / "stopped" / "ckpt" / "latest").write_text("step-00000004\n")
+    resumed = train(job, tmp_path / "stopped", token_file, *common, "train.steps=8")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout and "step     8/8" in resumed.stdout
+    a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / "stopped" / "ckpt")
+    assert a.keys() == b.keys() and all(a[k].dtype == np.float32 for k in a)
+    assert any(not np.array_equal(a[k], a[k].astype(ml_dtypes_bfloat16()).astype(np.float32)) for k in a)  # masters
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def ml_dtypes_bfloat16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
 def test_checkpoints_keep_weight_decay_groups_and_a_resume_cannot_change_them(tmp_path, token_file):
     job = os.path.join(REPO, "jobs", "demo.toml")  # weight_decay 0.01, no_decay: biases, LayerNorms, embeddings
     common = ["model.n_layer=2", "model.n_embd=32", "train.log_interval=1", "train.eval_interval=0",

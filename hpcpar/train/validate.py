@@ -71,10 +71,6 @@ def _check_modes(job: Job) -> list:
     if p.compression != "none" and p.mode != "allreduce":
         problems.append(("parallel.compression", f"compression hooks into the gradient all-reduce; mode = "
                                                  f"{toml_value(p.mode)} needs compression = \"none\""))
-    if p.mode == "ps" and job.train.precision in ("fp16", "bf16"):
-        problems.append(("train.precision", f"{job.train.precision} runs with mode = \"allreduce\" or "
-                                            f"\"local_sgd\" (the parameter server steps the model's own "
-                                            f"parameters, not float32 masters); use fp32"))
     return problems
 
 

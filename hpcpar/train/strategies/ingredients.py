@@ -19,11 +19,15 @@ def optimizer_class(job):
 
 
 def make_precision(job, named):
-    """float32 masters for ``named`` under fp16/bf16 (fp16 scales the loss; bf16 has float32's
-    range and needs no scaling), else the parameters themselves."""
+    """float32 masters for ``named`` under fp16/bf16, else the parameters themselves."""
     if job.train.precision not in MIXED:
         return FullPrecision(named)
-    return MixedPrecision(named, scaler=DynamicLossScaler() if job.train.precision == "fp16" else None)
+    return MixedPrecision(named, scaler=loss_scaler(job))
+
+
+def loss_scaler(job):
+    """fp16 scales the loss; bf16 has float32's range and needs no scaling (None)."""
+    return DynamicLossScaler() if job.train.precision == "fp16" else None
 
 
 def make_gradient_compressor(parallel):

@@ -270,3 +270,31 @@ def test_weight_decay_groups_are_in_the_state_dict_and_checked():
         AdamW([{"params": [a]}, b])
     with pytest.raises(ValueError, match="weight_decay must be >= 0"):
         SGD([{"params": [a], "weight_decay": -1.0}], lr=0.1)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["adamw", "zero-1"])
+def test_a_checkpoint_sets_weight_decays_only_when_the_whole_load_succeeds(tmp_path, sharded):
+    """The saved ``weight_decay/<param>`` scalars are staged by the load plan and applied in its
+    finish: a load that fails (here: a parameter the checkpoint lacks) leaves the decays as they were."""
+    from hpcpar import checkpoint
+    from hpcpar.checkpoint import CheckpointError
+    from hpcpar.dist import single_process
+    from hpcpar.parallel.zero import ZeroRedundancyOptimizer
+
+    ctx = single_process()
+
+    def build(names, weight_decay, **groups):
+        named = [(name, Parameter(np.ones(3))) for name in names]
+        if sharded:
+            return named, ZeroRedundancyOptimizer(named, ctx.dp, AdamW, lr=0.1, weight_decay=weight_decay, **groups)
+        return named, AdamW(named, lr=0.1, weight_decay=weight_decay, **groups)
+
+    named, trained = build(["layer.weight", "layer.bias"], 0.1, no_decay="*.bias")
+    checkpoint.save(str(tmp_path), 1, named, trained, ctx)
+    named, wider = build(["layer.weight", "layer.bias", "extra"], 0.5)
+    with pytest.raises(CheckpointError, match="no tensor 'model/extra'"):
+        checkpoint.load(str(tmp_path), named, wider, ctx)
+    assert wider.named_weight_decays() == {"layer.weight": 0.5, "layer.bias": 0.5, "extra": 0.5}
+    named, same = build(["layer.weight", "layer.bias"], 0.5)
+    checkpoint.load(str(tmp_path), named, same, ctx)
+    assert same.named_weight_decays() == {"layer.weight": 0.1, "layer.bias": 0.0}

@@ -2,12 +2,11 @@
 
     import hpcpar
     ctx = hpcpar.init(pp=2, tp=2)        # dp fills the rest of the world
+
+Importing hpcpar changes nothing in the process; ``init`` applies the process-wide settings
+(glibc's allocator, BLAS threads: see hpcpar.host) and reports them in ``ctx.host``.
 """
 __version__ = "0.1.0"
-
-from .backend import tune_host_allocator as _tune_host_allocator
-
-_tune_host_allocator()  # before the first large array: see hpcpar.backend.tune_host_allocator
 
 
 def init(dp=None, pp=1, tp=1, device="auto", **kwargs):

@@ -7,9 +7,10 @@ and runs on NumPy.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
+
+from . import host
 
 try:  # CuPy is optional; a broken CUDA install must not break CPU users either.
     import cupy as _cupy
@@ -102,67 +103,6 @@ def synchronize(a=None) -> None:
             _cupy.cuda.get_current_stream().synchronize()
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-
-
-def tune_host_allocator() -> bool:
-    """Keep large NumPy buffers in glibc's heap instead of fresh mmaps (opt out: HPCPAR_MALLOC_TUNING=0).
-
-    By default glibc serves each allocation above ~128 KiB-32 MiB with its own mmap and unmaps
-    it on free, so every activation, gradient and temporary of a training step costs page
-    faults to create and an munmap to drop: measured here, freeing the gradients of the
-    benchmark GPT took 4 ms of a 5 ms data-parallel sync, 0.2 ms with the heap reused. The
-    price is that the process keeps its peak memory (as caching allocators do). Returns
-    whether the setting was applied (False off glibc).
-    """
-    if os.environ.get("HPCPAR_MALLOC_TUNING", "1") == "0":
-        return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31))
-    except (OSError, AttributeError):
-        return False
-
-
-BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-def share_cores(ranks_on_node: int) -> int | None:
-    """Give this rank's BLAS its share of the node's cores, unless the user chose (the variables above).
-
-    Left alone, each of R ranks on a node starts a BLAS pool of one thread per core, R x cores
-    threads fighting over the cores: ``hpcpar bench dp`` at 2 ranks on 2 cores took 3 s a step
-    instead of 0.07 s. A rank the launcher pinned to some CPUs (SLURM's --cpus-per-task) gets
-    those; otherwise cores // ranks, at least 1 (torchrun sets OMP_NUM_THREADS=1 for the same
-    reason). Returns the thread count set, or None when left alone.
-    """
-    if any(os.environ.get(name) for name in BLAS_THREAD_VARIABLES):
-        return None
-    cores = os.cpu_count() or 1
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
-    threads = usable if usable < cores else max(1, usable // ranks_on_node)
-    if threads == cores:
-        return None  # the libraries' own default
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return None
-    threadpool_limits(limits=threads, user_api="blas")
-    return threads
-
-
-def blas_threads() -> str:
-    """The thread counts of the loaded BLAS libraries, e.g. ``openblas 1``."""
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "default"
-    pools = [f"{pool['internal_api']} {pool['num_threads']}" for pool in threadpool_info() if pool["user_api"] == "blas"]
-    return ", ".join(pools) or "no BLAS loaded"
-
-
 def describe() -> dict:
     """Facts for ``hpcpar info``."""
     info = {"numpy": np.__version__, "cupy": None, "gpus": 0}
@@ -175,5 +115,5 @@ def describe() -> dict:
         info["bfloat16_on_cpu"] = True
     except ImportError:
         info["bfloat16_on_cpu"] = False
-    info["blas_threads"] = blas_threads()
+    info["blas_threads"] = host.blas_threads()
     return info

@@ -8,7 +8,9 @@ pipeline, pure tensor parallelism and the hybrids. For each it measures, as medi
 steps after two warm-up steps (the slowest rank decides a step):
 
 - throughput and the speed-up over one rank, and scaling efficiency = speed-up / ranks;
-- the communication share and the pipeline bubble share of the step;
+- the communication share and the pipeline bubble share of the step; on several nodes also the
+  share spent communicating across nodes (the communication time less that on the communicators
+  whose ranks share a node) and which communicators cross nodes;
 - parameter + optimizer-state memory per rank, and the peak of NumPy allocations during a
   step (activations and workspace, from tracemalloc on one extra step);
 - bytes communicated per step (all ranks, all communicators).
@@ -73,13 +75,18 @@ def measure(job, comm, steps: int) -> dict:
     ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, comm=comm, device=job.train.device)
     run = build(job, ctx)
     strategy = run.strategy
-    times, comm_s, idle_s = [], [], []
+    times, comm_s, idle_s, inter_node_s = [], [], [], []
+    # Communication on the communicators that stay inside a node; on several nodes, the rest of
+    # comm_s crossed nodes.
+    inside = [c for name, c in (("dp", ctx.dp), ("pp", ctx.pp), ("tp", ctx.tp)) if name not in ctx.crossing_axes]
+    several_nodes = ctx.topology.nodes > 1
     ctx.reset_stats()
     for step in range(steps + 2):
         if step == 2:
             ctx.reset_stats()
         inputs, targets = run.train_data.batch_at(step)
         ctx.world.barrier()
+        inside_before = sum(c.stats.total_seconds for c in inside)
         start = time.perf_counter()
         loss = strategy.train_step(inputs, targets)
         strategy.finish_step(job.optimizer.grad_clip, loss)
@@ -88,6 +95,8 @@ def measure(job, comm, steps: int) -> dict:
             times.append(elapsed)
             comm_s.append(strategy.stats.get("comm_s", 0.0))
             idle_s.append(strategy.stats.get("idle_s", 0.0))
+            inside_s = sum(c.stats.total_seconds for c in inside) - inside_before
+            inter_node_s.append(max(0.0, comm_s[-1] - inside_s) if several_nodes else 0.0)
     traffic = sum(c.stats.total_bytes for c in ctx.communicators().values() if c.size > 1)  # size 1: local copies
     inputs, targets = run.train_data.batch_at(0)
     losses = []
@@ -102,6 +111,8 @@ def measure(job, comm, steps: int) -> dict:
             "tokens_per_s": tokens / step_s,
             "comm_share": gather(statistics.median(comm_s)) / step_s,
             "bubble_share": gather(statistics.median(idle_s)) / step_s,
+            "inter_node_share": gather(statistics.median(inter_node_s)) / step_s,
+            "nodes": ctx.topology.nodes, "across_nodes": ctx.crossing_axes,
             "param_state_mb_per_rank": gather(params + state) / 2**20,
             "activation_peak_mb_per_rank": gather(activation_peak) / 2**20,
             "bytes_per_step": gather(traffic / steps, MPI.SUM)}
@@ -164,24 +175,31 @@ def main(argv: list[str]) -> int:
 
 
 def report(job, results, skipped, world, steps) -> str:
+    """The table. On several nodes the comm column adds, in brackets, the share of the step spent
+    communicating across nodes, and a column names the communicators that cross them."""
     unit = "tok/s" if job.model.kind == "gpt" else "img/s"
+    nodes = max(r["nodes"] for r in results)
     versus = any(r["precision"] != "fp32" and "step_vs_fp32" in r for r in results)
     rows = []
     for r in results:
+        comm = f"{100 * r['comm_share']:.0f}%" + (f" ({100 * r['inter_node_share']:.0f}%)" if nodes > 1 else "")
         row = [r["label"], f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{100 * r['efficiency']:.0f}%",
-               f"{100 * r['comm_share']:.0f}%", f"{100 * r['bubble_share']:.0f}%", f"{r['param_state_mb_per_rank']:.1f}",
+               comm, f"{100 * r['bubble_share']:.0f}%", f"{r['param_state_mb_per_rank']:.1f}",
                f"{r['activation_peak_mb_per_rank']:.1f}", f"{r['bytes_per_step'] / 2**20:.2f}"]
         if versus:
             row += [f"{r['step_vs_fp32']:.2f}" if "step_vs_fp32" in r else "-",
                     f"{r['activations_vs_fp32']:.2f}" if "activations_vs_fp32" in r else "-"]
-        rows.append(row)
+        rows.append(row + ([",".join(r["across_nodes"]) or "-"] if nodes > 1 else []))
     m = job.model
     model = (f"GPT layers {m.n_layer}, width {m.n_embd}, heads {m.n_head}, context {m.block_size}"
              if m.kind == "gpt" else "digits CNN")
-    headers = ["layout dp x pp x tp", unit, "speed-up", "efficiency", "comm", "bubble", "params+opt MB/rank",
-               "activations MB/rank", "MB sent/step"] + (["step vs fp32", "activations vs fp32"] if versus else [])
-    text = format_table(headers, rows, f"hpcpar compare: {model}, global batch {job.data.batch_size}, {world} ranks on "
-                                       f"{os.cpu_count()} cores, median of {steps} steps")
+    where = f"{world} ranks on {os.cpu_count()} cores" if nodes == 1 else f"{world} ranks on {nodes} nodes"
+    headers = ["layout dp x pp x tp", unit, "speed-up", "efficiency", "comm" if nodes == 1 else "comm (inter-node)",
+               "bubble", "params+opt MB/rank", "activations MB/rank", "MB sent/step"]
+    headers += ["step vs fp32", "activations vs fp32"] if versus else []
+    text = format_table(headers + (["across nodes"] if nodes > 1 else []), rows,
+                        f"hpcpar compare: {model}, global batch {job.data.batch_size}, {where}, "
+                        f"median of {steps} steps")
     for name, why in skipped:
         text += f"\nskipped {name}: {why}"
     if versus:

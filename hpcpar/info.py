@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 from mpi4py import MPI
 
 from . import backend
 from .dist.context import init
+from .dist.topology import PlacementWarning
 
 
 def parallel_hdf5() -> bool:
@@ -16,7 +18,9 @@ def parallel_hdf5() -> bool:
 
 
 def print_info(dp=None, pp=1, tp=1, device="auto") -> None:
-    ctx = init(dp=dp, pp=pp, tp=tp, device=device)
+    with warnings.catch_warnings():  # the placement report below carries the warning
+        warnings.simplefilter("ignore", PlacementWarning)
+        ctx = init(dp=dp, pp=pp, tp=tp, device=device)
     placement = ctx.world.gather_object((ctx.rank, os.uname().nodename, ctx.node_rank, os.getpid()))
     if ctx.rank != 0:
         return
@@ -33,12 +37,16 @@ def print_info(dp=None, pp=1, tp=1, device="auto") -> None:
         f"backends      numpy {facts['numpy']}, cupy {facts['cupy'] or 'not installed'}, GPUs visible: {facts['gpus']}",
         f"bfloat16 CPU  {'yes (ml_dtypes)' if facts['bfloat16_on_cpu'] else 'no (pip install ml_dtypes)'}",
         f"h5py          {h5py.__version__}, HDF5 {h5py.version.hdf5_version}, parallel HDF5: {'yes' if parallel_hdf5() else 'no (file-per-rank checkpoints)'}",
-        f"wait policy   {ctx.wait_policy} ({ctx.node_size} ranks on this node, {os.cpu_count()} CPUs)",
-        f"BLAS threads  {facts['blas_threads']} per rank",
+        f"wait policy   {ctx.wait_policy} ({ctx.node_size} ranks on this node, {ctx.node_cpus} usable CPUs: "
+        f"affinity and cgroup quota; os.cpu_count() {os.cpu_count()})",
+        f"BLAS threads  {facts['blas_threads']} per rank; hpcpar.init: {ctx.host['blas']}",
+        f"allocator     {ctx.host['allocator']}",
+        f"shared memory {ctx.shm_description()}",
         "",
         ctx.grid_table(),
         "",
         "rank  host                 node-local rank  pid",
     ]
     lines += [f"{r:>4}  {host:<20} {local:>15}  {pid}" for r, host, local, pid in placement]
+    lines += ["", ctx.placement_report()]
     print("\n".join(lines), flush=True)

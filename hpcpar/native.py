@@ -64,6 +64,10 @@ class NativeLib:
         self._time = cdll.hpcpar_time_allreduce
         self._time.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
         self._time.restype = ctypes.c_double  # MPI_Fint is a C int
+        self._time_call = cdll.hpcpar_time_allreduce_call
+        self._time_call.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_int]
+        self._time_call.restype = ctypes.c_double
         self._wait = cdll.hpcpar_set_wait_policy
         self._wait.argtypes = [ctypes.c_int]
         self._wait.restype = ctypes.c_int
@@ -85,6 +89,18 @@ class NativeLib:
             )
         return seconds
 
+    def time_allreduce_call(self, comm, nbytes: int, warmup: int, iters: int, call: str, polite: bool) -> float:
+        """Mean seconds per all-reduce of the kind ``call`` (a key of CALLS), slowest rank.
+
+        ``polite``: between MPI_Test polls of the polled call, yield the core as hpcpar's
+        "yield" wait policy does (sched_yield for 2 ms, then 50 us sleeps); else spin.
+        """
+        seconds = self._time_call(comm.py2f(), nbytes, warmup, iters, CALLS[call], int(polite))
+        if seconds < 0:
+            reason = _TIME_ERRORS.get(seconds, f"error code {seconds}")
+            raise RuntimeError(f"hpcpar_time_allreduce_call(nbytes={nbytes}, call={call!r}): {reason}")
+        return seconds
+
     def set_wait_policy(self, polls_before_sleep: int) -> bool:
         """Spin (0) or sleep 1 us after that many idle polls while waiting in MPI.
 
@@ -95,6 +111,9 @@ class NativeLib:
         """
         return self._wait(polls_before_sleep) == 0
 
+
+# The calls hpcpar_time_allreduce_call times (HPCPAR_CALL_* in native/hpcpar_native.h).
+CALLS = {"out of place": 0, "in place": 1, "polled in place": 2}
 
 _loaded: dict[Path, NativeLib] = {}  # successful loads only: a later build can fix a failure
 
@@ -188,13 +207,18 @@ def time_raw_allreduce(comm, nbytes: int, warmup: int, iters: int) -> float:
     Collective. The ranks first agree that all of them loaded the library, so
     a rank without it raises on every rank instead of leaving the others waiting.
     """
+    return load_everywhere(comm).time_allreduce(comm, nbytes, warmup, iters)
+
+
+def load_everywhere(comm):
+    """The native library, loaded on every rank of ``comm`` or raising on all of them (collective)."""
     lib, why = try_load_native()
     reasons = comm.allgather(why)
     if any(reasons):
         failed = [rank for rank, reason in enumerate(reasons) if reason]
         first = next(reason for reason in reasons if reason)
         raise RuntimeError(f"raw-MPI baseline unavailable on ranks {failed}: {first}")
-    return lib.time_allreduce(comm, nbytes, warmup, iters)
+    return lib
 
 
 def _find_mpicc(repo_root: Path) -> Path | None:

@@ -2,15 +2,17 @@
  * allreduce_timing.c - the timing loop shared by the allreduce_bench executable
  * and by Python (through libhpcpar_native.so and ctypes).  See the header.
  */
-#define _DEFAULT_SOURCE /* madvise, MADV_HUGEPAGE, sysconf */
+#define _DEFAULT_SOURCE /* madvise, MADV_HUGEPAGE, sysconf, nanosleep */
 
 #include "hpcpar_native.h"
 
 #include <limits.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 /*
@@ -43,9 +45,47 @@ static int mpi_is_running(void)
     return initialized && !finalized;
 }
 
-double hpcpar_time_allreduce_comm(MPI_Comm comm, size_t nbytes, int warmup, int iters)
+/*
+ * Between two MPI_Test polls: give the core away the way hpcpar's Python waits do
+ * (hpcpar/dist/comm.py polite_pause): sched_yield for the first 2 ms of a wait, then
+ * 50 us sleeps.  The same schedule on both sides is what makes the polled rows comparable.
+ */
+static void polite_pause(double waited)
 {
-    if (!mpi_is_running() || comm == MPI_COMM_NULL)
+    if (waited < 2e-3) {
+        sched_yield();
+    } else {
+        const struct timespec pause = {0, 50000};
+        nanosleep(&pause, NULL);
+    }
+}
+
+/* One all-reduce as `call` says; returns the OR of the MPI error codes. */
+static int one_allreduce(MPI_Comm comm, float *sendbuf, float *recvbuf, int count, int call, int polite)
+{
+    if (call == HPCPAR_CALL_OUT_OF_PLACE)
+        return MPI_Allreduce(sendbuf, recvbuf, count, MPI_FLOAT, MPI_SUM, comm);
+    if (call == HPCPAR_CALL_IN_PLACE)
+        return MPI_Allreduce(MPI_IN_PLACE, recvbuf, count, MPI_FLOAT, MPI_SUM, comm);
+    MPI_Request request;
+    int failed = MPI_Iallreduce(MPI_IN_PLACE, recvbuf, count, MPI_FLOAT, MPI_SUM, comm, &request);
+    if (failed != MPI_SUCCESS)
+        return failed;
+    const double start = MPI_Wtime();
+    int done = 0;
+    while (!done && failed == MPI_SUCCESS) {
+        failed = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+        if (!done && polite)
+            polite_pause(MPI_Wtime() - start);
+    }
+    return failed;
+}
+
+double hpcpar_time_allreduce_call_comm(MPI_Comm comm, size_t nbytes, int warmup, int iters, int call,
+                                       int polite)
+{
+    if (!mpi_is_running() || comm == MPI_COMM_NULL || call < HPCPAR_CALL_OUT_OF_PLACE ||
+        call > HPCPAR_CALL_POLLED_IN_PLACE)
         return HPCPAR_TIME_BAD_ARGS;
 
     /* mpi4py installs MPI_ERRORS_RETURN, so MPI errors come back as codes, not aborts. */
@@ -81,22 +121,31 @@ double hpcpar_time_allreduce_comm(MPI_Comm comm, size_t nbytes, int warmup, int 
                              : HPCPAR_TIME_MPI_ERROR;
     }
 
-    /* Touch every page now so that first-touch page faults are not timed. */
+    /*
+     * Touch every page now so that first-touch page faults are not timed.  In place, the
+     * buffer holds zeros while timed (a sum of ones would grow to infinity), and ones for
+     * one more call that is checked.
+     */
+    const int in_place = call != HPCPAR_CALL_OUT_OF_PLACE;
     for (size_t i = 0; i < count; i++)
         sendbuf[i] = 1.0f;
     memset(recvbuf, 0, nbytes);
 
     int failed = 0; /* any MPI call that did not return MPI_SUCCESS */
     for (int i = 0; i < warmup; i++)
-        failed |= MPI_Allreduce(sendbuf, recvbuf, (int)count, MPI_FLOAT, MPI_SUM, comm);
+        failed |= one_allreduce(comm, sendbuf, recvbuf, (int)count, call, polite);
 
     /* Start together, then time back-to-back calls (no barrier inside the loop). */
     failed |= MPI_Barrier(comm);
     const double start = MPI_Wtime();
     for (int i = 0; i < iters; i++)
-        failed |= MPI_Allreduce(sendbuf, recvbuf, (int)count, MPI_FLOAT, MPI_SUM, comm);
+        failed |= one_allreduce(comm, sendbuf, recvbuf, (int)count, call, polite);
     const double mean = (MPI_Wtime() - start) / iters;
 
+    if (in_place) {
+        memcpy(recvbuf, sendbuf, nbytes);
+        failed |= one_allreduce(comm, sendbuf, recvbuf, (int)count, call, polite);
+    }
     /* A sum of nranks ones is exact in float whatever the reduction order. */
     int wrong = 0;
     for (size_t i = 0; i < count; i++)
@@ -110,6 +159,19 @@ double hpcpar_time_allreduce_comm(MPI_Comm comm, size_t nbytes, int warmup, int 
         result[2] > 0.0)
         return HPCPAR_TIME_MPI_ERROR;
     return result[1] > 0.0 ? HPCPAR_TIME_WRONG_SUM : result[0];
+}
+
+double hpcpar_time_allreduce_comm(MPI_Comm comm, size_t nbytes, int warmup, int iters)
+{
+    return hpcpar_time_allreduce_call_comm(comm, nbytes, warmup, iters, HPCPAR_CALL_OUT_OF_PLACE, 0);
+}
+
+double hpcpar_time_allreduce_call(MPI_Fint comm_f, size_t nbytes, int warmup, int iters, int call,
+                                  int polite)
+{
+    if (!mpi_is_running())
+        return HPCPAR_TIME_BAD_ARGS;
+    return hpcpar_time_allreduce_call_comm(MPI_Comm_f2c(comm_f), nbytes, warmup, iters, call, polite);
 }
 
 double hpcpar_time_allreduce(MPI_Fint comm_f, size_t nbytes, int warmup, int iters)

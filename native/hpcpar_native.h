@@ -56,6 +56,24 @@ HPCPAR_API double hpcpar_time_allreduce_comm(MPI_Comm comm, size_t nbytes, int w
 HPCPAR_API double hpcpar_time_allreduce(MPI_Fint comm_f, size_t nbytes, int warmup,
                                         int iters);
 
+/* Which all-reduce hpcpar_time_allreduce_call times. */
+#define HPCPAR_CALL_OUT_OF_PLACE 0    /* MPI_Allreduce(sendbuf, recvbuf, ...) */
+#define HPCPAR_CALL_IN_PLACE 1        /* MPI_Allreduce(MPI_IN_PLACE, buf, ...) */
+#define HPCPAR_CALL_POLLED_IN_PLACE 2 /* MPI_Iallreduce(MPI_IN_PLACE, buf, ...), then MPI_Test polls */
+
+/*
+ * Time one kind of all-reduce call (above), as hpcpar_time_allreduce_comm does.
+ * polite != 0: between MPI_Test polls, sched_yield for the first 2 ms of a wait,
+ * then sleep 50 us (hpcpar's "yield" wait policy); 0 spins.  In place, the timed
+ * calls reduce zeros and one more call of ones is checked.
+ */
+HPCPAR_API double hpcpar_time_allreduce_call_comm(MPI_Comm comm, size_t nbytes, int warmup,
+                                                  int iters, int call, int polite);
+
+/* The same with a Fortran communicator handle (for ctypes). */
+HPCPAR_API double hpcpar_time_allreduce_call(MPI_Fint comm_f, size_t nbytes, int warmup,
+                                             int iters, int call, int polite);
+
 /*
  * Choose how this process waits inside blocking MPI calls, from now on.
  *

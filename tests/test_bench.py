@@ -51,17 +51,19 @@ def test_bench_step_times_a_training_step_in_each_precision():
 
 def test_bench_dp_compares_the_gradient_sync_with_one_raw_all_reduce():
     header, rows = table(bench("dp", "--steps", 2, "--batch", 2), "ranks")
-    assert {"sync/raw", "hidden", "weak"} <= set(header)
-    assert [row[0] for row in rows] == ["1", "2"]
-    assert positive(rows[1][header.index("sync/raw")])
+    assert {"path", "sync/raw", "exposed", "hidden", "weak"} <= set(header)
+    assert [row[:2] for row in rows] == [["1", "-"], ["2", "MPI"], ["2", "shm"]]  # buckets by MPI, then in the window
+    assert all(positive(row[header.index("sync/raw")]) for row in rows[1:])
 
 
 def test_bench_ckpt_compares_save_and_load_with_raw_files():
     output = bench("ckpt", "--repeats", 1, "--n-layer", 1, "--n-embd", 32)
-    rows = table(output, "bytes")[1][:3]  # notes follow the table
-    assert [row[0] for row in rows] == ["save", "async", "load"]
-    assert "shard bytes by rank" in output
+    rows = table(output, "bytes")[1]
+    assert [row[0] for row in rows] == ["save", "load"]
     assert all(positive(row[-1]) for row in rows)
+    header, rows = table(output, "blocks training ms")
+    assert rows[0][:2] == ["async", "save"] and all(positive(cell) for cell in rows[0][2:])
+    assert "shard bytes by rank" in output
 
 
 def test_bench_pipeline_compares_the_bubble_with_theory():
@@ -80,3 +82,12 @@ def test_bench_async_runs_every_mode(ranks, slow_rank):
     assert modes == ["allreduce", "allreduce (W)", "ps sync", "ps async s=1", "ps async s=4", "local SGD H=4",
                      "local SGD H=16"]
     assert all(positive(row[-7]) for row in rows)  # time s
+
+
+def test_bench_net_needs_two_nodes_and_says_so():
+    """On one node there is nothing to compare (its run on two nodes: tests/test_cluster.py)."""
+    proc = subprocess.run([venv_bin("mpiexec"), "-n", "2", sys.executable, "-m", "hpcpar", "bench", "net"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "hpcpar bench net: needs ranks on at least 2 nodes and 2 on the first (got [2] ranks on 1 node(s))" \
+        in proc.stderr

@@ -66,17 +66,17 @@ def test_init_rejects_a_layout_on_every_rank_without_waiting(world):
 def test_ranks_on_one_node_share_its_cores_among_their_blas_threads(monkeypatch):
     from threadpoolctl import threadpool_info, threadpool_limits
 
-    from hpcpar import backend
+    from hpcpar import host
 
     before = {pool["internal_api"]: pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert backend.share_cores(64) is None  # the user chose: left alone
-    for name in backend.BLAS_THREAD_VARIABLES:
+    assert host.share_cores(64) is None  # the user chose: left alone
+    for name in host.BLAS_THREAD_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     try:
         cores = len(os.sched_getaffinity(0))
-        assert backend.share_cores(4 * cores) == 1  # more ranks than cores: one thread each
+        assert host.share_cores(4 * cores) == 1  # more ranks than cores: one thread each
         assert all(pool["num_threads"] == 1 for pool in threadpool_info() if pool["user_api"] == "blas")
-        assert backend.blas_threads().endswith(" 1")
+        assert host.blas_threads().endswith(" 1")
     finally:
         threadpool_limits(limits=max(before.values(), default=1), user_api="blas")

@@ -24,12 +24,18 @@ def test_c_benchmark_runs_at_two_ranks():
 
 
 @needs_build
-def test_bench_allreduce_compares_hpcpar_with_c_in_the_same_processes():
+def test_bench_allreduce_issues_the_same_calls_on_every_side():
     proc = subprocess.run([venv_bin("mpiexec"), "-n", "2", sys.executable, "-m", "hpcpar", "bench", "allreduce",
                            "--max-mib", "0.125", "--rounds", "1"], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert "C us" in lines[1] and "hpcpar us" in lines[1] and "ratio" in lines[1]
-    sizes = [line.split()[0] + " " + line.split()[1] for line in lines[3:]]
-    assert sizes == ["8 B", "32 B", "128 B", "512 B", "2 KiB", "8 KiB", "32 KiB", "128 KiB"]
-    assert all(float(line.split()[4]) > 0 for line in lines[3:])  # the ratio column
+    header = lines[1].split()
+    assert header[:5] == ["size", "in-place", "C", "mpi4py", "hpcpar"] and header.count("hpcpar/C") == 3
+    same = lines[3:3 + 8]
+    assert [" ".join(line.split()[:2]) for line in same] == ["8 B", "32 B", "128 B", "512 B", "2 KiB", "8 KiB",
+                                                              "32 KiB", "128 KiB"]
+    assert all(float(cell) > 0 for line in same for cell in line.split()[2:])
+    shared = [line.split() for line in lines[3 + 8 + 4:]]
+    # the shared-memory path takes over from 64 KiB; below, hpcpar hands the call to MPI
+    assert [row[2] for row in shared] == ["MPI"] * 7 + ["shm"]
+    assert all(float(cell) > 0 for row in shared for cell in row[3:])

@@ -11,88 +11,33 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from conftest import REPO, final_parameters
+from services import shared_service
+from slurm_jobs import job_env, submit, wait_for, wait_for_output
 
 pytestmark = pytest.mark.slurm
 
-BRING_UP = os.path.join(REPO, "tests", "slurm", "bring_up.sh")
-# States after which a job runs no more (a requeued job goes back to PENDING instead).
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-            "BOOT_FAIL", "DEADLINE"}
+SLURM_DIR = os.path.join(REPO, "tests", "slurm")
+
+
+def slurmctld_running() -> bool:
+    try:
+        os.kill(int(open("/run/slurmctld.pid").read()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A running one-node SLURM (brought up once per session)."""
-    try:
-        result = subprocess.run(["bash", BRING_UP], capture_output=True, text=True, timeout=600)
-        failure = None if result.returncode == 0 else (
-            result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
-    except subprocess.TimeoutExpired:
-        failure = "tests/slurm/bring_up.sh ran for more than 600 s"
-    if failure is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"SLURM bring-up failed under CI=true: {failure}")
-        pytest.skip(f"no SLURM here: {failure}")
-
-
-def job_env(**extra):
-    """The submitting environment without any activated venv, so a job must find hpcpar through
-    slurm/env.sh (sbatch passes the submitter's environment on to the job)."""
-    venv_bin = os.path.dirname(sys.executable)
-    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV" and not k.startswith("SLURM_")}
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if os.path.realpath(p) != os.path.realpath(venv_bin))
-    if os.path.realpath(sys.prefix) != os.path.realpath(os.path.join(REPO, ".venv")):
-        env["HPCPAR_VENV"] = sys.prefix          # pytest runs from another venv: use that one
-    env.update(extra)
-    return env
-
-
-def submit(*argv, env=None):
-    """`sbatch --parsable ARGV...` from the repository root; returns the job id.
-
-    ARGV is what follows `sbatch` on a command line: options (pass --output=FILE, which overrides
-    the scripts' logs/%x-%j.out), then a script and its arguments, or --wrap=COMMAND.
-    """
-    result = subprocess.run(["sbatch", "--parsable", *map(str, argv)], cwd=REPO, capture_output=True,
-                            text=True, env=job_env() if env is None else env, timeout=60)
-    assert result.returncode == 0, f"sbatch {' '.join(map(str, argv))} failed: {result.stderr}"
-    return result.stdout.strip().split(";")[0]                # "JOBID" or "JOBID;CLUSTER"
-
-
-def job_info(job_id):
-    """The job's fields from `scontrol show job` (JobState, ExitCode, Restarts, StdOut...).
-
-    There is no slurmdbd, so no sacct: scontrol knows a job until MinJobAge (600 s in the
-    test cluster) after it ends."""
-    result = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
-                            timeout=30)
-    if result.returncode != 0:
-        return {"JobId": str(job_id), "JobState": "UNKNOWN", "Reason": result.stderr.strip()}
-    return dict(re.findall(r"(\w+)=(\S*)", result.stdout))
-
-
-def wait_for(job_id, timeout, states=FINISHED):
-    """Poll until the job is in one of `states` (default: finished) and return job_info.
-    On timeout cancel the job and fail with its state and the end of its output."""
-    deadline = time.monotonic() + timeout
-    while True:
-        info = job_info(job_id)
-        if info["JobState"] in states or info["JobState"] == "UNKNOWN":
-            return info
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", str(job_id)], capture_output=True, timeout=30)
-            out = info.get("StdOut", "")
-            tail = open(out).read()[-3000:] if out and os.path.exists(out) else "(no output file)"
-            pytest.fail(f"job {job_id} still {info['JobState']} after {timeout} s "
-                        f"(waiting for {sorted(states)}); output:\n{tail}")
-        time.sleep(0.5)
+    """A running one-node SLURM (brought up once per session, tests/services.py)."""
+    yield from shared_service("slurm", [os.path.join(SLURM_DIR, "bring_up.sh")],
+                              [os.path.join(SLURM_DIR, "tear_down.sh")], slurmctld_running,
+                              marker="/run/hpcpar-slurm.started-by-tests")
 
 
 def test_wrapped_mpiexec_runs_hpcpar_info_on_four_ranks(slurm_cluster, tmp_path):
@@ -146,10 +91,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_parameters(slurm_clus
 
     out = tmp_path / "preempted.out"
     job = submit("--ntasks=4", f"--output={out}", "slurm/train.sbatch", *job_args(tmp_path / "run", token_file, steps))
-    deadline = time.monotonic() + 180
-    while not (out.exists() and "step     3/" in out.read_text()):  # training is under way
-        assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
-        time.sleep(0.2)
+    wait_for_output(out, "step     3/", timeout=180)  # training is under way
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
     info = wait_for(job, timeout=300)
     text = out.read_text()

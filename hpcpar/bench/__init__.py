@@ -13,6 +13,7 @@ BENCHMARKS = {
     "pipeline": "measured pipeline bubble vs (p-1)/(m+p-1) per schedule, step time",
     "ckpt": "checkpoint save/load vs raw tofile+fsync / fromfile of the same bytes per rank",
     "async": "all-reduce vs parameter server (sync, async s=1/4) vs local SGD (H=4/16) with a straggler",
+    "net": "point-to-point and all-reduce across nodes vs the same inside a node (needs 2 nodes)",
 }
 MODULES = {"async": "async_training"}  # benchmark names that are not module names (async is a keyword)
 

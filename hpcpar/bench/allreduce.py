@@ -1,23 +1,58 @@
-"""``hpcpar bench allreduce``: hpcpar's array all-reduce next to raw C ``MPI_Allreduce``.
+"""``hpcpar bench allreduce``: the same all-reduce calls from C, mpi4py and hpcpar; the shared-memory path.
 
-    mpiexec -n 4 hpcpar bench allreduce [--max-mib 64] [--rounds 3] [--wait spin|yield]
+    mpiexec -n 2 hpcpar bench allreduce [--max-mib 64] [--rounds 3] [--wait spin|yield]
 
-Both sides run in the same processes on the same MPI library: the C loop comes from
+All sides run in the same processes on the same MPI library: the C loops come from
 ``libhpcpar_native.so`` (built by CMakeLists.txt, on first use if missing) called through
-ctypes with this communicator. Each size is timed C, hpcpar, C, hpcpar ... over several
-rounds and the medians are compared, so drift on a shared machine hits both alike.
-Bus bandwidth = bytes x 2(n-1)/n / time (the OSU/NCCL-tests convention).
+ctypes with this communicator. Each size is timed C, mpi4py, hpcpar, ... in turn over
+several rounds and the medians are compared, so drift on a shared machine hits all alike.
+A time is the mean of back-to-back calls after a barrier, on the slowest rank.
+
+**Same call** (the first table): each column group issues one kind of call on every side,
+float32 sums of the same bytes:
+
+- *in place*: ``MPI_Allreduce(MPI_IN_PLACE, buf)``; mpi4py ``Allreduce(IN_PLACE, buf)``;
+  hpcpar ``allreduce(buf, out=buf)`` configured to block (wait "spin", no watchdog);
+- *out of place*: ``MPI_Allreduce(send, recv)``; mpi4py ``Allreduce(send, recv)``; hpcpar
+  ``allreduce(send, out=recv)`` as configured by default (a copy, then its in-place call);
+- *polled*: ``MPI_Iallreduce(MPI_IN_PLACE, buf)`` then ``MPI_Test`` until done; the same
+  from mpi4py; hpcpar ``iallreduce(buf, out=buf).wait()`` (its non-blocking path, DDP's).
+
+The wait setting is the same on every side: under ``--wait yield`` (the default when ranks
+outnumber CPUs) MPICH's blocking waits sleep (its progress throttle, set through MPI_T for
+the whole process, so C's, mpi4py's and hpcpar's blocking calls alike), and every polled
+loop pauses between polls as hpcpar's yield policy does (sched_yield for 2 ms, then 50 us
+sleeps, written out in C too); under ``spin`` everything spins. The mpi4py columns are
+what a user without hpcpar gets.
+
+**Shared memory** (the second table, hpcpar.dist.shm): hpcpar's all-reduce with the
+shared-memory path on, on a buffer in the node's window (``shared_zeros``: reduced where it
+lies, as DDP buckets are) and on a plain array (copied in and out), next to MPICH's
+in-place call. Under ``MIN_BYTES`` hpcpar hands the call to MPI (path "MPI"). Its bound is
+the memory: each rank reads the node's slices of its part and writes its part into every
+buffer, the traffic of one copy of the buffer per rank, so the table also times
+``numpy.copyto`` of the same bytes on every rank at once.
+
+Bus bandwidth = bytes x 2(n-1)/n / time (the OSU/NCCL-tests convention); copy GB/s =
+bytes / copy time.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import numpy as np
+from mpi4py import MPI
 
-from ..dist.context import init
 from .. import native
+from ..dist.comm import Communicator
+from ..dist.waiting import polite_pause
+from ..dist.context import init
+from ..dist.shm import MIN_BYTES, shared_zeros
 from ..tables import format_table, human_bytes
+
+CALLS = ("in place", "out of place", "polled in place")
 
 
 def sizes(max_bytes: int, min_bytes: int = 8) -> list[int]:
@@ -43,55 +78,135 @@ def bus_bandwidth(nbytes: int, seconds: float, ranks: int) -> float:
     return nbytes * 2 * (ranks - 1) / ranks / seconds / 1e9 if ranks > 1 else 0.0
 
 
-def time_hpcpar(comm, buf, warmup: int, iters: int) -> float:
-    """Mean seconds per in-place all-reduce, max over ranks (as the C side reports)."""
-    import time
-
+def time_calls(mpi: MPI.Comm, fn, warmup: int, iters: int) -> float:
+    """Mean seconds per call of ``fn`` after a barrier, slowest rank (as the C loops report)."""
     for _ in range(warmup):
-        comm.allreduce(buf, out=buf)
-    comm.mpi.Barrier()
+        fn()
+    mpi.Barrier()
     start = time.perf_counter()
     for _ in range(iters):
-        comm.allreduce(buf, out=buf)
-    elapsed = (time.perf_counter() - start) / iters
-    return comm.mpi.allreduce(elapsed, op=__import__("mpi4py").MPI.MAX)
+        fn()
+    return mpi.allreduce((time.perf_counter() - start) / iters, op=MPI.MAX)
+
+
+def polled(mpi: MPI.Comm, buf, polite: bool) -> None:
+    """mpi4py's non-blocking in-place all-reduce, polled with Test under the bench's wait setting."""
+    request = mpi.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM)
+    start = time.perf_counter()
+    while not request.Test():
+        if polite:
+            polite_pause(time.perf_counter() - start)
+
+
+class Sides:
+    """Every timed call of one size, as named callables over buffers made once."""
+
+    def __init__(self, ctx, lib, nbytes: int, polite: bool):
+        self.ctx, self.lib, self.polite = ctx, lib, polite
+        mpi = ctx.world.mpi
+        count = max(1, nbytes // 4)
+        self.nbytes = count * 4
+        self.send = np.ones(count, dtype=np.float32)
+        self.recv = np.zeros(count, dtype=np.float32)
+        self.buf = np.zeros(count, dtype=np.float32)  # in place: zeros, as the C loops (ones would overflow)
+        self.shared = shared_zeros(ctx.world, count, np.float32)
+        # hpcpar's own MPI paths, without the shared-memory path: blocking, and as configured.
+        self.blocking = Communicator(mpi, "bench-blocking", wait_policy="spin")
+        self.blocking.watchdog = None  # a watchdog polls: without it "spin" means MPI's blocking call
+        self.default = Communicator(mpi, "bench", wait_policy=ctx.wait_policy)
+        self.mpi = mpi
+
+    def c(self, call: str, warmup: int, iters: int) -> float:
+        return self.lib.time_allreduce_call(self.mpi, self.nbytes, warmup, iters, call, self.polite)
+
+    def python(self) -> dict:
+        mpi, buf, send, recv = self.mpi, self.buf, self.send, self.recv
+        return {
+            ("mpi4py", "in place"): lambda: mpi.Allreduce(MPI.IN_PLACE, buf, MPI.SUM),
+            ("mpi4py", "out of place"): lambda: mpi.Allreduce(send, recv, MPI.SUM),
+            ("mpi4py", "polled in place"): lambda: polled(mpi, buf, self.polite),
+            ("hpcpar", "in place"): lambda: self.blocking.allreduce(buf, out=buf),
+            ("hpcpar", "out of place"): lambda: self.default.allreduce(send, out=recv),
+            ("hpcpar", "polled in place"): lambda: self.default.iallreduce(buf, out=buf).wait(),
+            ("shm", "window"): lambda: self.ctx.world.allreduce(self.shared, out=self.shared),
+            ("shm", "copy"): lambda: self.ctx.world.allreduce(buf, out=buf),
+            ("memory", "copy"): lambda: np.copyto(recv, send),
+        }
+
+
+def measure(ctx, lib, nbytes: int, rounds: int, polite: bool) -> tuple[dict, bool]:
+    """Median seconds of every call at one size; and whether hpcpar took the shared-memory path."""
+    sides = Sides(ctx, lib, nbytes, polite)
+    warmup, iters = iterations(sides.nbytes)
+    times: dict = {}
+    shm_calls = ctx.world.shm.stats.calls("allreduce") if ctx.world.shm is not None else 0
+    for _ in range(rounds):
+        for call in CALLS:
+            times.setdefault(("C", call), []).append(sides.c(call, warmup, iters))
+        for key, fn in sides.python().items():
+            times.setdefault(key, []).append(time_calls(sides.mpi, fn, warmup, iters))
+    took_shm = ctx.world.shm is not None and ctx.world.shm.stats.calls("allreduce") > shm_calls
+    return {key: statistics.median(values) for key, values in times.items()}, took_shm
+
+
+def same_call_row(nbytes: int, t: dict) -> list:
+    row = [human_bytes(nbytes)]
+    for call in CALLS:
+        c, mpi4py, hpcpar = t[("C", call)], t[("mpi4py", call)], t[("hpcpar", call)]
+        row += [c * 1e6, mpi4py * 1e6, hpcpar * 1e6, hpcpar / c]
+    return row
+
+
+def shm_row(nbytes: int, t: dict, took_shm: bool, ranks: int) -> list:
+    c, window, copy_in, copy = t[("C", "in place")], t[("shm", "window")], t[("shm", "copy")], t[("memory", "copy")]
+    return [human_bytes(nbytes), "shm" if took_shm else "MPI", c * 1e6, window * 1e6, window / c, copy_in * 1e6,
+            copy_in / c, bus_bandwidth(nbytes, c, ranks), bus_bandwidth(nbytes, window, ranks), copy * 1e6,
+            window / copy, nbytes / copy / 1e9]
+
+
+def load_library(ctx):
+    lib = native.load_native(quiet=True)
+    if lib is None and ctx.rank == 0:
+        native.build_native()
+    ctx.world.mpi.Barrier()
+    try:
+        return native.load_everywhere(ctx.world.mpi)
+    except RuntimeError as exc:
+        raise SystemExit(f"hpcpar bench allreduce: the C baseline library is unusable: {exc}") from None
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="hpcpar bench allreduce")
     parser.add_argument("--max-mib", type=float, default=64.0)
+    parser.add_argument("--min-bytes", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--wait", choices=("spin", "yield"), default=None,
-                        help="wait policy of the hpcpar path (default: yield when oversubscribed)")
+                        help="wait setting of every side (default: yield when ranks outnumber CPUs)")
     args = parser.parse_args(argv)
 
-    ctx = init(wait_policy=args.wait)
-    comm = ctx.world
-    lib = native.load_native()
-    if lib is None and ctx.rank == 0:
-        native.build_native()
-    comm.mpi.Barrier()
-    lib = lib or native.load_native()
-    if lib is None:
-        raise SystemExit("hpcpar bench allreduce: the C baseline library could not be built (see above)")
-    if comm.wait_policy == "yield":
-        # More ranks than cores: MPICH's own waits must sleep too, or the C side spins against the
-        # rank it waits for and its figures mean nothing (10 ms for 8 bytes on 4 ranks, 2 cores).
-        lib.set_wait_policy(1)
+    ctx = init(wait_policy=args.wait, shm=True)
+    lib = load_library(ctx)
+    polite = ctx.wait_policy == "yield"
+    # Blocking MPI waits (C's, mpi4py's and hpcpar's blocking call) sleep under "yield", spin under "spin".
+    lib.set_wait_policy(1 if polite else 0)
 
-    rows = []
-    for nbytes in sizes(int(args.max_mib * (1 << 20))):
-        buf = np.ones(max(1, nbytes // 4), dtype=np.float32)
-        warmup, iters = iterations(nbytes)
-        c_times, py_times = [], []
-        for _ in range(args.rounds):
-            c_times.append(native.time_raw_allreduce(comm.mpi, buf.nbytes, warmup, iters))
-            py_times.append(time_hpcpar(comm, buf, warmup, iters))
-        c_s, py_s = statistics.median(c_times), statistics.median(py_times)
-        rows.append([human_bytes(buf.nbytes), c_s * 1e6, py_s * 1e6, py_s / c_s,
-                     bus_bandwidth(buf.nbytes, c_s, comm.size), bus_bandwidth(buf.nbytes, py_s, comm.size)])
-    if ctx.rank == 0:
-        title = (f"all-reduce, float32 sum, {comm.size} ranks, hpcpar wait policy '{comm.wait_policy}', "
-                 f"median of {args.rounds} rounds")
-        print(format_table(["size", "C us", "hpcpar us", "ratio", "C busbw GB/s", "hpcpar busbw GB/s"],
-                           rows, title), flush=True)
+    same, shared = [], []
+    for nbytes in sizes(int(args.max_mib * (1 << 20)), args.min_bytes):
+        times, took_shm = measure(ctx, lib, nbytes, args.rounds, polite)
+        nbytes = max(4, nbytes // 4 * 4)
+        same.append(same_call_row(nbytes, times))
+        shared.append(shm_row(nbytes, times, took_shm, ctx.world_size))
+    if ctx.rank != 0:
+        return
+    setting = (f"{ctx.world_size} ranks, {ctx.node_cpus} CPUs, wait '{ctx.wait_policy}' on every side, "
+               f"median of {args.rounds} rounds, us = mean per call, slowest rank")
+    headers = ["size"]
+    for short in ("in-place", "out-of-place", "polled"):
+        headers += [f"{short} C", "mpi4py", "hpcpar", "hpcpar/C"]
+    print(format_table(headers, same, f"all-reduce, float32 sum, the same call on each side: {setting}"), flush=True)
+    print()
+    print(format_table(
+        ["size", "path", "MPICH in-place us", "shm us", "shm/MPICH", "shm copy-in us", "copy-in/MPICH",
+         "busbw MPICH GB/s", "busbw shm GB/s", "memcpy us", "shm/memcpy", "memcpy GB/s"], shared,
+        f"shared-memory all-reduce (hpcpar.dist.shm; MPI under {human_bytes(MIN_BYTES)}) against MPICH's in-place "
+        f"call and a memory copy of the same bytes: {setting}"), flush=True)

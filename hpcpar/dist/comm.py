@@ -12,6 +12,7 @@ layers above can report a communication share and tests can assert exact traffic
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import pickle
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
+from .. import host
 from ..backend import get_array_module, is_gpu_array, synchronize, to_host
 from . import debug
 from .waiting import polite_pause, wait_politely
@@ -52,18 +54,20 @@ def query_cuda_aware() -> bool:
     return bool(query())
 
 
-def default_wait_policy(node_size: int) -> str:
-    """``yield`` when more ranks than cores share the node, else ``spin``; ``HPCPAR_WAIT`` overrides.
+def default_wait_policy(node_size: int, cpus: int | None = None) -> str:
+    """``yield`` when more ranks than CPUs share the node, else ``spin``; ``HPCPAR_WAIT`` overrides.
 
-    MPICH busy-polls inside blocking waits; oversubscribed, three spinning ranks halve the
-    fourth one's compute (docs/architecture.md, measured facts), so waits must give the core away.
+    ``cpus``: the CPUs the node's ranks may run on (default: this process's, see
+    ``host.usable_cpus``: affinity and cgroup quota, not ``os.cpu_count()``). MPICH
+    busy-polls inside blocking waits; oversubscribed, three spinning ranks halved the
+    fourth one's compute (525 -> 1080 ms for a matmul), so waits must give the core away.
     """
     policy = os.environ.get("HPCPAR_WAIT")
     if policy is not None:
         if policy not in WAIT_POLICIES:
             raise ValueError(f"HPCPAR_WAIT must be one of {WAIT_POLICIES}, got {policy!r}")
         return policy
-    return "yield" if node_size > (os.cpu_count() or 1) else "spin"
+    return "yield" if node_size > (host.usable_cpus() if cpus is None else cpus) else "spin"
 
 
 # ----------------------------------------------------------------------------------------
@@ -122,8 +126,12 @@ def _require_contiguous(array, what: str) -> None:
             "pass xp.ascontiguousarray(x) and read the result from the returned array")
 
 
+@functools.lru_cache(maxsize=None)
 def _is_bfloat16(dtype) -> bool:
-    """bfloat16 (ml_dtypes on CPUs) has no MPI datatype: it moves as 16-bit words, reduces in float32."""
+    """bfloat16 (ml_dtypes on CPUs) has no MPI datatype: it moves as 16-bit words, reduces in float32.
+
+    Cached: NumPy computes ``dtype.name`` anew each time, ~3 us, more than a small all-reduce.
+    """
     return np.dtype(dtype).name == "bfloat16"
 
 
@@ -214,6 +222,7 @@ class Communicator:
         self.wait_policy = wait_policy
         self.stats = CommStats()
         self.watchdog = StallWatchdog.for_communicator(self)  # None: HPCPAR_STALL_S=0
+        self.shm = None  # the shared-memory path (hpcpar.dist.shm), attached by hpcpar.init when on
 
     def __repr__(self) -> str:
         return f"Communicator({self.name}, rank {self.rank} of {self.size})"
@@ -248,6 +257,8 @@ class Communicator:
         """Reduce ``x`` over all ranks; ``out=x`` reduces in place. ``mean`` divides by size."""
         if _is_bfloat16(x.dtype):
             return _into(out, self.allreduce(x.astype(np.float32), op).astype(x.dtype))
+        if self.shm is not None and (result := self.shm.allreduce(x, op, out)) is not None:
+            return result
         start = time.perf_counter()
         staged, finish = self._prepare_allreduce("allreduce", x, op, out)
         waiting = self._next_collective("allreduce")
@@ -266,6 +277,8 @@ class Communicator:
             inner = handle._finish
             handle._finish = lambda: _into(out, inner().astype(x.dtype))
             return handle
+        if self.shm is not None and (handle := self.shm.iallreduce(x, op, out)) is not None:
+            return handle
         start = time.perf_counter()
         staged, finish = self._prepare_allreduce("iallreduce", x, op, out)
         request = self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op])
@@ -274,13 +287,10 @@ class Communicator:
 
     def _prepare_allreduce(self, name: str, x, op: str, out):
         """Check, copy ``x`` into ``out`` (unless in place) and stage it; return (staged, finish)."""
-        _reduce_op(op)
+        check_allreduce_args(name, x, op, out)
         debug.check_collective(self, name, x)
         if out is None:
             out = get_array_module(x).empty(x.shape, dtype=x.dtype)
-        elif out.shape != x.shape or out.dtype != x.dtype:
-            raise ValueError(f"{name}: out has shape {out.shape} {out.dtype}, x has {x.shape} {x.dtype}")
-        _require_contiguous(out, name)
         if out is not x:
             out[...] = x
         staged = _Staged(out, self.cuda_aware)
@@ -301,6 +311,8 @@ class Communicator:
         debug.check_collective(self, "reduce_scatter", x)
         if x.shape[0] % self.size:
             raise ValueError(f"reduce_scatter: first axis {x.shape[0]} is not divisible by {self.size} ranks")
+        if self.shm is not None and (result := self.shm.reduce_scatter(x, op)) is not None:
+            return result
         start = time.perf_counter()
         xp = get_array_module(x)
         x = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
@@ -314,13 +326,23 @@ class Communicator:
         self.stats.add("reduce_scatter", x.nbytes, time.perf_counter() - start)
         return result
 
-    def allgather(self, x):
-        """Concatenate every rank's ``x`` (same shape everywhere) along a new first axis."""
-        debug.check_collective(self, "allgather", x)
-        start = time.perf_counter()
+    def allgather(self, x, out=None):
+        """Concatenate every rank's ``x`` (same shape everywhere) along a new first axis.
+
+        ``out``: a C-contiguous array of ``size * x.size`` elements of x's dtype (any shape)
+        to receive the result, e.g. a flat buffer the blocks belong in; returned.
+        """
         xp = get_array_module(x)
         x = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
-        out = xp.empty((self.size,) + x.shape, dtype=x.dtype)
+        if out is not None:
+            if out.size != self.size * x.size or out.dtype != x.dtype:
+                raise ValueError(f"allgather: out has {out.size} {out.dtype}, needs {self.size} x {x.size} {x.dtype}")
+            _require_contiguous(out, "allgather")
+            if self.shm is not None and self.shm.allgather(x, out) is not None:
+                return out
+        debug.check_collective(self, "allgather", x)
+        start = time.perf_counter()
+        out = xp.empty((self.size,) + x.shape, dtype=x.dtype) if out is None else out
         send, recv = _Staged(x, self.cuda_aware), _Staged(out, self.cuda_aware, copy_in=False)
         self._wait(self.mpi.Iallgather(send.buffer, recv.buffer), self._next_collective("allgather"))
         result = recv.finish()
@@ -393,6 +415,15 @@ class Communicator:
     def split(self, color: int, key: int, name: str) -> "Communicator":
         return Communicator(self.mpi.Split(color, key), name, cuda_aware=self.cuda_aware,
                             wait_policy=self.wait_policy)
+
+
+def check_allreduce_args(name: str, x, op: str, out) -> None:
+    """The checks every all-reduce path makes: a known op, and ``out`` (if given) like ``x`` and C-contiguous."""
+    _reduce_op(op)
+    if out is not None:
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise ValueError(f"{name}: out has shape {out.shape} {out.dtype}, x has {x.shape} {x.dtype}")
+        _require_contiguous(out, name)
 
 
 def _into(out, result):

@@ -19,11 +19,14 @@ Nothing here is global: ``init`` returns a context that is passed to whatever ne
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-from .. import backend
+from .. import backend, host
+from . import nodes
+from . import topology as _topology
+from .shm import MIN_BYTES, ShmCollectives, shm_setting
 from .comm import Communicator, default_wait_policy, query_cuda_aware
 
 
@@ -73,6 +76,21 @@ class ParallelContext:
     device: str  # "cpu" or "cuda"
     cuda_aware: bool
     wait_policy: str
+    node: Communicator  # the ranks of this node (MPI_COMM_TYPE_SHARED): the shared-memory domain
+    topology: _topology.Topology  # the node of every world rank
+    node_cpus: int = 1  # CPUs the node's ranks may run on (affinity and cgroup quota)
+    host: dict = field(default_factory=dict)  # what init changed in the process (hpcpar.host.apply)
+    shm: bool = False  # the shared-memory collectives are attached (hpcpar.dist.shm)
+    shm_node_size: int | None = None  # pretend nodes of this many ranks for them (None: real nodes)
+
+    @property
+    def crossing_axes(self) -> list[str]:
+        """The axes (tp, dp, pp) some of whose communicators span more than one node."""
+        return _topology.crossing_axes(self.topology, self.dp_size, self.pp_size, self.tp_size)
+
+    def placement_report(self) -> str:
+        """The nodes and, per communicator, whether it crosses nodes (every rank can print it)."""
+        return _topology.report(self.topology, self.dp_size, self.pp_size, self.tp_size)
 
     @property
     def xp(self):
@@ -109,6 +127,13 @@ class ParallelContext:
         for comm in self.communicators().values():
             comm.stats.reset()
 
+    def shm_description(self) -> str:
+        """Whether the shared-memory collectives are on, and with which nodes (hpcpar.dist.shm)."""
+        if not self.shm:
+            return f"off (HPCPAR_SHM=0, parallel.shm = false or init(shm=False); CPUs only, device {self.device})"
+        nodes = f"pretend nodes of {self.shm_node_size} ranks" if self.shm_node_size else "real nodes"
+        return f"on ({nodes}; collectives under {MIN_BYTES >> 10} KiB use MPI)"
+
     def grid_table(self) -> str:
         """The whole grid as text (every rank can print it without communicating)."""
         return format_grid(self.dp_size, self.pp_size, self.tp_size)
@@ -131,26 +156,38 @@ def format_grid(dp: int, pp: int, tp: int) -> str:
 
 
 def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
-         comm: MPI.Comm | None = None, wait_policy: str | None = None) -> ParallelContext:
+         comm: MPI.Comm | None = None, wait_policy: str | None = None, tune_allocator: bool = True,
+         shm: bool | None = None, node_size: int | None = None) -> ParallelContext:
     """Factor the world into dp x pp x tp and build the communicators.
 
     Raises LayoutError on every rank, before any communication, when the layout does not
     fit. With a GPU the device is chosen by node-local rank before anything allocates on it.
+    Process-wide settings happen here, never on import (hpcpar.host.apply): glibc's
+    allocator is tuned unless ``tune_allocator=False`` or HPCPAR_MALLOC_TUNING=0, and on
+    CPUs each rank's BLAS gets its share of the node's cores. ``shm`` (default HPCPAR_SHM)
+    attaches the shared-memory collectives (hpcpar.dist.shm) on CPUs; ``node_size``
+    (default HPCPAR_NODE_SIZE) cuts nodes into pretend nodes for them (hpcpar.dist.nodes).
+    Rank 0 warns (PlacementWarning) when tensor parallelism crosses nodes but would fit inside them.
     """
     world_mpi = comm if comm is not None else MPI.COMM_WORLD
     dp, pp, tp = resolve_layout(world_mpi.Get_size(), dp, pp, tp)
     device = backend.resolve_device(device)
+    use_shm, shm_node_size = shm_setting(shm), nodes.node_size_setting(node_size)
 
     node = world_mpi.Split_type(MPI.COMM_TYPE_SHARED, key=world_mpi.Get_rank())
     node_rank, node_size = node.Get_rank(), node.Get_size()
-    node.Free()
+    # The CPUs of the node's ranks together: each rank pinned to its own core is not oversubscribed.
+    node_cpus = host.usable_cpus(set().union(*node.allgather(host.affinity())))
+    color = nodes.node_color(world_mpi, node, shm_node_size) if use_shm and device == "cpu" else None
+    topo = _topology.discover(world_mpi, node)
+    if world_mpi.Get_rank() == 0:
+        _topology.warn_about_placement(topo, dp, pp, tp)
     if device == "cuda":
         backend.select_gpu(node_rank)
-    else:
-        backend.share_cores(node_size)  # ranks on one node: BLAS thread pools that do not fight
+    settings = host.apply(node_size, tune_allocator, set_blas_threads=device != "cuda")
 
     cuda_aware = query_cuda_aware()
-    policy = wait_policy or default_wait_policy(node_size)
+    policy = wait_policy or default_wait_policy(node_size, node_cpus)
     make = lambda mpi_comm, name: Communicator(mpi_comm, name, cuda_aware=cuda_aware, wait_policy=policy)  # noqa: E731
 
     # dims in (pp, dp, tp) order: MPI's row-major cartesian numbering makes tp fastest.
@@ -169,8 +206,14 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
         pp_next=None if next_stage == MPI.PROC_NULL else next_stage,
         node_rank=node_rank, node_size=node_size,
         device=device, cuda_aware=cuda_aware, wait_policy=policy,
+        node_cpus=node_cpus, host=settings, shm=color is not None, shm_node_size=shm_node_size,
+        node=make(node, "node"), topology=topo,
     )
     assert (pp_rank, dp_rank, tp_rank) == coordinates(world_mpi.Get_rank(), dp, pp, tp)
+    if color is not None:
+        for communicator in ctx.communicators().values():
+            if communicator.size > 1:
+                communicator.shm = ShmCollectives(communicator, color)
     return ctx
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from .. import defaults
 from ..autograd import Parameter
 from ..backend import get_array_module
+from ..dist.shm import shared_zeros
 from ..state import ParameterHolder
 from .compression import NoCompression
 
@@ -92,8 +93,10 @@ class DistributedDataParallel(ParameterHolder):
             for p in members:
                 offsets.append(total)
                 total += p.size
-            xp = get_array_module(members[0].data)
-            self.buckets.append(Bucket(b, members, offsets, xp.zeros(total, dtype=members[0].dtype)))
+            # In the node's shared window when the shared-memory path is on (hpcpar.dist.shm): the
+            # bucket is then all-reduced where it lies, with no copy in or out.
+            flat = shared_zeros(self.comm, total, members[0].dtype, get_array_module(members[0].data))
+            self.buckets.append(Bucket(b, members, offsets, flat))
             for slot, p in enumerate(members):
                 self._where[id(p)] = (b, slot)
 

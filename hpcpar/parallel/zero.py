@@ -26,6 +26,7 @@ import numpy as np
 
 from ..autograd import Parameter, precision
 from ..backend import get_array_module
+from ..dist.shm import shared_zeros
 from ..optim.clip import scale_to_norm
 from ..optim.groups import flat_range_decays, flatten_groups, set_flat_range_decay
 from ..optim.optimizer import named_parameter_list
@@ -47,7 +48,9 @@ class ZeroRedundancyOptimizer(Checkpointable):
         self.numel = sum(p.size for p in self.params)
         self.shard_size = math.ceil(self.numel / comm.size)
         xp = get_array_module(self.params[0].data)
-        self.flat = xp.zeros(self.shard_size * comm.size, dtype=self.params[0].dtype)
+        # Both flat buffers in the node's shared window when the shared-memory path is on
+        # (hpcpar.dist.shm): reduce-scatter and all-gather then read and write them in place.
+        self.flat = shared_zeros(comm, self.shard_size * comm.size, self.params[0].dtype, xp)
         self.offsets = []
         offset = 0
         for p in self.params:  # parameters become views into the flat buffer
@@ -64,7 +67,7 @@ class ZeroRedundancyOptimizer(Checkpointable):
         # Weight decay by parameter name (groups, no_decay), as runs along this rank's shard.
         self.weight_decays = flat_range_decays(self.names, self.optimizer, given, no_decay)
         self._set_shard_decay()
-        self._flat_grad = xp.zeros_like(self.flat)
+        self._flat_grad = shared_zeros(comm, self.flat.size, self.flat.dtype, xp)
 
     # The wrapped optimizer's hyperparameters (lr for schedules) read and write through.
     @property
@@ -138,8 +141,7 @@ class ZeroRedundancyOptimizer(Checkpointable):
         if reduce:
             self.reduce_gradients()
         self.optimizer.step()
-        gathered = self.comm.allgather(self.shard.data)  # (dp, shard)
-        self.flat[...] = gathered.reshape(-1)
+        self.comm.allgather(self.shard.data, out=self.flat)  # every rank's shard into its place
         # Every rank now has the same parameters; the gradients are spent.
         for p in self.params:
             p.grad = None

@@ -232,6 +232,11 @@ class ParallelSection:
     sequence_parallel: bool = _key(False, BOOLEAN, "split norms, dropout and residual activations along the "
                                                    "sequence over tp (reduce-scatter / all-gather instead of all-reduce)")
     zero: bool = _key(False, BOOLEAN, "ZeRO-1: shard optimizer state across dp")
+    shm: bool | None = _key(None, BOOLEAN, "shared-memory collectives among a node's ranks (DDP buckets and ZeRO's "
+                                            "buffers in an MPI shared window; CPUs); unset: HPCPAR_SHM, else on")
+    node_size: int | None = _key(None, INTEGER, "pretend nodes of this many ranks for the shared-memory collectives "
+                                                "(their inter-node step on one machine); unset: HPCPAR_NODE_SIZE, "
+                                                "else the real nodes", check=at_least(1))
     mode: str = _key("allreduce", STRING, "how dp replicas agree", choices=("allreduce", "ps", "local_sgd"))
     staleness: int = _key(0, INTEGER, "steps a worker may run ahead of the servers", check=at_least(0),
                           applies=("parallel.mode", ("ps",)))

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 
 import numpy as np
 
 from .. import checkpoint
 from ..dist.context import init
+from ..dist.topology import PlacementWarning
 from .build import Run, build
 from .config import Job
 from .evaluate import evaluate, sample_text
@@ -78,15 +80,20 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
 
 
 def start(job: Job) -> Run:
-    """The context and the run; rank 0 prints the resolved job and the grid."""
+    """The context and the run; rank 0 prints the resolved job, the grid and the placement."""
     p = job.parallel
-    # A parameter-server job's grid holds the workers: the servers come from the same world.
-    ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device)
+    with warnings.catch_warnings():  # the placement report below carries the warning
+        warnings.simplefilter("ignore", PlacementWarning)
+        # A parameter-server job's grid holds the workers: the servers come from the same world.
+        ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device, shm=p.shm,
+                   node_size=p.node_size)
     if ctx.rank == 0:
         for notice in job.notices:
             print(f"hpcpar train: notice: {notice}", file=sys.stderr, flush=True)
         print(job.describe(), flush=True)
         print(ctx.grid_table(), flush=True)
+        print(ctx.placement_report(), flush=True)
+        print(f"shared-memory collectives: {ctx.shm_description()}", flush=True)
     return build(job, ctx)
 
 

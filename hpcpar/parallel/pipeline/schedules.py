@@ -318,98 +318,117 @@ def simulate(schedule: list[list[Action]], forward_time: float = 1.0, backward_t
     are FIFO), a compute runs twice or on the wrong rank, or something is left unreceived or
     uncomputed; DeadlockError when no rank can move, with the grid and every stuck action.
     """
-    p = len(schedule)
-    stages = 1 + max((a.stage for actions in schedule for a in actions), default=0)
-    v = max(1, stages // p)
-    split = any(a.kind == "W" for actions in schedule for a in actions)
-    if weight_time is None:
-        weight_time = backward_time / 2 if split else 0.0
-    duration = {"F": forward_time / v, "W": weight_time / v,
-                "B": (backward_time - weight_time if split else backward_time) / v}
+    return _Simulation(schedule, forward_time, backward_time, weight_time, comm_time).run()
 
-    clock = [0.0] * p
-    position = [0] * p
-    done: dict[tuple[str, int, int], float] = {}        # (kind, microbatch, stage) -> end time
-    received: dict[tuple[str, int, int], float] = {}    # (F|B, microbatch, receiving stage) -> arrival
-    channels: dict[tuple[int, int], deque] = {}         # (from stage, to stage) -> (kind, mb, arrival)
-    timelines: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
 
-    def fail(cls, message: str):
-        marks = {q: position[q] for q in range(p) if position[q] < len(schedule[q])}
-        raise cls(f"{message}\n{format_grid(schedule, comms=True, marks=marks)}")
+class _Simulation:
+    """The state of ``simulate``: each rank's clock and position, what is done, what is in flight."""
 
-    def input_ready(r: int, a: Action) -> float | None:
+    def __init__(self, schedule, forward_time, backward_time, weight_time, comm_time):
+        self.schedule, self.comm_time = schedule, comm_time
+        p = self.p = len(schedule)
+        self.stages = 1 + max((a.stage for actions in schedule for a in actions), default=0)
+        v = max(1, self.stages // p)
+        self.split = any(a.kind == "W" for actions in schedule for a in actions)
+        if weight_time is None:
+            weight_time = backward_time / 2 if self.split else 0.0
+        self.duration = {"F": forward_time / v, "W": weight_time / v,
+                         "B": (backward_time - weight_time if self.split else backward_time) / v}
+        self.clock = [0.0] * p
+        self.position = [0] * p
+        self.done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, stage) -> end time
+        self.received: dict[tuple[str, int, int], float] = {}  # (F|B, microbatch, receiving stage) -> arrival
+        self.channels: dict[tuple[int, int], deque] = {}  # (from stage, to stage) -> (kind, mb, arrival)
+        self.timelines: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
+
+    def fail(self, cls, message: str):
+        marks = {q: self.position[q] for q in range(self.p) if self.position[q] < len(self.schedule[q])}
+        raise cls(f"{message}\n{format_grid(self.schedule, comms=True, marks=marks)}")
+
+    def run(self) -> SimResult:
+        schedule, position = self.schedule, self.position
+        while True:
+            progressed = False
+            for r in range(self.p):
+                while position[r] < len(schedule[r]) and self.step(r):
+                    progressed = True
+            if all(position[r] == len(schedule[r]) for r in range(self.p)):
+                break
+            if not progressed:
+                stuck = "; ".join(f"rank {r} waits at {schedule[r][j]} (action {j} of its list)"
+                                  for r, j in enumerate(position) if j < len(schedule[r]))
+                self.fail(DeadlockError, f"pipeline schedule deadlocks: {stuck}")
+        self.check_complete()
+        busy = [sum(end - start for start, end, _ in line) for line in self.timelines]
+        return SimResult(self.timelines, max(self.clock), busy)
+
+    def step(self, r: int) -> bool:
+        """Execute rank r's next action if it can run now; report whether it did."""
+        a = self.schedule[r][self.position[r]]
+        if a.kind not in KINDS:
+            self.fail(ScheduleError, f"rank {r}: unknown action kind in {a}")
+        if a.stage % self.p != r:
+            self.fail(ScheduleError, f"rank {r}: {a} belongs to stage {a.stage}, held by rank {a.stage % self.p}")
+        moved = self.compute(r, a) if a.is_compute else self.send(r, a) if a.kind in SENDS else self.receive(r, a)
+        if moved:
+            self.position[r] += 1
+        return moved
+
+    def input_ready(self, r: int, a: Action) -> float | None:
         """When the tensor that compute action ``a`` needs is available on rank r, or None."""
         i, s = a.microbatch, a.stage
         if a.kind == "W":
-            return done.get(("B", i, s))
-        own = done.get(("F", i, s)) if a.kind == "B" else 0.0
+            return self.done.get(("B", i, s))
+        own = self.done.get(("F", i, s)) if a.kind == "B" else 0.0
         source = s - 1 if a.kind == "F" else s + 1
         if own is None:
             return None
-        if source < 0 or source >= stages:  # first stage's input / last stage's loss: local
+        if source < 0 or source >= self.stages:  # first stage's input / last stage's loss: local
             return own
-        arrived = done.get((a.kind, i, source)) if source % p == r else received.get((a.kind, i, s))
+        arrived = self.done.get((a.kind, i, source)) if source % self.p == r else self.received.get((a.kind, i, s))
         return None if arrived is None else max(own, arrived)
 
-    def step(r: int) -> bool:
-        """Execute rank r's next action if it can run now; report whether it did."""
-        a = schedule[r][position[r]]
-        if a.kind not in KINDS:
-            fail(ScheduleError, f"rank {r}: unknown action kind in {a}")
-        if a.stage % p != r:
-            fail(ScheduleError, f"rank {r}: {a} belongs to stage {a.stage}, held by rank {a.stage % p}")
-        if a.is_compute:
-            ready = input_ready(r, a)
-            if ready is None:
-                return False
-            if (a.kind, a.microbatch, a.stage) in done:
-                fail(ScheduleError, f"rank {r}: {a} runs a second time")
-            start = max(clock[r], ready)
-            clock[r] = start + duration[a.kind]
-            done[(a.kind, a.microbatch, a.stage)] = clock[r]
-            timelines[r].append((start, clock[r], a))
-        elif a.kind in SENDS:
-            kind = SENDS[a.kind]
-            if a.peer_stage != a.stage + (1 if kind == "F" else -1):
-                fail(ScheduleError, f"rank {r}: {a} does not go to the neighbouring stage")
-            if (kind, a.microbatch, a.stage) not in done:
-                return False  # sends an output not computed yet: waits (a deadlock if never)
-            channels.setdefault((a.stage, a.peer_stage), deque()).append(
-                (kind, a.microbatch, clock[r] + comm_time))
-        else:
-            queue = channels.get((a.peer_stage, a.stage))
-            if not queue:
-                return False
-            kind, microbatch, arrival = queue.popleft()
-            if (kind, microbatch) != (RECVS[a.kind], a.microbatch):
-                fail(ScheduleError, f"rank {r}: {a} does not match the send order; the next message "
-                                    f"on channel s{a.peer_stage}->s{a.stage} is {kind}{microbatch}")
-            received[(kind, a.microbatch, a.stage)] = arrival
-            clock[r] = max(clock[r], arrival)
-        position[r] += 1
+    def compute(self, r: int, a: Action) -> bool:
+        ready = self.input_ready(r, a)
+        if ready is None:
+            return False
+        if (a.kind, a.microbatch, a.stage) in self.done:
+            self.fail(ScheduleError, f"rank {r}: {a} runs a second time")
+        start = max(self.clock[r], ready)
+        self.clock[r] = start + self.duration[a.kind]
+        self.done[(a.kind, a.microbatch, a.stage)] = self.clock[r]
+        self.timelines[r].append((start, self.clock[r], a))
         return True
 
-    while True:
-        progressed = False
-        for r in range(p):
-            while position[r] < len(schedule[r]) and step(r):
-                progressed = True
-        if all(position[r] == len(schedule[r]) for r in range(p)):
-            break
-        if not progressed:
-            stuck = "; ".join(f"rank {r} waits at {schedule[r][j]} (action {j} of its list)"
-                              for r, j in enumerate(position) if j < len(schedule[r]))
-            fail(DeadlockError, f"pipeline schedule deadlocks: {stuck}")
+    def send(self, r: int, a: Action) -> bool:
+        kind = SENDS[a.kind]
+        if a.peer_stage != a.stage + (1 if kind == "F" else -1):
+            self.fail(ScheduleError, f"rank {r}: {a} does not go to the neighbouring stage")
+        if (kind, a.microbatch, a.stage) not in self.done:
+            return False  # sends an output not computed yet: waits (a deadlock if never)
+        self.channels.setdefault((a.stage, a.peer_stage), deque()).append(
+            (kind, a.microbatch, self.clock[r] + self.comm_time))
+        return True
 
-    leftover = [f"s{src}->s{dst}: {[f'{k}{i}' for k, i, _ in q]}" for (src, dst), q in channels.items() if q]
-    if leftover:
-        fail(ScheduleError, f"sends that no rank receives: {'; '.join(leftover)}")
-    microbatches = 1 + max((i for _, i, _ in done), default=-1)
-    needed = [(k, i, s) for k in ("F", "B", "W")[:2 + split]
-              for i in range(microbatches) for s in range(stages)]
-    missing = [f"{k}{i}@s{s}" for k, i, s in needed if (k, i, s) not in done]
-    if missing:
-        fail(ScheduleError, f"compute actions missing from the schedule: {', '.join(missing)}")
-    busy = [sum(end - start for start, end, _ in line) for line in timelines]
-    return SimResult(timelines, max(clock), busy)
+    def receive(self, r: int, a: Action) -> bool:
+        queue = self.channels.get((a.peer_stage, a.stage))
+        if not queue:
+            return False
+        kind, microbatch, arrival = queue.popleft()
+        if (kind, microbatch) != (RECVS[a.kind], a.microbatch):
+            self.fail(ScheduleError, f"rank {r}: {a} does not match the send order; the next message "
+                                     f"on channel s{a.peer_stage}->s{a.stage} is {kind}{microbatch}")
+        self.received[(kind, a.microbatch, a.stage)] = arrival
+        self.clock[r] = max(self.clock[r], arrival)
+        return True
+
+    def check_complete(self) -> None:
+        leftover = [f"s{src}->s{dst}: {[f'{k}{i}' for k, i, _ in q]}" for (src, dst), q in self.channels.items() if q]
+        if leftover:
+            self.fail(ScheduleError, f"sends that no rank receives: {'; '.join(leftover)}")
+        microbatches = 1 + max((i for _, i, _ in self.done), default=-1)
+        needed = [(k, i, s) for k in ("F", "B", "W")[:2 + self.split]
+                  for i in range(microbatches) for s in range(self.stages)]
+        missing = [f"{k}{i}@s{s}" for k, i, s in needed if (k, i, s) not in self.done]
+        if missing:
+            self.fail(ScheduleError, f"compute actions missing from the schedule: {', '.join(missing)}")

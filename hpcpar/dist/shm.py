@@ -1,0 +1,442 @@
+"""Shared-memory, hierarchical collectives: the node's memory bandwidth instead of MPI's copies.
+
+MPI libraries move a one-node all-reduce through their own buffers (MPICH here: 64 MiB at
+2 ranks in ~15-35 ms, where a memory copy takes ~8 ms). Here the ranks of a node keep
+their buffers in an MPI shared-memory window (hpcpar.dist.shm_windows) and reduce them in
+place, in parallel, with no message at all:
+
+1. each rank announces that its buffer is ready (a counter in a small shared control window);
+2. when every rank of the node has, rank r sums slice r (1/n of the elements) of all n
+   buffers, in cache-sized chunks with NumPy ``add(out=)``, in MPICH's order
+   (hpcpar.dist.shm_reduce), and writes the sum into slice r of every buffer;
+3. across nodes, rank r all-reduces its slice with rank r of every other node over MPI
+   (every rank by slice, all at once) before writing it out;
+4. each rank announces it is done; a rank returns when all have, so no buffer is written
+   again while a peer still reads it.
+
+Each rank reads the node's n slices once and writes its slice n times: the traffic of one
+memory copy of the buffer per rank, the least an in-place all-reduce can move.
+
+**Where it applies.** A ``Communicator`` gets a ``ShmCollectives`` as ``comm.shm`` from
+``hpcpar.init`` when the path is on (the default on CPUs; off with ``init(shm=False)``,
+``HPCPAR_SHM=0`` or the job key ``parallel.shm = false``). Collectives then take it when they can:
+
+- ``allreduce`` / ``iallreduce`` of a buffer made by ``shared_zeros`` (DDP's buckets,
+  ZeRO's flat buffers) with ``out`` the buffer itself: no copy in or out, non-blocking
+  (progress happens in ``test()`` / ``wait()``, as MPI's does without a progress thread);
+- blocking ``allreduce`` of any other array up to ``MAX_COPY_BYTES`` (tensor-parallel
+  activations): copied into a shared scratch buffer and back, which still beats MPI's own
+  copies there (three passes over the memory; above 8 MiB MPI wins);
+- ``reduce_scatter`` of a shared buffer and ``allgather`` into one, when the communicator
+  lies on one node (ZeRO-1); across nodes these stay with MPI.
+
+Everything else goes to MPI, as do messages under ``MIN_BYTES`` (two flag rounds cost
+more than MPI's latency there), GPU arrays, dtypes MPI and NumPy do not share, and
+communicators whose nodes hold different numbers of its ranks, or one rank each.
+
+**Waiting.** Counters are polled like MPI requests: through ``Communicator._wait``, so
+the wait policy (spin / yield) and the stall watchdog apply unchanged: a stalled peer is
+reported as in any collective of that communicator. Even under ``spin`` a flag wait turns
+polite after ``_SPIN_S``.
+
+**Agreement.** Which buffer a call uses must be the same on the node's ranks (buffers
+from ``shared_zeros`` are made collectively, so DDP and ZeRO pass them everywhere alike).
+A call where some ranks pass a shared buffer and others a plain array raises on every
+rank, naming the buffers, unless the plain array first needs a bigger scratch window
+(a collective the other ranks do not join): then the watchdog reports the stall.
+
+**Counting.** A call counts in ``comm.stats`` under its usual name with the same bytes
+as the MPI path; ``comm.shm.stats`` counts the calls that took this path.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import time
+from abc import ABC, abstractmethod
+
+import numpy as np
+from mpi4py import MPI
+
+from ..backend import is_gpu_array
+from . import debug
+from .comm import REDUCE_OPS, CommStats, Handle, check_allreduce_args
+from .waiting import polite_pause
+from .shm_reduce import chunks, combine, slices, temporaries
+from .shm_windows import SharedWindows, ShmUnavailable
+
+SHM_VARIABLE = "HPCPAR_SHM"
+DEFAULT_ON = True  # every MPI test passed with all collectives through it (2, 4, 2x2 ranks), and it is faster
+MIN_BYTES = 64 << 10  # below: MPI's latency wins (measured: 128 KiB at 2 ranks about even)
+MAX_COPY_BYTES = 8 << 20  # above: copying a plain array in and out costs more than MPI saves
+CHUNK_BYTES = 256 << 10  # a chunk of the running sum and of one source fit a core's L2
+UFUNCS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
+DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
+_POSTED, _DONE, _RING = 0, 1, 2  # control words: ops posted, ops this rank finished, then (buffer, count) per op
+_RING_OPS = 64  # ops in flight before posting waits
+_CONTROL_WORDS = _RING + 2 * _RING_OPS
+_SPIN_S = 0.01
+
+
+def shm_setting(enabled: bool | None = None) -> bool:
+    """Whether the path is on: ``enabled`` if given, else HPCPAR_SHM (0 or 1), else DEFAULT_ON."""
+    if enabled is not None:
+        return bool(enabled)
+    text = os.environ.get(SHM_VARIABLE, "")
+    if text == "":
+        return DEFAULT_ON
+    if text not in ("0", "1"):
+        raise ValueError(f"{SHM_VARIABLE} must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
+def shared_zeros(comm, count: int, dtype, xp=np):
+    """A zeroed buffer for repeated collectives on ``comm``: in the node's shared window when
+    ``comm``'s shared-memory path takes buffers of this size, else ``xp.zeros``.
+
+    Collective over ``comm``: every rank calls it, in the same order, with the same sizes.
+    """
+    shm = getattr(comm, "shm", None)
+    if shm is not None and xp is np:
+        buffer = shm.zeros(count, dtype)
+        if buffer is not None:
+            return buffer
+    return xp.zeros(count, dtype=dtype)
+
+
+class ShmCollectives:
+    """The shared-memory path of one Communicator (``comm.shm``); set up at its first use."""
+
+    def __init__(self, comm, node_color: int, min_bytes: int = MIN_BYTES, chunk_bytes: int = CHUNK_BYTES):
+        self.comm, self.node_color = comm, node_color
+        self.min_bytes, self.chunk_bytes = min_bytes, chunk_bytes
+        self.stats = CommStats()  # the calls that took this path
+        self.usable: bool | None = None  # None until the first call that could use it
+        self.node = self.cross = self.windows = None
+        self._control = self._scratch = None
+        self._seq = 0
+        self._queue: collections.deque = collections.deque()  # posted ops this rank has not finished
+
+    # ----- set-up (collective over comm) ------------------------------------------------
+    def _ready(self) -> bool:
+        if self.usable is None:
+            self.usable = self._set_up()
+        return self.usable
+
+    def _set_up(self) -> bool:
+        mpi = self.comm.mpi
+        node = mpi.Split(self.node_color, self.comm.rank)
+        sizes = mpi.allgather(node.Get_size())
+        if max(sizes) == 1 or len(set(sizes)) > 1:  # nothing to share, or no slice partners across nodes
+            node.Free()
+            return False
+        windows = SharedWindows(node)
+        try:
+            control = windows.allocate(_CONTROL_WORDS * 8)
+        except ShmUnavailable:
+            control = None
+        if not mpi.allreduce(control is not None, op=MPI.LAND):
+            windows.close()
+            node.Free()
+            return False
+        self.node, self.windows, self._control = node, windows, control
+        self._words = control.typed(np.int64, _CONTROL_WORDS)
+        self._words[node.Get_rank()][...] = 0
+        self.rank, self.size = node.Get_rank(), node.Get_size()
+        self.nodes = self.comm.size // self.size
+        self.cross = mpi.Split(self.rank, self.comm.rank) if self.nodes > 1 else None
+        node.Barrier()  # every control word is zero before anyone reads one
+        return True
+
+    def describe(self) -> str:
+        if self.usable is None:
+            return "on (not used yet)"
+        if not self.usable:
+            return "off for this communicator (one rank per node, or nodes of unequal size)"
+        return f"on: {self.nodes} node(s) x {self.size} ranks"
+
+    # ----- buffers ------------------------------------------------------------------------
+    def zeros(self, count: int, dtype):
+        """A zeroed shared buffer of ``count`` elements (collective), or None when MPI will serve it."""
+        dtype = np.dtype(dtype)
+        if dtype not in DTYPES or count * dtype.itemsize < self.min_bytes or not self._ready():
+            return None
+        self._drain()
+        try:
+            buffer = self.windows.array(count, dtype)
+        except ShmUnavailable:
+            buffer = None
+        return buffer if self.comm.mpi.allreduce(buffer is not None, op=MPI.LAND) else None
+
+    def _scratch_for(self, nbytes: int):
+        """The shared scratch buffer, grown to hold ``nbytes`` (collective), or None."""
+        if self._scratch is None or self._scratch.nbytes < nbytes:
+            self._drain()
+            if self._scratch is not None:
+                self.windows.release(self._scratch)
+                self._scratch = None
+            try:
+                scratch = self.windows.allocate(1 << (nbytes - 1).bit_length())
+            except ShmUnavailable:
+                scratch = None
+            if not self.comm.mpi.allreduce(scratch is not None, op=MPI.LAND):
+                if scratch is not None:
+                    self.windows.release(scratch)
+                return None
+            self._scratch = scratch
+        return self._scratch
+
+    def _takes(self, x, op: str) -> bool:
+        return (isinstance(x, np.ndarray) and not is_gpu_array(x) and x.dtype in DTYPES
+                and max(1, self.min_bytes) <= x.nbytes
+                and not (op == "mean" and x.dtype.kind != "f") and self._ready())
+
+    # ----- the collectives (None: not taken, the caller uses MPI) ---------------------------
+    def allreduce(self, x, op: str = "sum", out=None):
+        check_allreduce_args("allreduce", x, op, out)
+        if not self._takes(x, op):
+            return None
+        start = time.perf_counter()
+        segment = self.windows.find(x) if out is x else None
+        in_place = segment is not None  # x is a shared buffer: reduced where it lies
+        if not in_place:
+            if x.nbytes > MAX_COPY_BYTES:
+                return None
+            segment = self._scratch_for(x.nbytes)
+            if segment is None:
+                return None
+        debug.check_collective(self.comm, "allreduce", x)
+        waiting = self.comm._next_collective("allreduce")
+        mine = segment.typed(x.dtype, x.size)[self.rank]
+        if not in_place:
+            mine[...] = x.reshape(-1)
+        self.comm._wait(self._post(_Allreduce(self, segment, x.dtype, x.size, op)), waiting)
+        if not in_place:
+            out = np.empty_like(x) if out is None else out
+            out.reshape(-1)[...] = mine
+        self._count("allreduce", x.nbytes, time.perf_counter() - start)
+        return x if in_place else out
+
+    def iallreduce(self, x, op: str = "sum", out=None) -> Handle | None:
+        check_allreduce_args("iallreduce", x, op, out)
+        if out is not x or not self._takes(x, op):
+            return None
+        segment = self.windows.find(x)
+        if segment is None:
+            return None
+        start = time.perf_counter()
+        debug.check_collective(self.comm, "iallreduce", x)
+        request = self._post(_Allreduce(self, segment, x.dtype, x.size, op))
+        self._count("iallreduce", x.nbytes, time.perf_counter() - start)
+        return Handle(self.comm, "iallreduce", request, lambda: x, self.comm._next_collective("iallreduce"))
+
+    def reduce_scatter(self, x, op: str = "sum"):
+        """This rank's block of the reduced shared buffer ``x`` (a communicator on one node)."""
+        if not self._takes(x, op):
+            return None
+        segment = self.windows.find(x)
+        if segment is None or self.nodes != 1:
+            return None
+        start = time.perf_counter()
+        debug.check_collective(self.comm, "reduce_scatter", x)
+        waiting = self.comm._next_collective("reduce_scatter")
+        result = np.empty(x.size // self.size, dtype=x.dtype)
+        self.comm._wait(self._post(_ReduceScatter(self, segment, x.dtype, x.size, op, result)), waiting)
+        self._count("reduce_scatter", x.nbytes, time.perf_counter() - start)
+        return result.reshape((x.shape[0] // self.size,) + x.shape[1:])
+
+    def allgather(self, x, out):
+        """Every rank's ``x`` written into block r of the shared buffer ``out`` (a communicator on one node)."""
+        if out is None or not self._takes(out, "sum") or x.dtype != out.dtype:
+            return None
+        segment = self.windows.find(out)
+        if segment is None or self.nodes != 1 or out.size != x.size * self.size:
+            return None
+        start = time.perf_counter()
+        debug.check_collective(self.comm, "allgather", x)
+        waiting = self.comm._next_collective("allgather")
+        self.comm._wait(self._post(_Allgather(self, segment, out.dtype, out.size, x)), waiting)
+        self._count("allgather", x.nbytes, time.perf_counter() - start)
+        return out
+
+    def _count(self, name: str, nbytes: int, seconds: float) -> None:
+        self.comm.stats.add(name, nbytes, seconds)
+        self.stats.add(name, nbytes, seconds)
+
+    # ----- flags: posting, progress, completion ------------------------------------------
+    def _post(self, op) -> "_Request":
+        if self._seq >= _RING_OPS:
+            self._wait_until(lambda: self._lowest(_DONE) > self._seq - _RING_OPS)
+        self._seq += 1
+        op.seq = self._seq
+        mine = self._words[self.rank]
+        slot = _RING + 2 * (op.seq % _RING_OPS)
+        mine[slot], mine[slot + 1] = op.segment.ident, op.count
+        self._fence()  # the buffer's contents before the counter that announces them
+        mine[_POSTED] = op.seq
+        self._queue.append(op)
+        self._progress()
+        return _Request(self, op)
+
+    def _progress(self) -> None:
+        """Do this rank's part of the oldest posted ops whose buffers are ready everywhere."""
+        while self._queue:
+            op = self._queue[0]
+            if op.cross_request is not None:
+                if not op.cross_request.Test():
+                    return
+                op.cross_request = None
+                op.after_cross()
+            else:
+                if self._lowest(_POSTED) < op.seq:
+                    return
+                self._fence()
+                self._check_same_buffer(op)
+                op.cross_request = op.work()
+                if op.cross_request is not None:
+                    continue
+            self._fence()  # the slice written before the counter that says so
+            self._words[self.rank][_DONE] = op.seq
+            self._queue.popleft()
+
+    def _complete(self, op) -> bool:
+        self._progress()
+        if op.seq > self._words[self.rank][_DONE] or self._lowest(_DONE) < op.seq:
+            return False
+        self._fence()  # the peers' slices after the counters that announced them
+        return True
+
+    def _lowest(self, word: int) -> int:
+        return min(int(words[word]) for words in self._words)
+
+    def _fence(self) -> None:
+        self._control.window.Sync()
+
+    def _check_same_buffer(self, op) -> None:
+        slot = _RING + 2 * (op.seq % _RING_OPS)
+        seen = [(int(words[slot]), int(words[slot + 1])) for words in self._words]
+        if len(set(seen)) > 1:
+            raise RuntimeError(
+                f"shared-memory {op.name} #{op.seq} on '{self.comm.name}': the node's ranks passed different "
+                f"buffers (shared buffer, element count by node rank: {seen}); buffers from shared_zeros must "
+                "be used by every rank of the node in the same call")
+
+    def _wait_until(self, condition) -> None:
+        start = time.perf_counter()
+        while True:
+            self._progress()
+            if condition():
+                return
+            polite_pause(time.perf_counter() - start)
+
+    def _drain(self) -> None:
+        """Finish every op in flight (before a collective window call, which would block them)."""
+        if self._queue or self._lowest(_DONE) < self._seq:
+            self._wait_until(lambda: not self._queue and self._lowest(_DONE) >= self._seq)
+
+
+class _Request:
+    """The MPI-request face of a posted op, for Handle and Communicator._wait."""
+
+    def __init__(self, shm: ShmCollectives, op):
+        self.shm, self.op = shm, op
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name
+        return self.shm._complete(self.op)
+
+    def Wait(self) -> None:  # noqa: N802
+        start = time.perf_counter()
+        while not self.Test():
+            waited = time.perf_counter() - start
+            if waited > _SPIN_S:
+                polite_pause(waited)
+
+
+class _Op(ABC):
+    """One collective on shared buffers: ``work`` does this rank's part once all have posted."""
+
+    name = "op"
+
+    def __init__(self, shm: ShmCollectives, segment, dtype, count: int, op: str = "sum"):
+        self.shm, self.segment, self.dtype, self.count, self.op = shm, segment, np.dtype(dtype), count, op
+        self.seq = 0
+        self.cross_request = None
+
+    @abstractmethod
+    def work(self):
+        """This rank's part; returns the MPI request of the inter-node step, or None."""
+
+    def after_cross(self) -> None:
+        """What is left once the inter-node step (if ``work`` started one) has completed."""
+
+    def _chunk(self) -> int:
+        return max(1, self.shm.chunk_bytes // self.dtype.itemsize)
+
+
+class _Allreduce(_Op):
+    name = "allreduce"
+
+    def work(self):
+        shm = self.shm
+        buffers = self.segment.typed(self.dtype, self.count)
+        own = buffers[shm.rank]
+        self.lo, self.hi = slices(self.count, shm.size, self.dtype.itemsize)[shm.rank]
+        chunk = self._chunk()
+        temps = temporaries(shm.size, min(chunk, self.hi - self.lo), self.dtype)
+        ufunc, local = UFUNCS[self.op], shm.cross is None
+        for lo, hi in chunks(self.lo, self.hi, chunk):
+            out = own[lo:hi]
+            combine([b[lo:hi] for b in buffers], out, ufunc, temps)
+            if local:
+                self._write_out(buffers, out, lo, hi)
+        if local:
+            return None
+        return shm.cross.Iallreduce(MPI.IN_PLACE, own[self.lo:self.hi], REDUCE_OPS[self.op])
+
+    def after_cross(self) -> None:
+        buffers = self.segment.typed(self.dtype, self.count)
+        own = buffers[self.shm.rank]
+        for lo, hi in chunks(self.lo, self.hi, self._chunk()):
+            self._write_out(buffers, own[lo:hi], lo, hi)
+
+    def _write_out(self, buffers, result, lo: int, hi: int) -> None:
+        """The final value of this rank's slice: divided for a mean, copied into every peer's buffer."""
+        if self.op == "mean":
+            result /= self.shm.comm.size
+        for rank, buffer in enumerate(buffers):
+            if rank != self.shm.rank:
+                buffer[lo:hi] = result
+
+
+class _ReduceScatter(_Op):
+    name = "reduce_scatter"
+
+    def __init__(self, shm, segment, dtype, count, op, result):
+        super().__init__(shm, segment, dtype, count, op)
+        self.result = result
+
+    def work(self):
+        shm, block = self.shm, self.result.size
+        buffers = self.segment.typed(self.dtype, self.count)
+        first, chunk = shm.rank * block, self._chunk()
+        temps = temporaries(shm.size, min(chunk, block), self.dtype)
+        for lo, hi in chunks(first, first + block, chunk):
+            out = self.result[lo - first: hi - first]
+            combine([b[lo:hi] for b in buffers], out, UFUNCS[self.op], temps)
+            if self.op == "mean":
+                out /= shm.comm.size
+        return None
+
+
+class _Allgather(_Op):
+    name = "allgather"
+
+    def __init__(self, shm, segment, dtype, count, block):
+        super().__init__(shm, segment, dtype, count)
+        self.block = block.reshape(-1)
+
+    def work(self):
+        first = self.shm.rank * self.block.size
+        for buffer in self.segment.typed(self.dtype, self.count):
+            buffer[first: first + self.block.size] = self.block
+        return None

@@ -48,11 +48,11 @@ def _train(args) -> int:
     stop = StopRequest()  # first: until the handlers are in, SLURM's USR1 would kill the rank
     try:  # the same verdict on every rank, before any rank waits on another
         job = validate(load_job(args.job, args.set), MPI.COMM_WORLD.Get_size())
+        train(job, resume=True if args.resume else None, stop=stop)  # JobErrors in it come on every rank at once
     except JobError as error:
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(f"hpcpar train: error: {error}", file=sys.stderr, flush=True)
         return 2
-    train(job, resume=True if args.resume else None, stop=stop)
     return 0
 
 

@@ -52,7 +52,7 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None)
         inputs, targets = run.train_data.batch_at(step)
         run.train_data.step = step + 1
         loss = run.strategy.train_step(inputs, targets)
-        run.strategy.finish_step(job.optimizer.grad_clip)
+        run.strategy.finish_step(job.optimizer.grad_clip, loss)
         lr = run.strategy.optimizer.lr
         run.lr_schedule.step()
         step += 1
@@ -104,7 +104,8 @@ def step_record(run, step: int, loss: float, lr: float, step_s: float) -> dict:
     return {"step": step, "loss": float(ctx.dp.allreduce(np.array([loss]), "mean")[0]), "lr": lr,
             "tokens_per_s": tokens / step_s, "step_s": step_s, "compute_s": stats.get("compute_s", 0.0),
             "comm_s": stats.get("comm_s", 0.0), "idle_s": stats.get("idle_s", 0.0),
-            "peak_mem_mb": ctx.world.allgather_object(round(peak_memory_mb(), 1)), "time": time.time()}
+            "peak_mem_mb": ctx.world.allgather_object(round(peak_memory_mb(), 1)), "time": time.time(),
+            **({"skipped_steps": stats["skipped_steps"]} if "skipped_steps" in stats else {})}
 
 
 def final_report(run, step: int, log: Logger) -> dict:

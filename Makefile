@@ -20,7 +20,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[mpich,test]'
+	$(PY) -m pip install -q -e '.[mpich,test,reference]'
 	touch $@
 
 native: $(NATIVE)

@@ -135,9 +135,10 @@ def _train(args) -> int:
     overrides = args.set + ([f"train.trace={json.dumps(args.trace)}"] if args.trace else [])
     try:  # the same verdict on every rank, before any rank waits on another
         job = validate(load_job(args.job, overrides), MPI.COMM_WORLD.Get_size())
+        # JobErrors inside (a checkpoint that does not fit the job) come on every rank at once
+        train(job, resume=True if args.resume else None, stop=stop, progress=args.progress)
     except JobError as error:
         raise _usage("hpcpar train", str(error)) from None
-    train(job, resume=True if args.resume else None, stop=stop, progress=args.progress)
     return 0
 
 

@@ -30,13 +30,13 @@ import json
 import os
 import statistics
 import time
-import tracemalloc
 from dataclasses import replace
 
 import numpy as np
 from mpi4py import MPI
 
 from . import host, log
+from .bench.step import traced_peak
 from .dist.comm import Communicator
 from .dist.context import init
 from .dist.failfast import UsageError
@@ -64,7 +64,7 @@ def label(layout) -> str:
     return f"{dp}x{pp}x{tp} {kind}"
 
 
-def layout_job(job, layout, steps: int):
+def layout_job(job, layout, steps: int, precision: str | None = None):
     dp, pp, tp = layout
     micro = job.parallel.micro_batches if pp > 1 else 1
     if pp > 1 and micro < pp:
@@ -74,7 +74,8 @@ def layout_job(job, layout, steps: int):
                        sequence_parallel=job.parallel.sequence_parallel and tp > 1)  # nothing to split at tp = 1
     if parallel.schedule == "interleaved" and (interleaved_fit(pp, micro) is not None or pp * parallel.chunks > job.num_layers):
         parallel = replace(parallel, schedule="1f1b", chunks=1)
-    train = replace(job.train, steps=steps + 2, eval_interval=0, sample_tokens=0)
+    train = replace(job.train, steps=steps + 2, eval_interval=0, sample_tokens=0,
+                    precision=precision or job.train.precision)
     return validate(replace(job, parallel=parallel, train=train), dp * pp * tp)
 
 
@@ -113,8 +114,8 @@ def measure(job, comm, steps: int) -> dict:
         ctx.world.barrier()
         inside_before = sum(c.stats.total_seconds for c in inside)
         start = time.perf_counter()
-        strategy.train_step(inputs, targets)
-        strategy.finish_step(job.optimizer.grad_clip)
+        loss = strategy.train_step(inputs, targets)
+        strategy.finish_step(job.optimizer.grad_clip, loss)
         elapsed = ctx.world.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX)
         if step >= 2:
             times.append(elapsed)
@@ -122,20 +123,19 @@ def measure(job, comm, steps: int) -> dict:
             inter_node_s = strategy.stats.get("comm_s", 0.0) - inside_s if several_nodes else 0.0
             shares.append(step_shares(strategy.stats, inter_node_s))
     traffic = sum(c.stats.total_wire_bytes for c in ctx.communicators().values())  # size 1 sends nothing
-    tracemalloc.start()
     inputs, targets = run.train_data.batch_at(0)
-    strategy.train_step(inputs, targets)
-    activation_peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    strategy.finish_step(0.0)
-    state = strategy.optimizer_state_bytes()
+    losses = []
+    activation_peak = traced_peak(lambda: losses.append(strategy.train_step(inputs, targets)))
+    strategy.finish_step(0.0, losses[0])
+    state = strategy.optimizer_state_bytes()  # with the float32 masters under mixed precision
     params = sum(q.data.nbytes for _, q in strategy.named_parameters())
     step_s = statistics.median(times)
     gather = lambda value, op=MPI.MAX: ctx.world.mpi.allreduce(value, op=op)  # noqa: E731
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
     comm_share, idle_share, inter_share = (gather(statistics.fmean(s[k] for s in shares), MPI.SUM) / ctx.world_size
                                            for k in (0, 1, 2))
-    return {"layout": [p.dp, p.pp, p.tp], "ranks": ctx.world_size, "step_s": step_s, "tokens_per_s": tokens / step_s,
+    return {"layout": [p.dp, p.pp, p.tp], "precision": job.train.precision, "ranks": ctx.world_size, "step_s": step_s,
+            "tokens_per_s": tokens / step_s,
             "compute_share": 1.0 - comm_share - idle_share, "comm_share": comm_share, "bubble_share": idle_share,
             "inter_node_share": inter_share, "nodes": ctx.topology.nodes, "across_nodes": ctx.crossing_axes,
             "param_state_mb_per_rank": gather(params + state) / 2**20,
@@ -150,6 +150,8 @@ def add_arguments(parser) -> None:
                         help="override a job key, TOML syntax (repeatable) (default: none)")
     parser.add_argument("--out", default=None,
                         help="folder for compare.json and compare.png (default: runs/compare-JOB)")
+    parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="also measure each layout in these precisions, beside fp32 (default: the job's only)")
     parser.set_defaults(func=run)
 
 
@@ -196,10 +198,12 @@ def run(args) -> int:
     if problem:
         logger.warning(problem)
     out = args.out or os.path.join("runs", "compare-" + os.path.basename(args.job).rsplit(".", 1)[0])
+    precisions = [None] if args.precision is None else ["fp32"] + [p for p in args.precision if p != "fp32"]
     results, skipped = [], []
-    for layout in [(1, 1, 1)] + (factorisations(world.Get_size()) if world.Get_size() > 1 else []):
+    layouts = [(1, 1, 1)] + (factorisations(world.Get_size()) if world.Get_size() > 1 else [])
+    for layout, precision in [(layout, precision) for layout in layouts for precision in precisions]:
         try:
-            layout_run = layout_job(job, layout, args.steps)
+            layout_run = layout_job(job, layout, args.steps, precision)
         except JobError as error:
             skipped.append((label(layout), "; ".join(text for _, text in error.problems)))
             continue
@@ -213,11 +217,16 @@ def run(args) -> int:
         waiting.barrier()
     if world.Get_rank() != 0:
         return 0
-    base = results[0]["tokens_per_s"]
+    base = {r["precision"]: r["tokens_per_s"] for r in reversed(results)}  # one rank, in each precision
+    fp32 = {tuple(r["layout"]): r for r in results if r["precision"] == "fp32"}
     for r in results:
-        r["speedup"] = r["tokens_per_s"] / base
+        r["speedup"] = r["tokens_per_s"] / base[r["precision"]]
         r["efficiency"] = r["speedup"] / r["ranks"]
-        r["label"] = label(r["layout"])
+        r["label"] = label(r["layout"]) + (f" {r['precision']}" if len(precisions) > 1 else "")
+        same = fp32.get(tuple(r["layout"]))
+        if same is not None:  # beside the same layout in float32
+            r["step_vs_fp32"] = r["step_s"] / same["step_s"]
+            r["activations_vs_fp32"] = r["activation_peak_mb_per_rank"] / same["activation_peak_mb_per_rank"]
     print(report(job, results, skipped, cpus, args.steps), flush=True)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "compare.json"), "w") as f:
@@ -236,20 +245,29 @@ def report(job, results, skipped, cpus: str, steps: int) -> str:
     column names the communicators that cross them."""
     unit = "tok/s" if job.model.kind == "gpt" else "img/s"
     nodes = max(r["nodes"] for r in results)
+    versus = any(r["precision"] != "fp32" and "step_vs_fp32" in r for r in results)
     rows = []
     for r in results:
         comm = f"{100 * r['comm_share']:.0f}%" + (f" ({100 * r['inter_node_share']:.0f}%)" if nodes > 1 else "")
         row = [r["label"], f"{r['tokens_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{100 * r['efficiency']:.0f}%",
                comm, f"{100 * r['bubble_share']:.0f}%", f"{r['param_state_mb_per_rank']:.1f}",
                f"{r['activation_peak_mb_per_rank']:.1f}", f"{r['bytes_per_step'] / 2**20:.2f}"]
+        if versus:
+            row += [f"{r['step_vs_fp32']:.2f}" if "step_vs_fp32" in r else "-",
+                    f"{r['activations_vs_fp32']:.2f}" if "activations_vs_fp32" in r else "-"]
         rows.append(row + ([",".join(r["across_nodes"]) or "-"] if nodes > 1 else []))
     m = job.model
     model = (f"GPT layers {m.n_layer}, width {m.n_embd}, heads {m.n_head}, context {m.block_size}"
              if m.kind == "gpt" else "digits CNN")
     headers = ["layout dp x pp x tp", unit, "speed-up", "efficiency", "comm" if nodes == 1 else "comm (inter-node)",
                "bubble", "params+opt MB/rank", "activations MB/rank", "MB sent/step"]
+    headers += ["step vs fp32", "activations vs fp32"] if versus else []
     text = format_table(headers + (["across nodes"] if nodes > 1 else []), rows,
                         f"hpcpar compare: {model}, global batch {job.data.batch_size}, {cpus}, median of {steps} steps")
     for name, why in skipped:
         text += f"\nskipped {name}: {why}"
+    if versus:
+        from .bench.step import CPU_NOTE
+
+        text += "\n\nspeed-up: over one rank in the same precision. " + CPU_NOTE
     return text

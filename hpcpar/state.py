@@ -7,7 +7,8 @@ server runs of the flattened parameters (cut into row-major slabs here).
 
 Anything that has state in a checkpoint implements ``Checkpointable``:
 
-- ``checkpoint_pieces()`` -> (pieces, integer scalars such as step counts): what this rank saves;
+- ``checkpoint_pieces()`` -> (pieces, scalars: integer step counts, an optimizer's
+  ``weight_decay/<param>``): what this rank saves;
 - ``load_plan(saved)`` -> ``LoadPlan``: the slabs this rank will read (``Read``: key, global
   shape, slab, and where the values go) and what to do once they are all in (``finish``).
 
@@ -69,7 +70,8 @@ class LoadPlan:
 
 
 class Saved:
-    """What a checkpoint holds, as a load plan needs to know it: tensor keys and integer scalars."""
+    """What a checkpoint holds, as a load plan needs to know it: tensor keys and scalars (integer
+    step counts, ``weight_decay/<param>`` floats)."""
 
     def __init__(self, tensor_keys, scalars: dict):
         self.tensor_keys = set(tensor_keys)
@@ -80,13 +82,17 @@ class Saved:
         prefix = f"optim/{name}/"
         return sorted({k[len(prefix):] for k in self.tensor_keys | set(self.scalars) if k.startswith(prefix)})
 
+    def weight_decays(self) -> dict:
+        """{parameter name: weight decay} saved (empty for checkpoints from before decay groups)."""
+        return saved_weight_decays(self.scalars)
+
 
 class Checkpointable(ABC):
     """The checkpoint protocol (see the module docstring)."""
 
     @abstractmethod
     def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
-        """(pieces this rank saves, ``{key: int}`` scalars)."""
+        """(pieces this rank saves, ``{key: number}`` scalars)."""
 
     @abstractmethod
     def load_plan(self, saved: Saved) -> LoadPlan:
@@ -175,6 +181,20 @@ def range_param_slabs(names, params, offsets, begin: int, end: int):
             local_shape = tuple(b - a for a, b in local)
             yield name, param, shape, glob, local_shape, offset
             offset += math.prod(local_shape)
+
+
+WEIGHT_DECAY = "weight_decay"  # scalars "weight_decay/<param>": the decay groups by name, so any layout restores them
+
+
+def weight_decay_scalars(decays: dict) -> dict:
+    """``{"weight_decay/<param>": value}`` of an optimizer's ``{parameter name: weight decay}``."""
+    return {f"{WEIGHT_DECAY}/{name}": float(value) for name, value in decays.items()}
+
+
+def saved_weight_decays(scalars: dict) -> dict:
+    """{parameter name: weight decay} from a checkpoint's scalars."""
+    prefix = WEIGHT_DECAY + "/"
+    return {key[len(prefix):]: float(value) for key, value in scalars.items() if key.startswith(prefix)}
 
 
 # ----------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from hpcpar.parallel.zero import ZeroRedundancyOptimizer
 
 CONFIG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=4, n_embd=16, seed=21)
 STEPS, BATCH, MICRO, CLIP = 3, 8, 2, 0.5
+NO_DECAY = ("*.bias", "*ln_*", "embed.*")  # the job default: no decay of biases, norms, embeddings
 
 
 def data(step):
@@ -26,9 +27,9 @@ def data(step):
     return ids[:, :-1], ids[:, 1:]
 
 
-def reference():
+def reference(no_decay=()):
     model = GPT(CONFIG, np.float64)
-    optimizer = AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1, no_decay=no_decay)
     losses = []
     for step in range(STEPS):
         loss = model.loss(*data(step))
@@ -40,15 +41,16 @@ def reference():
     return dict(model.named_parameters()), losses
 
 
-def build(ctx, zero=False, sequence_parallel=False):
+def build(ctx, zero=False, sequence_parallel=False, no_decay=()):
     """The 3D model and AdamW; with ``zero`` the optimizer state is sharded over dp (ZeRO-1),
     which then does the dp reduction of gradients instead of the pipeline."""
     model = GPT(CONFIG, np.float64, tp=ctx.tp)
     model.sequence_parallel = sequence_parallel
     pipe = PipelineParallel(model, ctx, schedule="1f1b", micro_batches=MICRO, dp_average=not zero)
     if zero:
-        return pipe, ZeroRedundancyOptimizer(pipe.named_parameters(), ctx.dp, AdamW, lr=1e-2, weight_decay=0.1)
-    return pipe, AdamW(pipe.named_parameters(), lr=1e-2, weight_decay=0.1)
+        return pipe, ZeroRedundancyOptimizer(pipe.named_parameters(), ctx.dp, AdamW, lr=1e-2, weight_decay=0.1,
+                                             no_decay=no_decay)
+    return pipe, AdamW(pipe.named_parameters(), lr=1e-2, weight_decay=0.1, no_decay=no_decay)
 
 
 def clip_and_step(pipe, optimizer, ctx):
@@ -89,11 +91,11 @@ def assert_matches(pipe, losses, expected_params, expected_losses, label, tol=1e
         assert diff <= tol, (label, name, diff)
 
 
-def check_layout(world, dp, pp, tp, zero=False, sequence_parallel=False):
+def check_layout(world, dp, pp, tp, zero=False, sequence_parallel=False, no_decay=()):
     ctx = layout_context(world, dp, pp, tp)
     if ctx is not None:
-        params, ref_losses = reference()
-        pipe, losses = train(ctx, built=build(ctx, zero, sequence_parallel))
+        params, ref_losses = reference(no_decay)
+        pipe, losses = train(ctx, built=build(ctx, zero, sequence_parallel, no_decay))
         label = f"{dp}x{pp}x{tp}{' zero' if zero else ''}{' sequence-parallel' if sequence_parallel else ''}"
         assert_matches(pipe, losses, params, ref_losses, label)
     world.Barrier()
@@ -144,4 +146,103 @@ def test_checkpoint_moves_between_3d_layouts(world, tmp_path_factory, saved, loa
         assert checkpoint.load(root, pipe, optimizer, ctx)["layout"]["tp"] == saved[2]
         _, losses = train(ctx, range(1, STEPS), (pipe, optimizer))
         assert_matches(pipe, losses, params, ref_losses[1:], f"{saved} -> {loaded}", tol=1e-12)
+    world.Barrier()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("layout, zero", [((2, 1, 2), True), ((2, 2, 1), True), ((1, 2, 2), False), ((4, 1, 1), True)])
+def test_weight_decay_groups_in_3d_equal_one_process(world, layout, zero):
+    """Groups by name: ZeRO-1's runs along its shard, tp shards and pp stages decay as one process does."""
+    check_layout(world, *layout, zero=zero, no_decay=NO_DECAY)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_checkpoint_keeps_weight_decay_groups_in_any_layout(world, tmp_path_factory):
+    """Saved by ZeRO-1 on 2x1x2: resumed there bitwise, and in 1x2x2 by an optimizer built without the
+    groups (they come from the checkpoint), equal to one process with the groups."""
+    root = world.bcast(str(tmp_path_factory.mktemp("ckpt-groups")) if world.Get_rank() == 0 else None)
+    params, ref_losses = reference(NO_DECAY)
+    ctx = layout_context(world, 2, 1, 2)
+    if ctx is not None:
+        straight, _ = train(ctx, built=build(ctx, zero=True, no_decay=NO_DECAY))
+        pipe, optimizer = build(ctx, zero=True, no_decay=NO_DECAY)
+        train(ctx, range(1), (pipe, optimizer))
+        checkpoint.save(root, 1, pipe, optimizer, ctx)
+        pipe, optimizer = build(ctx, zero=True, no_decay=NO_DECAY)
+        checkpoint.load(root, pipe, optimizer, ctx)
+        resumed, _ = train(ctx, range(1, STEPS), (pipe, optimizer))
+        for (name, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters()):
+            np.testing.assert_array_equal(a.data, b.data, err_msg=name)
+    world.Barrier()
+    ctx = layout_context(world, 1, 2, 2)
+    if ctx is not None:
+        pipe, optimizer = build(ctx)  # every parameter decays ... until the checkpoint's groups are loaded
+        checkpoint.load(root, pipe, optimizer, ctx)
+        assert all(optimizer.named_weight_decays()[name] == (0.0 if name.endswith(".bias") or ".ln_" in name
+                                                              or name.startswith("embed.") else 0.1)
+                   for name, _ in pipe.named_parameters())
+        _, losses = train(ctx, range(1, STEPS), (pipe, optimizer))
+        assert_matches(pipe, losses, params, ref_losses[1:], "2x1x2 zero -> 1x2x2", tol=1e-12)
+    world.Barrier()
+
+
+def build_bf16(ctx):
+    """2x2x2 in bfloat16: sequence parallelism, float32 masters in ZeRO-1's flat buffer, groups."""
+    import ml_dtypes
+
+    from hpcpar.optim import MixedPrecision
+
+    model = GPT(CONFIG, ml_dtypes.bfloat16, tp=ctx.tp)
+    model.sequence_parallel = True
+    pipe = PipelineParallel(model, ctx, schedule="1f1b", micro_batches=MICRO, dp_average=False)
+    amp = MixedPrecision(pipe.named_parameters(), scaler=None)
+    pipe.backward_loss = amp.backward
+    zero = ZeroRedundancyOptimizer(amp.named_master_parameters(), ctx.dp, AdamW, lr=1e-2, weight_decay=0.1,
+                                   no_decay=NO_DECAY)
+    amp.copy_to_model()
+    return pipe, amp, zero
+
+
+def train_bf16(ctx, built, steps):
+    """What the training loop does under mixed precision with ZeRO-1: unscale, reduce-scatter, clip the
+    shard by the global norm (each master counted where its model parameter is), skip or step."""
+    pipe, amp, zero = built
+    rows = slice(ctx.dp_rank * BATCH // ctx.dp_size, (ctx.dp_rank + 1) * BATCH // ctx.dp_size)
+    model_param = {id(master): param for (_, master), param in zip(amp.master, amp.model_params)}
+    counts = lambda master: counts_toward_norm(master, ctx, lambda m: pipe.owns_for_norm(model_param[id(m)]))  # noqa: E731
+    losses = []
+    for step in steps:
+        ids, targets = data(step)
+        loss = pipe.train_step(ids[rows], targets[rows])
+        amp.unscale_grads()
+        zero.reduce_gradients()
+        zero.clip_grad_norm(CLIP, counts=counts, model_parallel_sum=sum_over_model_parallel(ctx))
+        assert amp.step(zero, loss=loss, reduce=False,
+                        allreduce_max=lambda v: float(ctx.world.allreduce(np.array([v]), "max")[0]))
+        losses.append(ctx.dp.allreduce(np.array([loss]), "mean")[0])
+    return losses
+
+
+@pytest.mark.mpi(min_size=8)
+def test_2x2x2_bf16_with_zero_and_sequence_parallelism_trains_and_resumes_bitwise(world, tmp_path_factory):
+    """Losses within 2% of one float64 process; stopped after step 1 and resumed from its checkpoint,
+    the float32 masters end bit for bit where the uninterrupted run's do."""
+    pytest.importorskip("ml_dtypes")
+    root = world.bcast(str(tmp_path_factory.mktemp("ckpt-bf16")) if world.Get_rank() == 0 else None)
+    _, ref_losses = reference(NO_DECAY)
+    ctx = layout_context(world, 2, 2, 2)
+    if ctx is not None:
+        straight = build_bf16(ctx)
+        losses = train_bf16(ctx, straight, range(STEPS))
+        np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+        assert all(p.dtype.name == "bfloat16" for _, p in straight[0].named_parameters())
+        first = build_bf16(ctx)
+        train_bf16(ctx, first, range(1))
+        checkpoint.save(root, 1, first[1].named_master_parameters(), first[2], ctx)
+        resumed = build_bf16(ctx)
+        checkpoint.load(root, resumed[1].named_master_parameters(), resumed[2], ctx)
+        resumed[1].copy_to_model()
+        assert train_bf16(ctx, resumed, range(1, STEPS)) == losses[1:]
+        for (name, a), (_, b) in zip(straight[1].named_master_parameters(), resumed[1].named_master_parameters()):
+            np.testing.assert_array_equal(a.data, b.data, err_msg=name)
     world.Barrier()

@@ -119,15 +119,62 @@ def test_all_ranks_skip_when_any_rank_overflowed():
     assert seen == [0.0] and amp.scale == 128.0
 
 
-def test_default_scale_overflows_float16_once_then_trains():
+def test_a_scale_too_large_for_float16_gradients_backs_off_until_they_fit():
     model = GPT(CONFIG, dtype=np.float16)
-    amp = MixedPrecision(model)  # 2**16 is above float16's largest value, 65504
+    amp = MixedPrecision(model, DynamicLossScaler(init_scale=2.0 ** 40))  # the float32 loss's seed is finite
     optimizer = AdamW(amp.named_master_parameters(), lr=1e-2)
+    before = {name: p.data.copy() for name, p in model.named_parameters()}
     taken = []
-    for ids, targets in data(3):
+    for ids, targets in data(40):
         amp.backward(model.loss(ids, targets))
         taken.append(amp.step(optimizer))
-    assert taken == [False, True, True] and amp.scale == 2.0 ** 15
+        if taken[-1]:
+            break
+        for name, p in model.named_parameters():  # a skipped step changes nothing
+            np.testing.assert_array_equal(p.data, before[name], err_msg=name)
+    skipped = len(taken) - 1
+    assert taken[-1] and skipped >= 10  # 2**40 x a gradient of ~1e-2 is far above float16's 65504
+    assert amp.skipped_steps == skipped and amp.scale == 2.0 ** (40 - skipped)
+
+
+def test_a_nan_loss_never_steps_whatever_the_gradients():
+    """The old float16 cross entropy returned a NaN loss with all-zero gradients, and the step was taken."""
+    model = GPT(CONFIG, dtype=np.float16)
+    amp = MixedPrecision(model, DynamicLossScaler(init_scale=256.0))
+    optimizer = AdamW(amp.named_master_parameters(), lr=1e-2)
+    before = {name: p.data.copy() for name, p in model.named_parameters()}
+    one_backward(model, amp)
+    for p in model.parameters():
+        p.grad[...] = 0  # finite gradients
+    assert amp.step(optimizer, loss=float("nan")) is False
+    assert amp.scale == 128.0 and amp.skipped_steps == 1
+    for name, p in model.named_parameters():
+        np.testing.assert_array_equal(p.data, before[name], err_msg=name)
+    ids, targets = next(data(1))
+    loss = model.loss(ids, targets)
+    amp.backward(loss)
+    assert amp.step(optimizer, loss=loss) is True  # a finite Tensor loss steps
+
+
+def test_bfloat16_skips_and_counts_a_non_finite_step_without_a_scaler():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    model = GPT(CONFIG, dtype=ml_dtypes.bfloat16)
+    amp = MixedPrecision(model, scaler=None)
+    optimizer = AdamW(amp.named_master_parameters(), lr=1e-2)
+    weight = model.blocks[0].mlp.fc.weight
+    before = weight.data.copy()
+    one_backward(model, amp)
+    weight.grad[0, 0] = np.nan
+    assert amp.step(optimizer) is False and amp.skipped_steps == 1
+    np.testing.assert_array_equal(weight.data, before)
+    assert optimizer.state["blocks.0.mlp.fc.weight"] == {}
+    one_backward(model, amp)
+    assert amp.step(optimizer, loss=np.float32(np.inf)) is False and amp.skipped_steps == 2
+    one_backward(model, amp)
+    assert amp.step(optimizer) is True and amp.skipped_steps == 2
+    restored = MixedPrecision(GPT(CONFIG, dtype=ml_dtypes.bfloat16), scaler=None)
+    restored.load_state_dict(amp.state_dict())
+    assert restored.skipped_steps == 2
 
 
 def test_mixed_precision_state_dict_restores_master_weights():
@@ -232,4 +279,63 @@ def test_pipeline_overflow_on_one_stage_skips_the_step_on_both(world):
         _, amp, taken = pipeline_amp_run(ctx, np.float16, DynamicLossScaler(init_scale=1024.0), poison_stage_0_at=1)
         assert taken == [True, False, True]  # the last stage's gradients were finite: it skipped all the same
         assert amp.scale == 512.0
+    world.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pipeline_nan_loss_skips_the_step_on_both_stages(world):
+    """Only the last stage computes the loss; its NaN skips the first stage's step too."""
+    from hpcpar.parallel.pipeline import PipelineParallel
+
+    ctx = two_stage_context(world)
+    if ctx is not None:
+        pipe = PipelineParallel(GPT(CONFIG, dtype=np.float16), ctx, schedule="1f1b", micro_batches=1)
+        amp = MixedPrecision(pipe.named_parameters(), DynamicLossScaler(init_scale=1024.0))
+        pipe.backward_loss = amp.backward
+        optimizer = AdamW(amp.named_master_parameters(), lr=1e-2)
+        before = [p.data.copy() for _, p in pipe.named_parameters()]
+        ids, targets = next(data(1))
+        loss = pipe.train_step(ids, targets)
+        last = ctx.pp_rank == ctx.pp_size - 1
+        taken = amp.step(optimizer, loss=float("nan") if last else None,
+                         allreduce_max=lambda v: float(ctx.world.allreduce(np.array([v]), "max")[0]))
+        assert np.isfinite(loss) and taken is False and amp.skipped_steps == 1 and amp.scale == 512.0
+        for (name, p), old in zip(pipe.named_parameters(), before):
+            np.testing.assert_array_equal(p.data, old, err_msg=name)
+    world.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_zero_overflow_on_one_rank_skips_the_step_on_every_rank(world, precision):
+    """ZeRO-1 over float32 masters: rank 1's inf skips everyone's step; no optimizer state is made."""
+    import hpcpar
+    from mpi4py import MPI
+
+    from hpcpar.parallel.zero import ZeroRedundancyOptimizer
+
+    dtype = pytest.importorskip("ml_dtypes").bfloat16 if precision == "bfloat16" else np.float16
+    group = world.Split(0 if world.Get_rank() < 2 else MPI.UNDEFINED, world.Get_rank())
+    if group != MPI.COMM_NULL:
+        ctx = hpcpar.init(dp=2, pp=1, tp=1, comm=group, device="cpu")
+        model = GPT(CONFIG, dtype=dtype)
+        amp = MixedPrecision(model, DynamicLossScaler(init_scale=256.0) if precision == "float16" else None)
+        zero = ZeroRedundancyOptimizer(amp.named_master_parameters(), ctx.dp, AdamW, lr=1e-2)
+        amp.copy_to_model()
+        before = [p.data.copy() for p in model.parameters()]
+        maximum = lambda v: float(ctx.world.allreduce(np.array([v]), "max")[0])  # noqa: E731
+        for step, (ids, targets) in enumerate(data(2, seed=ctx.dp_rank)):
+            amp.backward(model.loss(ids, targets))
+            if step == 0 and ctx.dp_rank == 1:
+                model.blocks[0].attn.qkv.weight.grad[0, 0] = np.inf
+            taken = amp.step(zero, allreduce_max=maximum)
+            assert taken is (step == 1)
+            if step == 0:
+                assert zero.optimizer.state["shard"] == {} and zero.shard.grad is None
+                for p, old in zip(model.parameters(), before):
+                    np.testing.assert_array_equal(p.data, old)
+        assert amp.skipped_steps == 1 and zero.optimizer.state["shard"]["step"] == 1
+        flat = ctx.dp.allgather(zero.flat)  # the replicas agree after the taken step
+        np.testing.assert_array_equal(flat[0], flat[1])
+        group.Free()
     world.Barrier()

@@ -270,6 +270,179 @@ def test_asynchronous_ps_respects_the_staleness_bound_and_trains(staleness):
 
 
 # ----------------------------------------------------------------------------------------
+# mixed precision on the parameter server: float32 masters on the servers, float32 pushes
+# ----------------------------------------------------------------------------------------
+NO_DECAY = ("*.bias", "*ln_*", "embed.*")
+
+
+def low_dtype(precision):
+    return pytest.importorskip("ml_dtypes").bfloat16 if precision == "bf16" else np.float16
+
+
+def low_model(precision):
+    from hpcpar.nn.gpt import GPT
+
+    return GPT(CONFIG, dtype=low_dtype(precision))
+
+
+def fp16_scaler(precision):
+    from hpcpar.optim import DynamicLossScaler
+
+    # 2**28: float16 gradients overflow at first, so steps are skipped before the scale fits
+    return DynamicLossScaler(init_scale=2.0 ** 28, backoff_factor=2.0 ** -4) if precision == "fp16" else None
+
+
+def train_mixed_serial(precision, steps):
+    """One process, ``MixedPrecision`` on the global batch: (float32 masters, skipped steps, scale)."""
+    from hpcpar.optim import MixedPrecision
+
+    model = low_model(precision)
+    amp = MixedPrecision(model, fp16_scaler(precision))
+    opt = AdamW(amp.named_master_parameters(), **ADAMW[1], no_decay=NO_DECAY)
+    for step in range(steps):
+        loss = model.loss(*global_batch(step))
+        amp.backward(loss)
+        amp.step(opt, loss=loss)
+    return {name: m.data.copy() for name, m in amp.named_master_parameters()}, amp.skipped_steps, amp.scale
+
+
+def mixed_ps(precision, ctx, servers, staleness=0, scaler=None):
+    model = low_model(precision)
+    ps = ParameterServer(model.named_parameters(), ctx, AdamW, servers=servers, staleness=staleness,
+                         master_dtype=np.float32, scaler=scaler, **ADAMW[1], no_decay=NO_DECAY)
+    return model, ps
+
+
+def server_masters(ps, model) -> dict:
+    """Every server's float32 range, gathered on the workers' side as whole tensors (collective)."""
+    pieces = ps.comm.allgather_object(None if ps.is_worker else ps.checkpoint_pieces()[0])
+    whole = {name: np.zeros(p.shape, np.float32) for name, p in model.named_parameters()}
+    for piece in (piece for mine in pieces if mine for piece in mine if piece.key.startswith("model/")):
+        whole[piece.key[len("model/"):]][tuple(slice(a, b) for a, b in piece.slab)] = piece.array
+    return whole
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_ps_with_one_worker_is_one_process_bitwise(precision):
+    """One worker and every other rank a server: the servers' float32 masters, the worker's 16-bit
+    parameters, the skipped steps and the loss scale are exactly those of ``MixedPrecision`` in
+    one process (unscaling, the float32 AdamW with decay groups along the ranges, the cast back)."""
+    steps = 6
+    ctx = hpcpar.init(device="cpu")
+    model, ps = mixed_ps(precision, ctx, servers=ctx.world_size - 1, scaler=fp16_scaler(precision))
+    ps.serve()
+    taken = []
+    if ps.is_worker:
+        for step in range(steps):
+            loss = model.loss(*global_batch(step))
+            ps.backward(loss)
+            taken.append(ps.push_pull(loss.item()))
+    ps.shutdown()
+    masters = server_masters(ps, model)
+    expected, skipped, scale = train_mixed_serial(precision, steps)
+    for name in expected:
+        np.testing.assert_array_equal(masters[name], expected[name], err_msg=name)
+    if ps.is_worker:
+        assert taken.count(False) == ps.skipped_steps == skipped and ps.metrics() == {"skipped_steps": skipped}
+        assert (skipped > 0) == (precision == "fp16")  # the large initial scale overflowed float16
+        assert ps.scaler is None if precision == "bf16" else ps.scaler.scale == scale
+        for name, param in model.named_parameters():
+            assert param.dtype == low_dtype(precision)
+            np.testing.assert_array_equal(param.data, expected[name].astype(param.dtype), err_msg=name)
+        numel = sum(p.size for p in model.parameters())  # pushes in float32, replies in 16 bits
+        assert ps.comm.stats.bytes("isend") == (steps + 1) * ps.num_servers * 32 + steps * numel * 4
+    else:
+        assert ps.shard.dtype == np.float32 and ps.version == steps - skipped
+
+
+def poison(model, loss_value, rank, step, at):
+    """A NaN gradient on world rank ``at[0]`` at step ``at[1]`` (an overflow there, nowhere else)."""
+    if (rank, step) == at:
+        next(iter(model.parameters())).grad[...] = np.nan
+    return loss_value
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_synchronous_mixed_ps_skips_the_round_everywhere_when_one_worker_overflows(precision):
+    steps, bad = 4, (1, 2)  # worker 1's gradient at step 2
+    ctx = hpcpar.init(device="cpu")
+    from hpcpar.optim import DynamicLossScaler
+
+    model, ps = mixed_ps(precision, ctx, servers=1, scaler=DynamicLossScaler(256.0) if precision == "fp16" else None)
+    ps.serve()
+    taken, before = [], []
+    if ps.is_worker:
+        rng = np.random.default_rng([3, ctx.rank])
+        for step in range(steps):
+            before.append(parameters(model))
+            loss = model.loss(*pattern_batch(rng, 2))
+            ps.backward(loss)
+            taken.append(ps.push_pull(poison(model, loss.item(), ctx.rank, step, bad)))
+    ps.shutdown()
+    if ps.is_worker:
+        assert taken == [True, True, False, True] and ps.skipped_steps == 1  # on every worker
+        assert max_difference(parameters(model), before[-1]) > 0
+        after_skip = ps.ctx.dp.allgather_object(before[3])
+        assert max_difference(before[3], before[2]) == 0  # the skipped round changed nothing
+        assert all(max_difference(before[3], other) == 0 for other in after_skip)
+        if precision == "fp16":
+            scales = ps.ctx.dp.allgather_object(ps.scaler.scale)
+            assert scales == [128.0] * ps.num_workers  # backed off once, on every worker alike
+    else:
+        assert ps.version == steps - 1
+        assert {r.step for r in ps.update_log} == {0, 1, 3}
+
+
+@pytest.mark.mpi(min_size=3)
+def test_asynchronous_mixed_ps_drops_the_overflowing_push_only():
+    steps, bad = 4, (1, 2)
+    ctx = hpcpar.init(device="cpu")
+    model, ps = mixed_ps("bf16", ctx, servers=1, staleness=1)
+    ps.serve()
+    taken = []
+    if ps.is_worker:
+        rng = np.random.default_rng([4, ctx.rank])
+        for step in range(steps):
+            loss = model.loss(*pattern_batch(rng, 2))
+            ps.backward(loss)
+            taken.append(ps.push_pull(poison(model, loss.item(), ctx.rank, step, bad)))
+    ps.shutdown()
+    if ps.is_worker:
+        assert taken == [(ctx.rank, step) != bad for step in range(steps)]
+        assert all(np.isfinite(p.data.astype(np.float32)).all() for p in model.parameters())
+    else:
+        applied = {(r.worker, r.step) for r in ps.update_log}
+        assert applied == {(w, s) for w in range(ps.num_workers) for s in range(steps)} - {bad}
+        assert ps.version == steps * ps.num_workers - 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mixed_ps_nan_loss_is_not_applied_whatever_the_gradients():
+    ctx = hpcpar.init(device="cpu")
+    model, ps = mixed_ps("bf16", ctx, servers=1)
+    ps.serve()
+    if ps.is_worker:
+        before = parameters(model)
+        loss = model.loss(*global_batch(0))
+        ps.backward(loss)
+        assert ps.push_pull(float("nan")) is False  # finite gradients, NaN loss
+        assert max_difference(parameters(model), before) == 0
+    ps.shutdown()
+    if not ps.is_worker:
+        assert ps.version == 0 and ps.update_log == []
+
+
+def test_a_loss_scaler_needs_masters():
+    ctx = hpcpar.dist.single_process()
+    from hpcpar.optim import DynamicLossScaler
+
+    with pytest.raises(ValueError, match="a loss scaler needs master_dtype"):
+        ParameterServer(make_model().named_parameters(), ctx, AdamW, servers=1, scaler=DynamicLossScaler())
+
+
+# ----------------------------------------------------------------------------------------
 # local SGD
 # ----------------------------------------------------------------------------------------
 @pytest.mark.mpi(min_size=2)
@@ -355,8 +528,8 @@ def test_every_strategy_equals_one_process(mode):
         return
     assert strategy.ctx.dp_size == workers and strategy.optimizer.lr == 0.1
     for step in range(STEPS):
-        strategy.train_step(*local_batch(step, strategy.ctx))
-        strategy.finish_step(0.0)
+        loss = strategy.train_step(*local_batch(step, strategy.ctx))
+        strategy.finish_step(0.0, loss)
         assert all(p.grad is None for p in model.parameters())
     strategy.shutdown()
     assert max_difference(parameters(model), train_serial(SGD_PLAIN)) <= 1e-10

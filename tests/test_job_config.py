@@ -197,6 +197,8 @@ def test_validate_fills_dp_and_describe_round_trips(tmp_path):
     (["parallel.mode=local_sgd", "parallel.pp=1", "parallel.compression=topk", "parallel.micro_batches=1"], 2,
      'parallel.compression: compression hooks into the gradient all-reduce; mode = "local_sgd"'),
     (["data.kind=digits"], 2, 'data.kind: model.kind = "gpt" trains on data.kind = "text", got "digits"'),
+    (['optimizer.no_decay=["*.bias", "*.baises"]'], 2, 'optimizer.no_decay: "*.baises" match(es) no parameter of '
+                                                        'the gpt; its names look like embed.wte.weight'),
     (["model.kind=cnn", "data.kind=digits", "parallel.pp=1", "parallel.tp=2", "model.block_size=128",
       "model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.dropout=0.0"], 2,
      'parallel.tp: tensor parallelism splits the GPT\'s heads and MLP; model.kind = "cnn" needs tp = 1'),
@@ -258,6 +260,16 @@ def test_schema_table_lists_every_key():
             assert f"| {name}.{key} |" in table
     assert len(table.splitlines()) == 2 + sum(len(keys) for keys in defaults.values())
     assert "| checkpoint.async | true or false | `false` |" in table
+
+
+def test_no_decay_patterns_default_to_biases_norms_and_embeddings(tmp_path):
+    path = write_job(tmp_path, GOOD)
+    assert validate(load_job(path), 2).optimizer.no_decay == ("*.bias", "*ln_*", "embed.*")
+    assert validate(load_job(path, ["optimizer.no_decay=[]"]), 2).optimizer.no_decay == ()
+    assert "expected a list of non-empty strings" in job_error(tmp_path, GOOD, 'optimizer.no_decay="*.bias"',
+                                                               world_size=2)
+    # the defaults need not all match (a model without biases): only patterns the job gives are checked
+    validate(load_job(path, ["model.bias=false"]), 2)
 
 
 def test_the_old_schedule_section_is_read_with_a_notice(tmp_path):

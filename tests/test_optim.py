@@ -176,3 +176,125 @@ def test_clip_grad_norm_local_and_across_ranks():
     half = Parameter(np.zeros(1000, dtype=np.float16))
     half.grad = np.full(1000, 300.0, dtype=np.float16)  # the sum of squares overflows float16
     assert clip_grad_norm([half], max_norm=1e9) == pytest.approx(300.0 * math.sqrt(1000), rel=1e-6)
+
+
+# ----- weight-decay groups (E) ------------------------------------------------------------------
+
+NO_DECAY = ("*.bias", "*ln_*", "embed.*")  # the job default (train/config.py)
+
+
+def test_e_adamw_exempts_biases_norms_and_embeddings_by_name():
+    """AdamW decayed every tensor it was given; GPT-2, nanoGPT and Megatron exempt these."""
+    from hpcpar.nn import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=2, n_embd=4, tie_weights=False))
+    optimizer = AdamW(model.named_parameters(), lr=0.1, weight_decay=0.5, no_decay=NO_DECAY)
+    before = {name: p.data.copy() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = np.zeros_like(p.data)  # Adam's update of a zero gradient is 0: only the decay moves
+    optimizer.step()
+    exempt = {name for name in before if name.endswith(".bias") or ".ln_" in name or name.startswith("embed.")}
+    assert exempt == {"embed.wte.weight", "embed.wpe.weight", "blocks.0.ln_1.weight", "blocks.0.ln_1.bias",
+                      "blocks.0.attn.qkv.bias", "blocks.0.attn.proj.bias", "blocks.0.ln_2.weight",
+                      "blocks.0.ln_2.bias", "blocks.0.mlp.fc.bias", "blocks.0.mlp.proj.bias", "head.ln_f.weight",
+                      "head.ln_f.bias"}
+    for name, p in model.named_parameters():
+        expected = before[name] if name in exempt else before[name] * (1.0 - 0.1 * 0.5)
+        np.testing.assert_array_equal(p.data, expected, err_msg=name)
+    assert optimizer.named_weight_decays()["head.lm_head.weight"] == 0.5
+    assert optimizer.named_weight_decays()["blocks.0.ln_1.weight"] == 0.0
+
+
+def test_groups_as_dicts_match_pytorch_param_groups():
+    torch = pytest.importorskip("torch")
+    grads = gradient_sequence()
+    starts = [START.copy(), START[:2].copy()]
+    a, b = Parameter(starts[0].copy()), Parameter(starts[1].copy())
+    ours = AdamW([{"params": [("a", a)], "weight_decay": 0.2}, {"params": [("b", b)], "weight_decay": 0.0}],
+                 lr=0.01, betas=(0.8, 0.95), weight_decay=0.1)
+    ta, tb = (torch.nn.Parameter(torch.tensor(s)) for s in starts)
+    theirs = torch.optim.AdamW([{"params": [ta], "weight_decay": 0.2}, {"params": [tb], "weight_decay": 0.0}],
+                               lr=0.01, betas=(0.8, 0.95), weight_decay=0.1)
+    for g in grads:
+        a.grad, b.grad = g.copy(), g[:2].copy()
+        ta.grad, tb.grad = torch.tensor(g), torch.tensor(g[:2])
+        ours.step()
+        theirs.step()
+    np.testing.assert_allclose(a.data, ta.detach().numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(b.data, tb.detach().numpy(), rtol=1e-12, atol=1e-14)
+    assert ours.named_weight_decays() == {"a": 0.2, "b": 0.0}
+
+
+@pytest.mark.parametrize("factory", [
+    lambda p, **kw: AdamW(p, 0.01, weight_decay=0.3, **kw),
+    lambda p, **kw: Adam(p, 0.01, weight_decay=0.3, **kw),
+    lambda p, **kw: SGD(p, 0.1, momentum=0.9, weight_decay=0.3, **kw)])
+def test_decay_runs_along_a_flat_parameter_equal_per_parameter_decay(factory):
+    """ZeRO-1 and the parameter server step one flat array: its DecayRuns give each element its
+    parameter's decay, bitwise as the optimizer stepping the parameters one by one."""
+    from hpcpar.optim.groups import DecayRuns
+
+    rng = np.random.default_rng(3)
+    sizes, names = [6, 4, 5, 3], ["w1", "b1", "w2", "b2"]
+    values = [rng.normal(size=n) for n in sizes]
+    separate = [(name, Parameter(v.copy())) for name, v in zip(names, values)]
+    flat = Parameter(np.concatenate(values))
+    one_by_one = factory(separate, no_decay=["b*"])
+    together = factory([("shard", flat)])
+    decays = one_by_one.named_weight_decays()
+    together.set_weight_decay("shard", DecayRuns.over_range(names, sizes, decays, 0, flat.size))
+    assert together.weight_decay_of("shard").runs == [(0, 6, 0.3), (6, 10, 0.0), (10, 15, 0.3), (15, 18, 0.0)]
+    for _ in range(3):
+        grads = [rng.normal(size=n) for n in sizes]
+        for (_, p), g in zip(separate, grads):
+            p.grad = g.copy()
+        flat.grad = np.concatenate(grads)
+        one_by_one.step()
+        together.step()
+    np.testing.assert_array_equal(flat.data, np.concatenate([p.data for _, p in separate]))
+
+
+def test_weight_decay_groups_are_in_the_state_dict_and_checked():
+    a, b = Parameter(np.ones(2)), Parameter(np.ones(3))
+    optimizer = AdamW([("layer.weight", a), ("layer.bias", b)], lr=0.1, weight_decay=0.1, no_decay="*.bias")
+    state = optimizer.state_dict()
+    assert state["weight_decays"] == {"layer.weight": 0.1, "layer.bias": 0.0}
+    plain = AdamW([("layer.weight", Parameter(np.ones(2))), ("layer.bias", Parameter(np.ones(3)))], lr=0.1)
+    plain.load_state_dict(state)
+    assert plain.named_weight_decays() == state["weight_decays"]
+    optimizer.weight_decay = 0.2  # the default: every parameter no group or pattern sets
+    assert optimizer.named_weight_decays() == {"layer.weight": 0.2, "layer.bias": 0.0}
+    with pytest.raises(ValueError, match="keys are params, weight_decay"):
+        AdamW([{"params": [a], "lr": 0.5}])
+    with pytest.raises(TypeError, match="either parameter groups"):
+        AdamW([{"params": [a]}, b])
+    with pytest.raises(ValueError, match="weight_decay must be >= 0"):
+        SGD([{"params": [a], "weight_decay": -1.0}], lr=0.1)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["adamw", "zero-1"])
+def test_a_checkpoint_sets_weight_decays_only_when_the_whole_load_succeeds(tmp_path, sharded):
+    """The saved ``weight_decay/<param>`` scalars are staged by the load plan and applied in its
+    finish: a load that fails (here: a parameter the checkpoint lacks) leaves the decays as they were."""
+    from hpcpar import checkpoint
+    from hpcpar.checkpoint import CheckpointError
+    from hpcpar.dist import single_process
+    from hpcpar.parallel.zero import ZeroRedundancyOptimizer
+
+    ctx = single_process()
+
+    def build(names, weight_decay, **groups):
+        named = [(name, Parameter(np.ones(3))) for name in names]
+        if sharded:
+            return named, ZeroRedundancyOptimizer(named, ctx.dp, AdamW, lr=0.1, weight_decay=weight_decay, **groups)
+        return named, AdamW(named, lr=0.1, weight_decay=weight_decay, **groups)
+
+    named, trained = build(["layer.weight", "layer.bias"], 0.1, no_decay="*.bias")
+    checkpoint.save(str(tmp_path), 1, named, trained, ctx)
+    named, wider = build(["layer.weight", "layer.bias", "extra"], 0.5)
+    with pytest.raises(CheckpointError, match="no tensor 'model/extra'"):
+        checkpoint.load(str(tmp_path), named, wider, ctx)
+    assert wider.named_weight_decays() == {"layer.weight": 0.5, "layer.bias": 0.5, "extra": 0.5}
+    named, same = build(["layer.weight", "layer.bias"], 0.5)
+    checkpoint.load(str(tmp_path), named, same, ctx)
+    assert same.named_weight_decays() == {"layer.weight": 0.1, "layer.bias": 0.0}

@@ -10,6 +10,7 @@ import contextlib
 from abc import ABC, abstractmethod
 
 from ..backend import get_array_module
+from . import precision
 
 _grad_enabled = True
 
@@ -30,22 +31,34 @@ def is_grad_enabled() -> bool:
 
 
 def unbroadcast(grad, shape):
-    """Sum ``grad`` back to ``shape``, undoing NumPy broadcasting (the one place it is undone)."""
+    """Sum ``grad`` back to ``shape``, undoing NumPy broadcasting (the one place it is undone).
+
+    A 16-bit gradient is summed in float32 (``precision.sum``); the caller's tensor rounds it back."""
     if grad.shape == tuple(shape):
         return grad
     extra = grad.ndim - len(shape)
     if extra:
-        grad = grad.sum(axis=tuple(range(extra)))
+        grad = precision.sum(grad, axis=tuple(range(extra)))
     axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
     if axes:
-        grad = grad.sum(axis=axes, keepdims=True)
+        grad = precision.sum(grad, axis=axes, keepdims=True)
     return grad
 
 
 class Function(ABC):
-    """One node of the graph: ``parents`` are the input Tensors, set by ``apply``."""
+    """One node of the graph: ``parents`` are the input Tensors, set by ``apply``.
+
+    ``op`` names the op in the precision policy (``precision.POLICY``), which decides the dtype of
+    its output when an input is 16-bit; a Function that names none keeps the compute dtype.
+    """
 
     __slots__ = ("parents", "__dict__")
+    op: str | None = None
+    precision_rule: str = precision.COMPUTE
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.precision_rule = precision.rule(cls.op)  # an op missing from the policy fails here, at import
 
     @abstractmethod
     def forward(self, *arrays, **kwargs):
@@ -60,14 +73,21 @@ class Function(ABC):
         """Run ``forward`` on the inputs' arrays and return a Tensor that remembers this op.
 
         Non-Tensor inputs (Python numbers, arrays) become constants of the first tensor
-        input's dtype, so float32 models stay float32.
+        input's dtype, so float32 models stay float32 (a number next to a 16-bit tensor stays
+        float32). With a 16-bit input the output gets the dtype the op's precision rule gives
+        (NumPy's bfloat16 matmul, say, returns float32).
         """
         from .tensor import Tensor
 
         reference = next((x for x in inputs if isinstance(x, Tensor)), None)
         tensors = tuple(x if isinstance(x, Tensor) else Tensor.constant(x, like=reference) for x in inputs)
         fn = cls()
-        out = Tensor(fn.forward(*(t.data for t in tensors), **kwargs))
+        arrays = tuple(t.data for t in tensors)
+        data = fn.forward(*arrays, **kwargs)
+        compute = precision.compute_dtype(arrays)
+        if compute is not None:
+            data = precision.enforce(cls.precision_rule, data, compute)
+        out = Tensor(data)
         if _grad_enabled and any(t.requires_grad for t in tensors):
             fn.parents = tensors
             out.requires_grad = True

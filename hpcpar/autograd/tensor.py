@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import get_array_module
-from . import deferred
+from . import deferred, precision
 from .function import Function
 
 
@@ -36,9 +36,12 @@ class Tensor:
             return Tensor(np.asarray(value))
         xp = like.xp
         array = xp.asarray(value)
-        floating = like.dtype.kind in "fc"  # an integer tensor times 0.5 must not truncate 0.5 to 0
+        floating = like.dtype.kind in "fc" or precision.is_low(like.dtype)  # int tensor * 0.5 must not truncate 0.5
         if floating and (array.dtype.kind in "fc" or array.dtype.kind in "iub" and np.ndim(value) == 0):
-            array = array.astype(like.dtype, copy=False)
+            # A number next to a 16-bit tensor stays float32 (the op rounds its result once, as a GPU's
+            # float32 "opmath" does); arrays take the tensor's dtype.
+            dtype = precision.accumulation_dtype(like.dtype) if np.ndim(value) == 0 else like.dtype
+            array = array.astype(dtype, copy=False)
         return Tensor(array)
 
     # ----- array facts --------------------------------------------------------------
@@ -120,6 +123,7 @@ class Tensor:
             grad = self.xp.ones_like(self.data)
         elif isinstance(grad, Tensor):
             grad = grad.data
+        grad = precision.like(grad, self.data.dtype)
         if tuple(grad.shape) != self.shape:
             raise ValueError(f"backward(): grad has shape {tuple(grad.shape)} but the tensor has shape {self.shape}")
 
@@ -157,6 +161,7 @@ class Tensor:
                     continue
                 key = id(parent)
                 if parent_grad is not None:
+                    parent_grad = precision.like(parent_grad, parent.data.dtype)  # a float32 loss's grad -> bf16 logits
                     previous = grads.get(key)
                     grads[key] = parent_grad if previous is None else previous + parent_grad
                 pending[key] -= 1

@@ -100,7 +100,7 @@ def run_mode(spec: dict, world_ctx, args, train_tokens, held_out) -> dict | None
             if slow and args.slow_rank >= 0:
                 time.sleep((args.slow_factor - 1) * (time.process_time() - begin_cpu))
             compute += time.perf_counter() - begin
-            strategy.finish_step(0.0)
+            strategy.finish_step(0.0, loss)
             losses.append(loss)
         strategy.shutdown()
     elapsed = time.perf_counter() - start

@@ -1,14 +1,17 @@
 """``hpcpar bench step``: one process, one BLAS thread, a GPT training step vs PyTorch CPU.
 
-    python bench/step.py [--steps 10] [--warmup 3] [--profile]
-    hpcpar bench step
+    python bench/step.py [--steps 10] [--warmup 3] [--profile] [--precision fp32 bf16 fp16]
+    hpcpar bench step --precision bf16
 
 A step is forward, backward and AdamW on a GPT of n_layer 4, n_head 4, n_embd 256,
 block_size 128, batch 8, vocab 256 in float32. The same model written in PyTorch runs in
 the same process (``torch.set_num_threads(1)``) when ``import torch`` works, the two taking
 turns step by step; the table shows median wall-clock and CPU ms/step, tokens/s and the
-ratios hpcpar / PyTorch. ``--profile`` adds where an hpcpar step goes: forward and backward
-milliseconds per op (cProfile, cumulative), the optimizer, and the rest.
+ratios hpcpar / PyTorch. ``--precision`` adds hpcpar in bfloat16 / float16 (float32 masters,
+``MixedPrecision``; float16 with a loss scale of 1024) beside float32, with the activation peak
+of each: the tracemalloc peak of the NumPy allocations of one forward and backward.
+``--profile`` adds where an hpcpar step goes: forward and backward milliseconds per op
+(cProfile, cumulative), the optimizer, and the rest.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import numpy as np
 
 from ..autograd import Function
 from ..nn.gpt import GPT, GPTConfig
-from ..optim import AdamW
+from ..optim import AdamW, DynamicLossScaler, MixedPrecision, precision_dtype
 from ..tables import format_table
 
 BENCH_CONFIG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, dropout=0.0, seed=0)
@@ -63,18 +66,52 @@ def _batches(config: GPTConfig, batch_size: int, seed: int = 0):
         yield ids[:, :-1], ids[:, 1:]
 
 
-def hpcpar_step(config: GPTConfig, batch_size: int):
-    model = GPT(config, dtype=np.float32)
-    optimizer = AdamW(model.named_parameters(), lr=1e-4)
+def hpcpar_step(config: GPTConfig, batch_size: int, precision: str = "fp32", phases: str = "step"):
+    """One training step of a fresh GPT in ``precision`` (16 bits: float32 masters, skips counted), or
+    with ``phases="forward+backward"`` only that part (what the activation peak is measured on)."""
+    model = GPT(config, dtype=precision_dtype(precision))
+    amp = None
+    if precision in ("bf16", "fp16"):
+        amp = MixedPrecision(model, DynamicLossScaler(init_scale=1024.0) if precision == "fp16" else None)
+    optimizer = AdamW(amp.named_master_parameters() if amp else model.named_parameters(), lr=1e-4)
     batches = _batches(config, batch_size)
 
     def step():
         ids, targets = next(batches)
-        model.loss(ids, targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        loss = model.loss(ids, targets)
+        if amp is None:
+            loss.backward()
+        else:
+            amp.backward(loss)
+        if phases == "forward+backward":
+            for param in model.parameters():
+                param.grad = None
+        elif amp is None:
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            amp.step(optimizer, loss=loss)
 
     return step
+
+
+def traced_peak(fn) -> int:
+    """Peak bytes of NumPy (and other traced) allocations made while ``fn()`` runs (tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def activation_peak(config: GPTConfig, batch_size: int, precision: str) -> int:
+    """tracemalloc peak bytes of one forward and backward (after one untraced warm-up)."""
+    step = hpcpar_step(config, batch_size, precision, phases="forward+backward")
+    step()
+    return traced_peak(step)
 
 
 def torch_step(config: GPTConfig, batch_size: int):
@@ -166,46 +203,68 @@ def profile_ops(step, steps: int = 3) -> list[tuple[str, float, float]]:
 
 
 def run_step_bench(config: GPTConfig = BENCH_CONFIG, batch_size: int = 8, steps: int = 10, warmup: int = 3,
-                   compare_torch: bool = True) -> dict:
-    """``{framework: (wall, cpu)}`` median seconds per training step, hpcpar and (when installed) PyTorch."""
+                   compare_torch: bool = True, precisions=("fp32",)) -> dict:
+    """``{(framework, precision): (wall, cpu, activation peak bytes or None)}``: median seconds per
+    training step of hpcpar in each precision (float32 always) and of PyTorch float32 (when installed)."""
+    precisions = ["fp32"] + [p for p in precisions if p != "fp32"]
     with limit_blas_threads(1):
-        step_functions = {"hpcpar": hpcpar_step(config, batch_size)}
+        step_functions = {("hpcpar", p): hpcpar_step(config, batch_size, p) for p in precisions}
         reference = torch_step(config, batch_size) if compare_torch else None
         if reference is not None:
-            step_functions["pytorch"] = reference
-        return _time_interleaved(step_functions, steps, warmup)
+            step_functions[("pytorch", "fp32")] = reference
+        times = _time_interleaved(step_functions, steps, warmup)
+        peaks = {key: activation_peak(config, batch_size, key[1]) if key[0] == "hpcpar" else None for key in times}
+    return {key: (wall, cpu, peaks[key]) for key, (wall, cpu) in times.items()}
+
+
+CPU_NOTE = """On this CPU, 16 bits cost time: NumPy has no 16-bit GEMM, so hpcpar multiplies 16-bit matrices as
+float32 BLAS on upcast operands (float32 accumulation, as the policy says) and 16-bit elementwise ops go
+through NumPy's and ml_dtypes' casting loops, slower than float32's vectorised ones. What carries over is
+the memory: activations and gradients are half the bytes. On a GPU (CuPy, float16) the GEMMs run on tensor
+cores at several times float32's rate and every elementwise kernel moves half the bytes, so the step time
+falls with the memory instead of rising."""
 
 
 def format_results(results: dict, config: GPTConfig, batch_size: int) -> str:
     tokens = batch_size * config.block_size
-    wall_base, cpu_base = results.get("pytorch", (None, None))
-    rows = [[name, wall * 1e3, cpu * 1e3, tokens / wall,
-             f"{wall / wall_base:.2f}" if wall_base else "-", f"{cpu / cpu_base:.2f}" if cpu_base else "-"]
-            for name, (wall, cpu) in results.items()]
+    wall_base, cpu_base, _ = results.get(("pytorch", "fp32"), (None, None, None))
+    peak_base = results[("hpcpar", "fp32")][2]
+    rows = [[name, precision, wall * 1e3, cpu * 1e3, tokens / wall,
+             f"{wall / wall_base:.2f}" if wall_base else "-", f"{cpu / cpu_base:.2f}" if cpu_base else "-",
+             f"{peak / 2**20:.1f}" if peak is not None else "-", f"{peak / peak_base:.2f}" if peak is not None else "-"]
+            for (name, precision), (wall, cpu, peak) in results.items()]
     title = (f"GPT training step (n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} "
-             f"block={config.block_size} batch={batch_size} vocab={config.vocab_size}, float32, 1 BLAS thread, "
-             f"forward+backward+AdamW, medians)")
-    headers = ["framework", "ms/step", "cpu ms/step", "tokens/s", "vs pytorch", "cpu vs pytorch"]
-    return format_table(headers, rows, title=title)
+             f"block={config.block_size} batch={batch_size} vocab={config.vocab_size}, 1 BLAS thread, "
+             f"forward+backward+AdamW, medians; activation peak: tracemalloc, one forward+backward)")
+    headers = ["framework", "precision", "ms/step", "cpu ms/step", "tokens/s", "vs pytorch", "cpu vs pytorch",
+               "activation peak MB", "peak vs fp32"]
+    table = format_table(headers, rows, title=title)
+    if any(precision in ("bf16", "fp16") for _, precision in results):
+        table += "\n\n" + CPU_NOTE
+    return table
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps; medians shown")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp16"],
+                        help="hpcpar's precisions, each beside float32 (bf16 needs ml_dtypes)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
-    parser.add_argument("--profile", action="store_true", help="print the functions that dominate an hpcpar step")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the functions that dominate an hpcpar step (in the last --precision)")
     parser.set_defaults(func=run)
 
 
 def run(args) -> None:
-    results = run_step_bench(BENCH_CONFIG, args.batch, args.steps, args.warmup, not args.no_torch)
+    results = run_step_bench(BENCH_CONFIG, args.batch, args.steps, args.warmup, not args.no_torch, args.precision)
     print(format_results(results, BENCH_CONFIG, args.batch))
     if args.profile:
         with limit_blas_threads(1):
-            step = hpcpar_step(BENCH_CONFIG, args.batch)
+            step = hpcpar_step(BENCH_CONFIG, args.batch, args.precision[-1])
             step()
             rows = [[name, f, b, f + b] for name, f, b in profile_ops(step)]
         print()
         print(format_table(["op", "forward ms", "backward ms", "total ms"], rows,
-                           title="Where an hpcpar step goes (cProfile, cumulative time per op, ms/step)"))
+                           title=f"Where an hpcpar {args.precision[-1]} step goes (cProfile, cumulative time per op, "
+                                 f"ms/step)"))

@@ -23,6 +23,7 @@ import h5py
 from ..tables import format_table, human_bytes
 from .manifest import (INDEX, LATEST, MANIFEST, CheckpointError, latest_step, list_steps,
                        read_manifest, resolve_step_dir, step_dirname, verify_files)
+from ..state import saved_weight_decays
 
 TMP_PATTERN = re.compile(r"^step-(\d{8})\.tmp$")
 EXPORT_BLOCK_BYTES = 64 << 20  # export copies big tensors in row blocks of about this size
@@ -166,12 +167,17 @@ def inspect(args) -> int:
     for name in per_rank:
         holders = sum(1 for state in manifest["rank_state"].values() if name in state)
         lines.append(f"rank state  {name} (random stream, {holders} rank(s))")
+    decays = saved_weight_decays(manifest["scalars"])
     scalars = {}
     for key, value in manifest["scalars"].items():
-        scalars.setdefault(key.rsplit("/", 1)[-1], set()).add(value)
+        if key.startswith("optim/"):
+            scalars.setdefault(key.rsplit("/", 1)[-1], []).append(value)
     for name, values in sorted(scalars.items()):
-        count = sum(1 for key in manifest["scalars"] if key.rsplit("/", 1)[-1] == name)
-        lines.append(f"scalars     optim/*/{name} = {', '.join(map(str, sorted(values)))} ({count} tensors)")
+        lines.append(f"scalars     optim/*/{name} = {', '.join(map(str, sorted(set(values))))} ({len(values)} tensors)")
+    for value in sorted(set(decays.values()), reverse=True):
+        named = sorted(name for name, v in decays.items() if v == value)
+        shown = ", ".join(named) if len(named) <= 3 else f"{', '.join(named[:3])}, ..."
+        lines.append(f"decay       weight_decay {value:g}: {len(named)} parameter(s) ({shown})")
     print("\n".join(lines) + "\n")
 
     rows = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..autograd import Parameter, Tensor
-from ..autograd import ops
+from ..autograd import ops, precision
 from ..autograd.ops.nn_functional import dropout_scale
 from . import init
 from .module import Module
@@ -127,7 +127,8 @@ class HeadDropout(Module):
         if self.rng is None:
             raise RuntimeError("HeadDropout in training mode needs a generator: set layer.rng (models set model.rng)")
         key = int(self.rng.integers(2**63))
-        keep = xp.empty((batch, len(self.heads), steps, steps), dtype=dtype)
+        # 16-bit models: float32 scales, as dropout_scale gives them (1/(1-p) unrounded)
+        keep = xp.empty((batch, len(self.heads), steps, steps), dtype=precision.accumulation_dtype(np.dtype(dtype)))
         for local, head in enumerate(self.heads):
             seed = int(np.random.SeedSequence([key, head]).generate_state(1, np.uint64)[0])
             keep[:, local] = dropout_scale(xp.random.default_rng(seed), self.p, (batch, steps, steps), dtype, xp)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..autograd import Function, Parameter, Tensor
-from ..autograd import ops
+from ..autograd import ops, precision
 from ..autograd.ops._common import scatter_add_rows
 from ..autograd.ops.mappings import (enter_tp, gather_from_tp, leave_tp, scatter_to_tp, shard_range, tp_size)
 from ..backend import get_array_module
@@ -89,6 +89,8 @@ class RowParallelLinear(_TensorParallelLayer):
 class _MaskedEmbedding(Function):
     """Rows of ``weight`` for the ids in [start, start + rows); zeros for the others."""
 
+    op = "embedding"
+
     def forward(self, weight, ids, start):
         xp = get_array_module(weight)
         local = ids - start
@@ -132,8 +134,11 @@ class _VocabParallelCrossEntropy(Function):
     softmax minus the one-hot of the target, on this rank's columns.
     """
 
+    op = "vocab_parallel_cross_entropy"
+
     def forward(self, logits, targets, comm, ignore_index):
         xp = get_array_module(logits)
+        logits = precision.upcast(logits)  # 16 bits: computed and all-reduced in float32
         n, width = logits.shape
         start = comm.rank * width
         peak = comm.allreduce(logits.max(axis=1), "max")
@@ -156,7 +161,7 @@ class _VocabParallelCrossEntropy(Function):
         dlogits = self.softmax
         rows = xp.nonzero(self.mine)[0]
         dlogits[rows, self.local[rows]] -= 1
-        dlogits *= (self.valid[:, None] * (grad / self.count)).astype(dlogits.dtype)
+        dlogits *= (self.valid[:, None] * (grad.astype(dlogits.dtype) / self.count)).astype(dlogits.dtype)
         return dlogits
 
 

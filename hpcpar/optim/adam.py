@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from ..backend import get_array_module
+from .groups import decay_decoupled, with_l2
 from .optimizer import Optimizer
 
 
@@ -23,14 +24,15 @@ class Adam(Optimizer):
     hyperparameters = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, decoupled: bool = False):
-        super().__init__(params, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
+                 weight_decay: float = 0.0, decoupled: bool = False, no_decay=()):
+        super().__init__(params, no_decay=no_decay, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                         weight_decay=weight_decay)
         if not (self.beta1 < 1 and self.beta2 < 1):
             raise ValueError(f"{type(self).__name__}: betas must be in [0, 1), got {betas}")
         self.decoupled = decoupled
         self._scratch: dict = {}
 
-    def update(self, param, grad, state):
+    def update(self, param, grad, state, weight_decay):
         xp = get_array_module(param)
         if not state:
             state["step"] = 0
@@ -42,11 +44,10 @@ class Adam(Optimizer):
         if tmp is None or get_array_module(tmp) is not xp:
             tmp = self._scratch[(param.shape, param.dtype)] = xp.empty_like(param)
 
-        if self.weight_decay:
-            if self.decoupled:
-                param *= 1.0 - self.lr * self.weight_decay
-            else:
-                grad = grad + self.weight_decay * param
+        if self.decoupled:
+            decay_decoupled(param, weight_decay, self.lr)
+        else:
+            grad = with_l2(grad, param, weight_decay)
         m *= self.beta1  # m = b1 m + (1 - b1) g
         m += xp.multiply(grad, 1.0 - self.beta1, out=tmp)
         v *= self.beta2  # v = b2 v + (1 - b2) g^2
@@ -67,5 +68,6 @@ class AdamW(Adam):
     """Adam with decoupled weight decay (Loshchilov & Hutter): ``p *= 1 - lr wd`` each step."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=True)
+                 weight_decay: float = 0.01, no_decay=()):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=True,
+                         no_decay=no_decay)

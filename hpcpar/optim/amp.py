@@ -4,32 +4,58 @@
     amp = MixedPrecision(model)                            # float32 master copy + DynamicLossScaler
     optimizer = AdamW(amp.named_master_parameters(), lr=3e-4)
     for ids, targets in batches:
-        amp.backward(model.loss(ids, targets))             # backward seeded with the loss scale
+        loss = model.loss(ids, targets)                    # float32, whatever the compute dtype
+        amp.backward(loss)                                 # backward seeded with the loss scale
         amp.unscale_grads()                                # only needed before clipping:
         clip_grad_norm(amp.master_parameters(), 1.0)
-        amp.step(optimizer)                                # skips on inf/NaN, else steps and copies back
+        amp.step(optimizer, loss=loss)                     # skips on an inf/NaN loss or gradient
 
-The scale enters as the seed gradient of backward rather than as ``loss * scale``, so the
-float16 loss value itself never overflows. A seed above the compute dtype's largest value
-(float16: 65504, so the default 2**16) is inf: the first step is skipped and the scale backs
+What each op computes in is ``hpcpar.autograd.precision``'s policy: 16-bit activations, float32
+statistics, a float32 loss. The scale enters as the seed gradient of backward; gradients that
+overflow the compute dtype (float16: 65504) become inf, the step is skipped and the scale backs
 off, as dynamic scaling intends. bfloat16 has float32's range and needs no scaling: pass
-``scaler=None``. On CPUs bfloat16 arrays come from ``ml_dtypes`` and run near float32 speed;
-float16 is for GPUs: NumPy multiplies float16 matrices without BLAS (a step of the demo GPT
-took ~80x longer than in float32). CuPy has no bfloat16 matmul, so on GPUs use float16.
+``scaler=None``; a non-finite step is still skipped (and counted in ``skipped_steps``).
 
-A data-parallel wrapper all-reduces the model's gradients between ``backward`` and
-``step`` and passes ``allreduce_max`` so every rank takes the same skip decision. A pipeline
-seeds the last stage's backward with ``backward`` (``PipelineParallel(backward_loss=...)``);
+A step is skipped when anything it would use is not finite: the loss or any master gradient, on
+any rank. ``allreduce_max`` (a max over every rank that takes part: dp replicas, pipeline stages,
+tp and ZeRO shards) turns this rank's verdict into the world's, so every rank skips together; a
+stage without the loss passes ``loss=None``. A NaN loss skips the step whatever the gradients
+look like (a float16 count that overflowed once made the loss NaN and every gradient exactly 0).
+
+On CPUs bfloat16 arrays come from ``ml_dtypes``; NumPy has no 16-bit GEMM, so matrix products
+run as float32 BLAS on upcast operands (the policy's float32 accumulation) and elementwise ops
+on 16-bit arrays are slower than in float32: on CPUs mixed precision is for correctness and
+memory, not speed. CuPy has no bfloat16, so on GPUs use float16.
+
+A data-parallel wrapper all-reduces the model's gradients between ``backward`` and ``step``. A
+pipeline seeds the last stage's backward with ``backward`` (``PipelineParallel(backward_loss=...)``);
 the gradients it passes upstream are then scaled too. ZeRO-1 can be the optimizer: its flat
 buffer then holds the float32 masters.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from ..autograd import Parameter
 from ..backend import get_array_module, to_device
 from .optimizer import named_parameter_list
+
+
+PRECISIONS = ("fp32", "fp64", "fp16", "bf16")
+
+
+def precision_dtype(name: str):
+    """The compute dtype of a precision name (``train.precision``); bf16 needs ``ml_dtypes`` on CPUs."""
+    if name == "bf16":
+        import ml_dtypes  # an ImportError names the package to install
+
+        return np.dtype(ml_dtypes.bfloat16)
+    dtypes = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16}
+    if name not in dtypes:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    return np.dtype(dtypes[name])
 
 
 class DynamicLossScaler:
@@ -66,6 +92,27 @@ class DynamicLossScaler:
         self.growth_interval = int(state["growth_interval"])
 
 
+def scaled_backward(loss, scale: float) -> None:
+    """``loss.backward()`` with every gradient multiplied by ``scale`` (the seed of backward)."""
+    xp = loss.xp
+    # Overflow is the expected signal of a too large scale, detected before the step; not a warning.
+    with np.errstate(over="ignore", invalid="ignore"):
+        loss.backward(xp.full(loss.shape, scale, dtype=np.float64).astype(loss.dtype))
+
+
+def all_finite(grads, loss=None) -> bool:
+    """Whether every element of ``grads`` (arrays) and the ``loss`` (a number or Tensor, when given)
+    is finite; one device-to-host transfer for the arrays."""
+    grads = list(grads)
+    finite = True
+    if grads:
+        xp = get_array_module(*grads)
+        finite = bool(xp.stack([xp.isfinite(g).all() for g in grads]).all())
+    if loss is not None:
+        finite = finite and math.isfinite(loss.item() if hasattr(loss, "item") else float(loss))
+    return finite
+
+
 _DEFAULT_SCALER = object()
 
 
@@ -88,6 +135,7 @@ class MixedPrecision:
                     setattr(master, attr, getattr(param, attr))
         self._model_of = {id(master): param for (_, master), param in zip(self.master, self.model_params)}
         self._unscaled = False
+        self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient
 
     @property
     def scale(self) -> float:
@@ -106,10 +154,7 @@ class MixedPrecision:
 
     def backward(self, loss) -> None:
         """``loss.backward()`` with every gradient multiplied by the current scale."""
-        xp = loss.xp
-        # Overflow is the expected signal of a too large scale, detected in step(); not a warning.
-        with np.errstate(over="ignore", invalid="ignore"):
-            loss.backward(xp.full(loss.shape, self.scale, dtype=np.float64).astype(loss.dtype))
+        scaled_backward(loss, self.scale)
 
     def unscale_grads(self) -> None:
         """Master grads = model grads / scale, in ``master_dtype`` (once per step)."""
@@ -124,30 +169,34 @@ class MixedPrecision:
             master.grad *= inverse
         self._unscaled = True
 
-    def found_inf(self, allreduce_max=None) -> bool:
-        """Whether any master grad holds inf or NaN (on any rank, when ``allreduce_max`` is given)."""
+    def found_inf(self, allreduce_max=None, loss=None) -> bool:
+        """Whether the step must be skipped: the loss (when given) or any master grad is inf or NaN,
+        here or, with ``allreduce_max``, on any rank (one all-reduce of one number)."""
         self.unscale_grads()
-        grads = [master.grad for _, master in self.master if master.grad is not None]
-        xp = get_array_module(*grads)
-        all_finite = bool(xp.stack([xp.isfinite(g).all() for g in grads]).all()) if grads else True  # one sync
-        local = 0.0 if all_finite else 1.0
+        local = 0.0 if all_finite((m.grad for _, m in self.master if m.grad is not None), loss) else 1.0
         return bool(allreduce_max(local) if allreduce_max is not None else local)
 
-    def step(self, optimizer, allreduce_max=None, **step_options) -> bool:
-        """Step ``optimizer`` on the master weights and copy them into the model, or skip on overflow.
+    def step(self, optimizer, allreduce_max=None, loss=None, **step_options) -> bool:
+        """Step ``optimizer`` on the master weights and copy them into the model, or skip the step.
 
-        Updates the scaler and clears the model's and master's gradients either way; returns
-        whether the step was taken. ``step_options`` go to ``optimizer.step`` (ZeRO-1's
-        ``reduce=False`` after its gradients were reduced for clipping).
+        Skipped when ``found_inf(allreduce_max, loss)``: a non-finite loss or gradient on any rank.
+        Updates the scaler (a skip backs it off), counts skips in ``skipped_steps`` (with or without
+        a scaler), and clears the model's and master's gradients either way; returns whether the
+        step was taken. ``step_options`` go to ``optimizer.step`` (ZeRO-1's ``reduce=False`` after
+        its gradients were reduced for clipping).
         """
-        overflow = self.found_inf(allreduce_max)
-        if not overflow:
+        overflow = self.found_inf(allreduce_max, loss)
+        if overflow:
+            self.skipped_steps += 1
+        else:
             optimizer.step(**step_options)
             self.copy_to_model()
         if self.scaler is not None:
             self.scaler.update(overflow)
         for param, (_, master) in zip(self.model_params, self.master):
             param.grad = master.grad = None
+        if overflow and hasattr(optimizer, "zero_grad"):  # ZeRO-1's reduced shard, when it was reduced
+            optimizer.zero_grad()
         self._unscaled = False
         return not overflow
 
@@ -156,10 +205,19 @@ class MixedPrecision:
         for param, (_, master) in zip(self.model_params, self.master):
             param.data[...] = master.data.astype(param.dtype)
 
+    def master_bytes(self) -> int:
+        """Bytes of the master weights, held beside the model's 16-bit parameters."""
+        return sum(master.data.nbytes for _, master in self.master)
+
+    def metrics(self) -> dict:
+        """What a training log reports: the steps skipped so far (for a non-finite loss or gradient)."""
+        return {"skipped_steps": self.skipped_steps}
+
     def state_dict(self) -> dict:
         """The master weights (the true weights of a mixed-precision run) and the scaler."""
         return {"master": {name: master.data for name, master in self.master},
-                "scaler": self.scaler.state_dict() if self.scaler is not None else {}}
+                "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+                "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
         for param, (name, master) in zip(self.model_params, self.master):
@@ -171,3 +229,4 @@ class MixedPrecision:
         self.copy_to_model()
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
+from ..autograd import precision
 from ..backend import get_array_module
 
 
@@ -13,12 +12,16 @@ def clip_grad_norm(params, max_norm: float, allreduce_sum=None) -> float:
 
     ``allreduce_sum(local_sum_of_squares) -> global sum`` completes the norm across ranks
     that each hold a part of the gradients (tensor- or pipeline-parallel shards); each element
-    must be counted on exactly one rank. Squares are summed in at least float32.
+    must be counted on exactly one rank. Squares are summed in at least float32 (the precision policy).
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    return clip_arrays([p.grad for p in params if p.grad is not None], max_norm, allreduce_sum)
+
+
+def clip_arrays(grads, max_norm: float, allreduce_sum=None) -> float:
+    """``clip_grad_norm`` of gradient arrays themselves (views of a flat buffer, say)."""
     squares = []
     for grad in grads:
-        flat = grad.reshape(-1).astype(np.promote_types(grad.dtype, np.float32), copy=False)
+        flat = grad.reshape(-1).astype(precision.accumulation_dtype(grad.dtype), copy=False)
         squares.append(get_array_module(flat).dot(flat, flat))
     local = float(sum(squares))  # one device-to-host transfer
     total = float(allreduce_sum(local)) if allreduce_sum is not None else local

@@ -1,8 +1,9 @@
 """Optimizer base: a list of parameters, in-place updates, state as plain arrays and scalars.
 
 Parameters are passed as ``model.named_parameters()`` (then the state dict is keyed by
-parameter name, which is what sharded checkpoints and resharding need) or as a plain
-iterable of Parameters (keyed ``"0"``, ``"1"``, ...).
+parameter name, which is what sharded checkpoints and resharding need), as a plain iterable of
+Parameters (keyed ``"0"``, ``"1"``, ...), or as PyTorch-style groups that set their own
+``weight_decay``; ``no_decay`` patterns exempt parameters by name (``groups.py``).
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import numpy as np
 
 from ..autograd import Tensor
 from ..backend import to_device
-from ..state import Checkpointable, LoadPlan, Piece, Read, Saved, global_slab
+from ..state import Checkpointable, LoadPlan, Piece, Read, Saved, global_slab, weight_decay_scalars
+from .groups import DecayRuns, decay_overrides, flatten_groups
 
 
 def named_parameter_list(params) -> list[tuple[str, Tensor]]:
@@ -31,15 +33,20 @@ def named_parameter_list(params) -> list[tuple[str, Tensor]]:
 class Optimizer(Checkpointable):
     """Subclasses list their ``hyperparameters`` (float attributes, ``lr`` first) and define ``update``.
 
+    A parameter's weight decay is the optimizer's ``weight_decay`` unless its group or a
+    ``no_decay`` pattern sets another (``decay_overrides``); ``update`` gets the one of the
+    parameter it updates.
+
     In a checkpoint each state array is a piece of ``optim/<param>/<key>`` at its parameter's
     place in the global tensor (a tensor-parallel shard's state is a shard too); step counts
-    are scalars.
+    and each parameter's weight decay (``weight_decay/<param>``) are scalars.
     """
 
     hyperparameters: tuple[str, ...] = ("lr",)
 
-    def __init__(self, params, **hyperparameters):
-        named = named_parameter_list(params)
+    def __init__(self, params, no_decay=(), **hyperparameters):
+        items, given = flatten_groups(params)
+        named = named_parameter_list(items)
         self.names = [name for name, _ in named]
         self.params = [param for _, param in named]
         for key in self.hyperparameters:
@@ -47,18 +54,42 @@ class Optimizer(Checkpointable):
             if value < 0:
                 raise ValueError(f"{type(self).__name__}: {key} must be >= 0, got {value}")
             setattr(self, key, value)
+        if (given or no_decay) and "weight_decay" not in self.hyperparameters:
+            raise ValueError(f"{type(self).__name__} has no weight decay for groups or no_decay to set")
+        self.decay_overrides: dict = decay_overrides(self.names, given, no_decay)
         # Per-parameter state: arrays (in the parameter's dtype, on its device) and int counts.
         self.state: dict[str, dict] = {name: {} for name in self.names}
 
     @abstractmethod
-    def update(self, param, grad, state: dict) -> None:
-        """Update the array ``param`` in place from ``grad``, keeping what it needs in ``state``."""
+    def update(self, param, grad, state: dict, weight_decay) -> None:
+        """Update the array ``param`` in place from ``grad``, keeping what it needs in ``state``;
+        ``weight_decay``: this parameter's (a float, or ``DecayRuns`` along a flat parameter)."""
 
     def step(self) -> None:
         """One update of every parameter that has a gradient (the others are left alone)."""
         for name, param in zip(self.names, self.params):
             if param.grad is not None:
-                self.update(param.data, param.grad, self.state[name])
+                self.update(param.data, param.grad, self.state[name], self.weight_decay_of(name))
+
+    def weight_decay_of(self, name: str):
+        return self.decay_overrides.get(name, getattr(self, "weight_decay", 0.0))
+
+    def set_weight_decay(self, name: str, value) -> None:
+        """The weight decay of one parameter: a float, or ``DecayRuns`` (ZeRO-1's shard)."""
+        if name not in self.state:
+            raise KeyError(f"{type(self).__name__}: no parameter {name!r}")
+        self.decay_overrides[name] = value if isinstance(value, DecayRuns) else float(value)
+
+    def named_weight_decays(self) -> dict:
+        """{parameter name: weight decay}, what checkpoints save (floats only)."""
+        decays = {name: self.weight_decay_of(name) for name in self.names}
+        return {name: value for name, value in decays.items() if not isinstance(value, DecayRuns)}
+
+    def load_weight_decays(self, decays: dict) -> None:
+        """Set the weight decay of the parameters named in ``decays`` (a checkpoint's groups)."""
+        for name, value in decays.items():
+            if name in self.state:
+                self.set_weight_decay(name, value)
 
     def zero_grad(self) -> None:
         for param in self.params:
@@ -72,6 +103,7 @@ class Optimizer(Checkpointable):
         return {
             "hyperparameters": {key: getattr(self, key) for key in self.hyperparameters},
             "state": {name: dict(state) for name, state in self.state.items() if state},
+            "weight_decays": self.named_weight_decays(),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -81,6 +113,7 @@ class Optimizer(Checkpointable):
                            f"this optimizer has {self.names}")
         for key in self.hyperparameters:
             setattr(self, key, float(state_dict["hyperparameters"][key]))
+        self.load_weight_decays(state_dict.get("weight_decays", {}))
         for name, param in zip(self.names, self.params):
             loaded = {}
             for key, value in state_dict["state"].get(name, {}).items():
@@ -103,10 +136,10 @@ class Optimizer(Checkpointable):
                     scalars[f"optim/{name}/{key}"] = int(value)
                 else:
                     pieces.append(Piece(f"optim/{name}/{key}", shape, slab, value))
-        return pieces, scalars
+        return pieces, scalars | weight_decay_scalars(self.named_weight_decays())
 
     def load_plan(self, saved: Saved) -> LoadPlan:
-        """Each parameter's saved state, replacing its current state when the load completes."""
+        """Each parameter's saved state and weight decay, replacing the current ones when the load completes."""
         staged, reads = {}, []
         for name, param in zip(self.names, self.params):
             shape, slab = global_slab(param)
@@ -120,4 +153,9 @@ class Optimizer(Checkpointable):
                 def assign(values, state=state, key=key, param=param):
                     state[key] = to_device(values, param.xp).astype(param.dtype)
                 reads.append(Read(full, shape, slab, assign))
-        return LoadPlan(reads, [lambda: self.state.update(staged)])
+        decays = saved.weight_decays()
+
+        def finish():
+            self.state.update(staged)
+            self.load_weight_decays(decays)
+        return LoadPlan(reads, [finish])

@@ -70,20 +70,27 @@ class LocalSGD:
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
 
-    def step(self) -> None:
-        """One local optimizer step (gradients cleared); every ``local_steps``-th, average over dp."""
+    def step(self, loss=None) -> bool:
+        """One local optimizer step (gradients cleared); every ``local_steps``-th, average over dp.
+
+        Under ``amp`` a non-finite ``loss`` (this replica's, when given) or gradient skips this
+        replica's step only; returns whether the step was taken. The step still counts toward
+        the next average.
+        """
         if self.amp is not None:
             self.amp.unscale_grads()  # the masters' gradients, for clipping
         if self.max_grad_norm:
             clip_grad_norm(self.params, self.max_grad_norm)  # this rank's own gradient: there is no other
+        taken = True
         if self.amp is not None:
-            self.amp.step(self.optimizer)  # an overflow skips this replica's step only
+            taken = self.amp.step(self.optimizer, loss=loss)
         else:
             self.optimizer.step()
         self.optimizer.zero_grad()
         self.steps_since_average += 1
         if self.steps_since_average == self.local_steps:
             self.average()
+        return taken
 
     def average(self) -> None:
         """All-reduce mean of the parameters (and optimizer state, if asked) over ``ctx.dp``: one call."""

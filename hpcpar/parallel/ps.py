@@ -23,7 +23,8 @@ exist only there). All ranks start from world rank 0's parameters (one broadcast
 
 Messages (point-to-point on a private duplicate of the world communicator, every one counted
 in ``ps.comm.stats``): a push is a header ``[kind, step, version read, lr]`` (float64) and the
-gradient slice; a reply is ``[version]`` (int64) and the parameter slice. The learning rate
+gradient slice; a reply is ``[version]`` (int64) and the parameter slice (in the parameters'
+dtype). The learning rate
 travels with each push, so a schedule on the workers drives ``ps.lr`` (``WarmupCosine(ps, ...)``
 works on a worker: it only reads and sets ``lr``).
 
@@ -57,11 +58,25 @@ abort kills the servers too, wherever they are waiting. Servers wait by polling 
 communicator's wait policy (``yield`` sleeps between polls), so an oversubscribed node keeps
 its cores for the workers.
 
+Mixed precision (``master_dtype``, e.g. float32 for a bfloat16 or float16 model): the servers
+keep their range as float32 masters (the model's values upcast) and step those; a worker runs
+backward seeded with its loss scale (``backward``; ``scaler``: a ``DynamicLossScaler`` for
+float16, None for bfloat16), unscales its gradients into a float32 buffer and pushes that; the
+servers reply with their masters cast to the model's dtype. A push whose loss or gradient is not
+finite is marked in its header's kind (``KIND_PUSH_NONFINITE``, the gradient still travels, so
+the message pattern is the same): a synchronous server then skips the whole round (no step, no
+new version; every server sees the same marks, so all skip), an asynchronous one drops that push
+alone. Synchronous workers agree on the mark first (a max over the workers), so their loss
+scalers stay in step; an asynchronous worker's scaler follows its own pushes. ``push_pull``
+returns whether the step counts as taken, and ``skipped_steps`` counts the others.
+
 Checkpoints. A worker's ``save_checkpoint(step, write)`` sends every server a save request,
 then runs ``write`` (a collective ``checkpoint.save`` over the world, with this object as the
 optimizer). A server joins once every active worker has asked, by calling ``on_save(step)``:
-the servers write their ranges of the parameters and their optimizer state as slabs of the
-global tensors (``checkpoint_pieces``), so the checkpoint loads into any layout or mode.
+the servers write their ranges of the parameters (the masters, under mixed precision) and their
+optimizer state as slabs of the global tensors (``checkpoint_pieces``), so the checkpoint loads
+into any layout or mode; at a load servers read their ranges straight into their shards and
+workers the whole model into theirs.
 
 Limits: pure data parallelism (pp = tp = 1), one parameter dtype.
 """
@@ -75,18 +90,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..autograd import Parameter
-from ..backend import get_array_module
+from ..backend import get_array_module, to_device
 from ..dist.comm import Communicator, wait_all
 from ..dist.context import init
 from ..dist.trace import NO_TRACE
 from ..dist.waiting import YIELD_SLEEP_S
-from ..optim.clip import clip_grad_norm
+from ..optim.amp import all_finite, scaled_backward
+from ..optim.clip import clip_arrays
+from ..optim.groups import flat_range_decays, flatten_groups, set_flat_range_decay
 from ..optim.optimizer import named_parameter_list
-from ..state import (Checkpointable, LoadPlan, Piece, Saved, flat_state_load_plan, flat_state_pieces,
-                     parameter_load_plan, range_param_slabs)
+from ..state import (Checkpointable, LoadPlan, Piece, Read, Saved, flat_state_load_plan, flat_state_pieces,
+                     parameter_load_plan, range_param_slabs, weight_decay_scalars)
 
 TAG_PUSH_HEADER, TAG_PUSH_GRAD, TAG_REPLY_HEADER, TAG_REPLY_PARAMS = 7301, 7302, 7303, 7304
-KIND_PUSH, KIND_STOP, KIND_SAVE = 0.0, 1.0, 2.0
+KIND_PUSH, KIND_STOP, KIND_SAVE, KIND_PUSH_NONFINITE = 0.0, 1.0, 2.0, 3.0  # the last: a push not to apply
 HEADER_LENGTH = 4  # [kind, step, version read, lr] as float64: exact for steps below 2**53
 
 
@@ -129,11 +146,15 @@ class ParameterServer(Checkpointable):
     ``params``: ``model.named_parameters()`` on every rank (servers use only the shapes and
     rank 0's values); ``ctx``: the world's ParallelContext; ``optimizer_class`` and
     ``optimizer_options``: any hpcpar optimizer, instantiated on each server for its shard.
+    ``master_dtype`` (None: the parameters' own) and ``scaler``: mixed precision (module docstring).
     """
 
     def __init__(self, params, ctx, optimizer_class, servers: int = 1, staleness: int = 0,
-                 max_grad_norm: float = 0.0, **optimizer_options):
-        named = named_parameter_list(params)
+                 max_grad_norm: float = 0.0, no_decay=(), master_dtype=None, scaler=None, **optimizer_options):
+        if scaler is not None and master_dtype is None:
+            raise ValueError("ParameterServer: a loss scaler needs master_dtype (the dtype gradients are unscaled into)")
+        items, given = flatten_groups(params)
+        named = named_parameter_list(items)
         _check_arguments(named, ctx, servers, staleness)
         world = ctx.world
         self.names = [name for name, _ in named]
@@ -154,8 +175,11 @@ class ParameterServer(Checkpointable):
         self.server_index = None if self.is_worker else self.rank - self.num_workers
         xp = get_array_module(self.params[0].data)
         dtype = self.params[0].dtype
+        self.mixed = master_dtype is not None  # masters on the servers, non-finite pushes not applied
+        self.master_dtype = np.dtype(master_dtype) if self.mixed else dtype
         # Instantiated on every rank (on one element here): bad options fail everywhere, before any message.
-        probe = optimizer_class([("probe", Parameter(xp.zeros(1, dtype=dtype)))], **optimizer_options)
+        probe = optimizer_class([("probe", Parameter(xp.zeros(1, dtype=self.master_dtype)))], **optimizer_options)
+        self.weight_decays = flat_range_decays(self.names, probe, given, no_decay)  # by name: groups, no_decay
         starts = list(itertools.accumulate((p.size for p in self.params), initial=0))
         self.spans = list(zip(starts[:-1], starts[1:]))  # each parameter's [start, stop) in the flat vector
         # A private communicator: these tags can never match someone else's messages on the world.
@@ -166,18 +190,19 @@ class ParameterServer(Checkpointable):
         group = world.mpi.Split(0 if self.is_worker else 1, self.rank)
         self._stopped = False
         if self.is_worker:
-            self._become_worker(ctx, group, flat, float(probe.lr))
+            self._become_worker(ctx, group, flat, float(probe.lr), scaler)
         else:
             self._become_server(world, group, flat, optimizer_class, optimizer_options)
 
-    def _become_worker(self, ctx, group, flat, lr: float) -> None:
+    def _become_worker(self, ctx, group, flat, lr: float, scaler) -> None:
         self.ctx = init(dp=self.num_workers, comm=group, device=ctx.device, wait_policy=ctx.wait_policy)
         self.server_comm = None
         self.lr = lr
         self.step_count = 0
         self.versions = [0] * self.num_servers  # per server: the version of the parameters this worker holds
+        self.scaler, self.skipped_steps = scaler, 0
         self._flat = flat
-        self._flat_grad = get_array_module(flat).zeros_like(flat)
+        self._flat_grad = get_array_module(flat).zeros(self.numel, dtype=self.master_dtype)  # pushed: unscaled
         self._unpack_parameters()
 
     def _become_server(self, world, group, flat, optimizer_class, optimizer_options) -> None:
@@ -185,8 +210,9 @@ class ParameterServer(Checkpointable):
         self.server_comm = Communicator(group, "ps_servers", cuda_aware=world.cuda_aware,
                                         wait_policy=world.wait_policy)
         start, stop = self.ranges[self.server_index]
-        self.shard = Parameter(flat[start:stop].copy(), name=f"ps_shard_{self.server_index}")
+        self.shard = Parameter(flat[start:stop].astype(self.master_dtype), name=f"ps_shard_{self.server_index}")
         self.optimizer = optimizer_class([("shard", self.shard)], **optimizer_options)
+        self._set_shard_decay()
         self.version = 0
         self.update_log: list[UpdateRecord] = []
 
@@ -204,29 +230,66 @@ class ParameterServer(Checkpointable):
     def describe(self) -> str:
         mode = "synchronous" if self.synchronous else f"asynchronous, staleness bound {self.staleness} steps"
         sizes = sorted({stop - start for start, stop in self.ranges})
+        masters = f", {self.master_dtype} masters and pushes" if self.mixed else ""
         return (f"parameter server: {self.num_workers} workers (ranks 0..{self.num_workers - 1}), "
                 f"{self.num_servers} server(s) (ranks {self.num_workers}..{self.num_workers + self.num_servers - 1}) "
-                f"holding {'/'.join(map(str, sizes))} of {self.numel} parameters each; {mode}")
+                f"holding {'/'.join(map(str, sizes))} of {self.numel} parameters each{masters}; {mode}")
 
     # ----- worker side -------------------------------------------------------------------
-    def push_pull(self) -> None:
-        """Push this step's gradients (a missing one counts as zeros), pull fresh parameters, clear grads."""
+    def backward(self, loss) -> None:
+        """``loss.backward()``, seeded with the loss scale when there is a scaler."""
+        if self.scaler is None:
+            loss.backward()
+        else:
+            scaled_backward(loss, self.scaler.scale)
+
+    def push_pull(self, loss=None) -> bool:
+        """Push this step's gradients (a missing one counts as zeros), pull fresh parameters, clear grads.
+
+        Under mixed precision the gradients are pushed unscaled in ``master_dtype``, and a
+        non-finite ``loss`` (this worker's, when given) or gradient marks the push not to be
+        applied; returns whether the step counts as taken (always, without mixed precision).
+        """
         self._require_worker("push_pull")
-        if self.max_grad_norm and not self.synchronous:
-            clip_grad_norm(self.params, self.max_grad_norm)  # asynchronous: each worker's own gradient
-        for p, (start, stop) in zip(self.params, self.spans):
-            self._flat_grad[start:stop] = 0 if p.grad is None else p.grad.reshape(-1)
+        self._pack_gradients()
+        finite = self._agree_finite(loss) if self.mixed else True
+        if self.max_grad_norm and not self.synchronous and finite:  # asynchronous: each worker's own gradient
+            clip_arrays([self._flat_grad[start:stop] for start, stop in self.spans], self.max_grad_norm)
+        kind = KIND_PUSH if finite else KIND_PUSH_NONFINITE
         sends = []
         for s, (start, stop) in enumerate(self.ranges):
-            header = np.array([KIND_PUSH, self.step_count, self.versions[s], self.lr], dtype=np.float64)
+            header = np.array([kind, self.step_count, self.versions[s], self.lr], dtype=np.float64)
             sends.append(self.comm.isend(header, self.num_workers + s, TAG_PUSH_HEADER))
             sends.append(self.comm.isend(self._flat_grad[start:stop], self.num_workers + s, TAG_PUSH_GRAD))
         self._receive_parameters(sends)
         self.step_count += 1
         for p in self.params:
             p.grad = None
+        if self.scaler is not None:
+            self.scaler.update(not finite)
+        self.skipped_steps += not finite
+        return finite
 
     step = push_pull  # ``ps.step()`` after backward reads like an optimizer
+
+    def metrics(self) -> dict:
+        """What a training log reports: under mixed precision the steps skipped so far."""
+        return {"skipped_steps": self.skipped_steps} if self.mixed and self.is_worker else {}
+
+    def _pack_gradients(self) -> None:
+        """The gradients into the flat push buffer (``master_dtype``), divided by the loss scale."""
+        for p, (start, stop) in zip(self.params, self.spans):
+            self._flat_grad[start:stop] = 0 if p.grad is None else p.grad.reshape(-1)
+        if self.scaler is not None:
+            self._flat_grad *= 1.0 / self.scaler.scale
+
+    def _agree_finite(self, loss) -> bool:
+        """Whether this push may be applied: the loss and gradient are finite here and, when the
+        servers step synchronously, on every worker (their scalers then take the same steps)."""
+        bad = 0.0 if all_finite([self._flat_grad], loss) else 1.0
+        if self.synchronous:
+            bad = float(self.ctx.dp.allreduce(np.array([bad]), "max")[0])
+        return bad == 0.0
 
     def _receive_parameters(self, sends) -> None:
         versions = [np.empty(1, dtype=np.int64) for _ in self.ranges]
@@ -271,7 +334,7 @@ class ParameterServer(Checkpointable):
     def _step_shard(self, grad, lr: float) -> None:
         self.shard.grad = grad
         if self.max_grad_norm and self.synchronous:  # the norm of the averaged gradient over all servers
-            clip_grad_norm([self.shard], self.max_grad_norm, allreduce_sum=self._sum_over_servers)
+            clip_arrays([self.shard.grad], self.max_grad_norm, allreduce_sum=self._sum_over_servers)
         self.optimizer.lr = lr
         self.optimizer.step()
         self.shard.grad = None
@@ -283,9 +346,9 @@ class ParameterServer(Checkpointable):
 
     def _send_parameters(self, worker: int) -> list:
         version = np.array([self.version], dtype=np.int64)
-        # A copy: the shard changes with the next update while the send may still be in flight.
+        # A copy in the model's dtype: the shard changes with the next update while the send may be in flight.
         return [self.comm.isend(version, worker, TAG_REPLY_HEADER),
-                self.comm.isend(self.shard.data.copy(), worker, TAG_REPLY_PARAMS)]
+                self.comm.isend(self.shard.data.astype(self.params[0].dtype), worker, TAG_REPLY_PARAMS)]
 
     # ----- both ----------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -337,29 +400,44 @@ class ParameterServer(Checkpointable):
         model = [Piece(f"model/{name}", shape, glob, self.shard.data[offset: offset + math.prod(local)].reshape(local))
                  for name, _, shape, glob, local, offset in slabs]
         state, scalars = flat_state_pieces(slabs, self.optimizer.state.get("shard", {}))
-        return model + state, scalars
+        return model + state, scalars | weight_decay_scalars(self.weight_decays)
+
+    def _set_shard_decay(self) -> None:
+        start, stop = self.ranges[self.server_index]
+        set_flat_range_decay(self.optimizer, self.names, [p.size for p in self.params], self.weight_decays,
+                             start, stop)
+
+    def named_weight_decays(self) -> dict:
+        """{parameter name: weight decay} of every parameter (the same on workers and servers)."""
+        return dict(self.weight_decays)
+
+    def load_weight_decays(self, decays: dict) -> None:
+        """Set the weight decay of the named parameters (a checkpoint's groups); servers' runs follow."""
+        self.weight_decays.update({name: float(v) for name, v in decays.items() if name in self.weight_decays})
+        if not self.is_worker:
+            self._set_shard_decay()
 
     def load_plan(self, saved: Saved) -> LoadPlan:
-        """Every rank reads the whole model into its parameters; a server also its range's optimizer
-        state; then servers take their range from the parameters and workers their flat copy."""
-        plan = parameter_load_plan(zip(self.names, self.params))
-        slabs = self.flat_range_slabs()
-        if slabs is not None:
+        """A worker reads the whole model into its parameters (then its flat copy); a server its range
+        of the parameters straight into its shard (the masters keep the saved precision) and its
+        optimizer state; every rank takes the saved weight decays."""
+        if self.is_worker:
+            plan = parameter_load_plan(zip(self.names, self.params))
+            plan.finish.append(lambda: self._pack_parameters(self._flat))
+        else:
+            slabs = self.flat_range_slabs()
+            plan = LoadPlan([Read(f"model/{name}", shape, glob, self._into_shard(offset))
+                             for name, _, shape, glob, _, offset in slabs])
             plan.extend(flat_state_load_plan(saved, slabs, self.shard,
                                              lambda state: self.optimizer.state.__setitem__("shard", state)))
-        plan.finish.append(self.refresh_shard)
+        decays = saved.weight_decays()
+        plan.finish.append(lambda: self.load_weight_decays(decays))
         return plan
 
-    def refresh_shard(self) -> None:
-        """After a checkpoint was loaded into the model's parameters on every rank: servers take
-        their range from them, workers their flat copy."""
-        if self.is_worker:
-            self._pack_parameters(self._flat)
-        else:
-            flat = get_array_module(self.shard.data).empty(self.numel, dtype=self.shard.dtype)
-            self._pack_parameters(flat)
-            start, stop = self.ranges[self.server_index]
-            self.shard.data[...] = flat[start:stop]
+    def _into_shard(self, offset: int):
+        def assign(values):  # run only once every rank has read every slab (hpcpar.state)
+            self.shard.data[offset: offset + values.size] = to_device(values.reshape(-1), self.shard.xp)
+        return assign
 
     def _save_when_asked(self, saving: dict) -> None:
         steps = sorted(set(saving.values()))
@@ -422,10 +500,10 @@ class _ServerLoop:
         if kind == KIND_SAVE:  # the worker now waits in the checkpoint; its next push follows it
             self.saving[w] = int(step)
         else:
-            self._take_push(w, int(step), int(version_read), float(lr))
+            self._take_push(w, int(step), int(version_read), float(lr), applies=kind == KIND_PUSH)
         self.headers_in[w] = self.comm.irecv(self.headers[w], w, TAG_PUSH_HEADER)
 
-    def _take_push(self, w: int, step: int, version_read: int, lr: float) -> None:
+    def _take_push(self, w: int, step: int, version_read: int, lr: float, applies: bool) -> None:
         server = self.server
         if step != self.done[w]:
             raise RuntimeError(f"parameter server {server.server_index}: worker {w} pushed step {step}, "
@@ -434,14 +512,18 @@ class _ServerLoop:
         self.comm.recv(grad, w, TAG_PUSH_GRAD)
         self.done[w] = self.waiting[w] = step + 1
         if server.synchronous:
-            self.arrived[w] = (step, version_read, lr)
-        else:
+            self.arrived[w] = (step, version_read, lr, applies)
+        elif applies:  # asynchronous: a push marked non-finite is dropped alone
             grad /= server.num_workers
             server._apply(grad, lr, [(w, step, version_read, self.lead[w])])
 
     def apply_synchronous_round(self) -> None:
-        """Once every active worker's gradient is in: their mean (in worker order), one step."""
+        """Once every active worker's gradient is in: their mean (in worker order), one step; no step
+        when any push is marked non-finite (every server sees the same marks and skips the round)."""
         if not self.arrived or not self.active <= set(self.arrived):
+            return
+        if not all(applies for *_, applies in self.arrived.values()):
+            self.arrived.clear()
             return
         order = sorted(self.arrived)
         mean = self.grads[order[0]].copy()

@@ -4,6 +4,9 @@
     loss.backward()          # no DDP wrapper: the gradient reduction happens in step()
     opt.step()
 
+Weight decay stays per parameter (groups and ``no_decay`` patterns, by name): the wrapped
+optimizer gets it as ``DecayRuns`` along the shard, one run per stretch of equal decay.
+
 All parameters are laid end to end in one flat buffer (padded to a multiple of the dp
 size) and each parameter's array becomes a view into it. Each dp rank owns one contiguous
 1/dp shard and keeps optimizer state (Adam's two moments, momentum, ...) for that shard
@@ -21,17 +24,21 @@ import math
 
 import numpy as np
 
-from ..autograd import Parameter
+from ..autograd import Parameter, precision
 from ..backend import get_array_module
 from ..dist.shm import shared_zeros
 from ..optim.clip import scale_to_norm
+from ..optim.groups import flat_range_decays, flatten_groups, set_flat_range_decay
 from ..optim.optimizer import named_parameter_list
-from ..state import Checkpointable, LoadPlan, Saved, flat_state_load_plan, flat_state_pieces, range_param_slabs
+from ..state import (Checkpointable, LoadPlan, Saved, flat_state_load_plan, flat_state_pieces, range_param_slabs,
+                     weight_decay_scalars)
 
 
 class ZeroRedundancyOptimizer(Checkpointable):
-    def __init__(self, params, comm, optimizer_class, broadcast_parameters: bool = True, **optimizer_options):
-        named = named_parameter_list(params)
+    def __init__(self, params, comm, optimizer_class, broadcast_parameters: bool = True, no_decay=(),
+                 **optimizer_options):
+        items, given = flatten_groups(params)
+        named = named_parameter_list(items)
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         dtypes = {p.dtype for p in self.params}
@@ -57,6 +64,9 @@ class ZeroRedundancyOptimizer(Checkpointable):
         start = comm.rank * self.shard_size
         self.shard = Parameter(self.flat[start: start + self.shard_size].copy(), name=f"zero_shard_{comm.rank}")
         self.optimizer = optimizer_class([("shard", self.shard)], **optimizer_options)
+        # Weight decay by parameter name (groups, no_decay), as runs along this rank's shard.
+        self.weight_decays = flat_range_decays(self.names, self.optimizer, given, no_decay)
+        self._set_shard_decay()
         self._flat_grad = shared_zeros(comm, self.flat.size, self.flat.dtype, xp)
 
     # The wrapped optimizer's hyperparameters (lr for schedules) read and write through.
@@ -67,6 +77,20 @@ class ZeroRedundancyOptimizer(Checkpointable):
     @lr.setter
     def lr(self, value: float) -> None:
         self.optimizer.lr = value
+
+    def _set_shard_decay(self) -> None:
+        begin = self.comm.rank * self.shard_size
+        set_flat_range_decay(self.optimizer, self.names, [p.size for p in self.params], self.weight_decays,
+                             begin, begin + self.shard_size)
+
+    def named_weight_decays(self) -> dict:
+        """{parameter name: weight decay} of every parameter (not only this rank's shard)."""
+        return dict(self.weight_decays)
+
+    def load_weight_decays(self, decays: dict) -> None:
+        """Set the weight decay of the named parameters (a checkpoint's groups); the shard's runs follow."""
+        self.weight_decays.update({name: float(v) for name, v in decays.items() if name in self.weight_decays})
+        self._set_shard_decay()
 
     def refresh_shard(self) -> None:
         """Copy this rank's part of the flat parameters into the shard (after loading a checkpoint)."""
@@ -109,7 +133,7 @@ class ZeroRedundancyOptimizer(Checkpointable):
         for p, offset in zip(self.params, self.offsets):
             lo, hi = max(offset, start), min(offset + p.size, start + self.shard_size)
             if lo < hi and counts(p):
-                piece = grad[lo - start: hi - start].astype(np.promote_types(grad.dtype, np.float32), copy=False)
+                piece = grad[lo - start: hi - start].astype(precision.accumulation_dtype(grad.dtype), copy=False)
                 pieces.append(xp.dot(piece, piece))
         return float(sum(pieces)) if pieces else 0.0  # one device-to-host transfer
 
@@ -144,14 +168,16 @@ class ZeroRedundancyOptimizer(Checkpointable):
         return list(range_param_slabs(self.names, self.params, self.offsets, begin, begin + self.shard_size))
 
     def checkpoint_pieces(self) -> tuple[list, dict]:
-        return flat_state_pieces(self.param_slabs(), self.optimizer.state["shard"])
+        pieces, scalars = flat_state_pieces(self.param_slabs(), self.optimizer.state["shard"])
+        return pieces, scalars | weight_decay_scalars(self.weight_decays)  # every parameter's, on every rank
 
     def load_plan(self, saved: Saved) -> LoadPlan:
-        """The shard's state from the per-parameter tensors; then the shard is refreshed from the
-        flat parameters (loaded by the model's own plan, which runs first)."""
+        """The shard's state from the per-parameter tensors and the saved weight decays; then the shard
+        is refreshed from the flat parameters (loaded by the model's own plan, which runs first)."""
         plan = flat_state_load_plan(saved, self.param_slabs(), self.shard,
                                     lambda state: self.optimizer.state.__setitem__("shard", state))
-        plan.finish.append(self.refresh_shard)
+        decays = saved.weight_decays()
+        plan.finish += [lambda: self.load_weight_decays(decays), self.refresh_shard]
         return plan
 
     def state_dict(self) -> dict:

@@ -14,11 +14,9 @@ import numpy as np
 from ..data.loader import TextBatches, TokenDataset
 from ..data.sampler import DistributedSampler
 from ..nn.gpt import GPT
-from ..optim import WarmupCosine
+from ..optim import WarmupCosine, precision_dtype
 from .config import Job, JobError
 from .strategies import Strategy, make_strategy
-
-DTYPES = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16": "bfloat16"}
 
 
 @dataclass
@@ -51,14 +49,10 @@ class Run:
 
 
 def compute_dtype(job: Job):
-    dtype = DTYPES[job.train.precision]
-    if dtype == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise JobError(job.source, [("train.precision", "bf16 on CPUs needs ml_dtypes: pip install ml_dtypes")]) from None
-        dtype = ml_dtypes.bfloat16
-    return dtype
+    try:
+        return precision_dtype(job.train.precision)
+    except ImportError:
+        raise JobError(job.source, [("train.precision", "bf16 on CPUs needs ml_dtypes: pip install ml_dtypes")]) from None
 
 
 def build_model(job: Job, ctx, dtype):

@@ -107,6 +107,12 @@ def _list_of(convert, length=None):
     return check
 
 
+def _strings(v):
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise TypeError
+    return tuple(v)
+
+
 def _partition(v):
     return v if isinstance(v, str) else _list_of(_integer)(v)
 
@@ -118,6 +124,7 @@ STRING = Type("a string", _string)
 NUMBER_PAIR = Type("a list of 2 numbers", _list_of(_number, 2))
 INTEGER_PAIR = Type("a list of 2 integers", _list_of(_integer, 2))
 PARTITION = Type("a method name or a list of per-stage layer counts", _partition)
+STRING_LIST = Type("a list of non-empty strings (may be empty)", _strings)
 
 
 # --- range checks: each is called with a converted value and returns None or what is wrong ----------
@@ -162,6 +169,7 @@ def toml_key(f) -> str:
     return f.metadata["name"] or f.name
 
 
+NO_DECAY = ("*.bias", "*ln_*", "embed.*")  # as GPT-2 / minGPT: no decay of shifts, norm scales, embeddings
 GPT_ONLY = ("model.kind", ("gpt",))
 TEXT_ONLY = ("data.kind", ("text",))
 
@@ -247,6 +255,8 @@ class OptimizerSection:
     name: str = _key("adamw", STRING, "optimizer", choices=("adamw", "adam", "sgd"))
     lr: float = _key(1e-3, NUMBER, "peak learning rate", check=above(0))
     weight_decay: float = _key(0.0, NUMBER, "decoupled for adamw, L2 for adam and sgd", check=at_least(0))
+    no_decay: tuple = _key(NO_DECAY, STRING_LIST, "parameter-name patterns (fnmatch) exempt from weight decay: "
+                                                  "biases, LayerNorms, embeddings; [] decays every parameter")
     betas: tuple = _key((0.9, 0.999), NUMBER_PAIR, "Adam's moment decay rates", check=each(in_range(0.0, 1.0)),
                         applies=("optimizer.name", ("adamw", "adam")))
     momentum: float = _key(0.0, NUMBER, "SGD momentum", check=in_range(0.0, 1.0),

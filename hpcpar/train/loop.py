@@ -39,44 +39,41 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None,
     """
     stop = stop or StopRequest()
     ctx = start_context(job)
-    log = Logger(job, ctx, job.train.steps, progress)  # first: with a bar, every line goes above it
-    describe(job, ctx)
-    run = build(job, ctx)
-    tracer = start_trace(run)
-    if not run.trains:  # a parameter server: loads with the workers, serves until each has stopped
-        load_latest(run, resume)
-        run.strategy.serve(lambda step: save_checkpoint(run, step, final=True))
-        finish_trace(run, tracer, log)
-        return {}
-    info = load_latest(run, resume)
-    if info is not None:
-        log.line(f"resumed from {info['step_dir']} (written by layout {info['layout']})")
-    step = start_step = info["step"] if info is not None else 0
-    log.begin(run.ctx, start_step, info["step_dir"] if info is not None else None)
-    last, reason, began = {"step": step}, None, time.perf_counter()
-    while step < job.train.steps and reason is None:
-        started = time.perf_counter()
-        loss, lr = train_one_step(run, step)
-        step += 1
-        last = report_step(run, log, step, start_step, loss, lr, time.perf_counter() - started) or last
-        between_steps(run, log, step)
-        reason = stop_reason(run, stop, began)
+    with Logger(job, ctx, job.train.steps, progress) as log:  # first: with a bar, every line goes above it
+        describe(job, ctx)
+        run = build(job, ctx)
+        tracer = start_trace(run)
+        if not run.trains:  # a parameter server: loads with the workers, serves until each has stopped
+            load_latest(run, resume)
+            run.strategy.serve(lambda step: save_checkpoint(run, step, final=True))
+            finish_trace(run, tracer, log)
+            return {}
+        info = load_latest(run, resume)
+        if info is not None:
+            log.line(f"resumed from {info['step_dir']} (written by layout {info['layout']})")
+        step = start_step = info["step"] if info is not None else 0
+        log.begin(run.ctx, start_step, info["step_dir"] if info is not None else None)
+        last, reason, began = {"step": step}, None, time.perf_counter()
+        while step < job.train.steps and reason is None:
+            started = time.perf_counter()
+            loss, lr = train_one_step(run, step)
+            step += 1
+            last = report_step(run, log, step, start_step, loss, lr, time.perf_counter() - started) or last
+            between_steps(run, log, step)
+            reason = stop_reason(run, stop, began)
 
-    def save_final():
-        log.line(f"checkpoint {save_checkpoint(run, step, final=True)}")
-    run.strategy.finish_training(save_final if step > start_step or reason else None)
-    checkpoint.wait()
-    finish_trace(run, tracer, log)
-    if reason is not None:
-        log.line(f"stopped at step {step} ({reason}); checkpoint saved")
-        log.close()
-        requeue_if_slurm(run, stop)
-        return {**last, "stopped": reason}
-    log.progress.close()  # the bar ends before the last lines: they follow it
-    try:
+        def save_final():
+            log.line(f"checkpoint {save_checkpoint(run, step, final=True)}")
+        run.strategy.finish_training(save_final if step > start_step or reason else None)
+        checkpoint.wait()
+        finish_trace(run, tracer, log)
+        if reason is not None:
+            log.line(f"stopped at step {step} ({reason}); checkpoint saved")
+            log.close()  # requeueing ends the job at once
+            requeue_if_slurm(run, stop)
+            return {**last, "stopped": reason}
+        log.progress.close()  # the bar ends before the last lines: they follow it
         return {**last, **final_report(run, step, log)}
-    finally:
-        log.close()
 
 
 def train_one_step(run: Run, step: int) -> tuple[float, float]:
@@ -87,7 +84,7 @@ def train_one_step(run: Run, step: int) -> tuple[float, float]:
     with trace.step(step + 1):
         loss = run.strategy.train_step(inputs, targets)
         with trace.span("optimizer", "optimizer"):  # clip and step; the exchange of ps and local SGD
-            run.strategy.finish_step(run.job.optimizer.grad_clip)
+            run.strategy.finish_step(run.job.optimizer.grad_clip, loss)
     lr = run.strategy.optimizer.lr
     run.lr_schedule.step()
     return loss, lr
@@ -171,7 +168,8 @@ def step_record(run, step: int, loss: float, lr: float, step_s: float) -> dict:
     return {"step": step, "loss": float(ctx.dp.allreduce(np.array([loss]), "mean")[0]), "lr": lr,
             "tokens_per_s": tokens_per_step(run.job) / step_s, "step_s": step_s, "compute_s": stats.get("compute_s", 0.0),
             "comm_s": stats.get("comm_s", 0.0), "idle_s": stats.get("idle_s", 0.0),
-            "peak_mem_mb": ctx.world.allgather_object(round(peak_memory_mb(), 1)), "time": time.time()}
+            "peak_mem_mb": ctx.world.allgather_object(round(peak_memory_mb(), 1)), "time": time.time(),
+            **({"skipped_steps": stats["skipped_steps"]} if "skipped_steps" in stats else {})}
 
 
 def final_report(run, step: int, log: Logger) -> dict:

@@ -77,6 +77,14 @@ class Logger:
                                           f"mem {max(entry['peak_mem_mb']):.0f} MB")
 
     def close(self) -> None:
+        """The bar ends, the console is the console again, TensorBoard's file is closed (twice is fine)."""
         self.progress.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+            self.tensorboard = None
+
+    def __enter__(self) -> "Logger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -2,8 +2,8 @@
 
 ``load_job`` (config.py) has already checked each key on its own; ``validate`` checks the
 dp x pp x tp layout, heads and vocabulary divisible by tp, batch divisible by dp and
-micro-batches, pipeline stages versus layers, modes that exclude each other, and the data
-file, and reports every problem in one ``JobError``. A pure function of the job and the
+micro-batches, pipeline stages versus layers, modes that exclude each other, ``no_decay``
+patterns against the model's parameter names, and the data file, and reports every problem in one ``JobError``. A pure function of the job and the
 world size: every rank reaches the same verdict before any rank waits on another.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ def validate(job: Job, world_size: int) -> Job:
     problems += _check_model(job)
     problems += _check_pipeline(job)
     problems += _check_batch(job, dp)
+    problems += _check_no_decay(job)
     if job.lr_schedule.min_lr > job.optimizer.lr:  # a warm-up longer than train.steps is fine (a shortened run)
         problems.append(("lr_schedule.min_lr", f"{job.lr_schedule.min_lr:g} is above optimizer.lr = "
                                                f"{job.optimizer.lr:g}; the cosine decays from lr down to min_lr"))
@@ -70,10 +71,6 @@ def _check_modes(job: Job) -> list:
     if p.compression != "none" and p.mode != "allreduce":
         problems.append(("parallel.compression", f"compression hooks into the gradient all-reduce; mode = "
                                                  f"{toml_value(p.mode)} needs compression = \"none\""))
-    if p.mode == "ps" and job.train.precision in ("fp16", "bf16"):
-        problems.append(("train.precision", f"{job.train.precision} runs with mode = \"allreduce\" or "
-                                            f"\"local_sgd\" (the parameter server steps the model's own "
-                                            f"parameters, not float32 masters); use fp32"))
     return problems
 
 
@@ -173,3 +170,32 @@ def _check_token_file(job: Job) -> list[tuple[str, str]]:
             problems.append(("data.path", f"the {split} split of {path} has {info[split]} tokens, not more than "
                                           f"model.block_size = {m.block_size}; prepare more text"))
     return problems
+
+
+def parameter_names(job: Job) -> list[str]:
+    """The model's parameter names, from a copy of it with every width 1 (names do not depend on widths)."""
+    m = job.model
+    if m.kind == "gpt":
+        from ..nn.gpt import GPT, GPTConfig
+
+        tiny = GPTConfig(vocab_size=1, block_size=1, n_layer=m.n_layer, n_head=1, n_embd=1, bias=m.bias,
+                         tie_weights=m.tie_weights)
+        return [name for name, _ in GPT(tiny).named_parameters()]
+    from ..nn.cnn import DigitsCNN
+
+    return [name for name, _ in DigitsCNN(channels=(1, 1)).named_parameters()]
+
+
+def _check_no_decay(job: Job) -> list[tuple[str, str]]:
+    """Given ``optimizer.no_decay`` patterns each match some parameter of the model (the default's may not)."""
+    from ..optim.groups import unmatched_patterns
+
+    if "optimizer.no_decay" not in job.given:
+        return []
+    names = parameter_names(job)
+    unmatched = unmatched_patterns(names, job.optimizer.no_decay)
+    if not unmatched:
+        return []
+    return [("optimizer.no_decay", f"{', '.join(map(toml_value, unmatched))} match(es) no parameter of the "
+                                   f"{job.model.kind}; its names look like {', '.join(names[:4])}, ... "
+                                   f"(shell-style patterns: * matches any text, dots included)")]

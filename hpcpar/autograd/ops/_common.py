@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ...backend import get_array_module
+from .. import precision
 
 
 def wants_grad(fn, i: int) -> bool:
@@ -51,6 +52,7 @@ def scatter_add_rows(ids, rows, shape):
 
     Sort the ids, sum each run of equal ids with ``add.reduceat``, write each sum once:
     5-10x faster than NumPy's element-by-element ``add.at`` when ids repeat.
+    16-bit rows are summed in float32 (``precision``); the result has the rows' dtype.
     """
     xp = get_array_module(rows)
     out = xp.zeros(shape, dtype=rows.dtype)
@@ -59,5 +61,6 @@ def scatter_add_rows(ids, rows, shape):
     order = xp.argsort(ids)
     sorted_ids = ids[order]
     starts = xp.flatnonzero(xp.concatenate((xp.ones(1, dtype=bool), sorted_ids[1:] != sorted_ids[:-1])))
-    out[sorted_ids[starts]] = xp.add.reduceat(xp.take(rows, order, axis=0), starts, axis=0)
+    picked = precision.upcast(xp.take(rows, order, axis=0))
+    out[sorted_ids[starts]] = xp.add.reduceat(picked, starts, axis=0)
     return out

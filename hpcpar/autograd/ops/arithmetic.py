@@ -4,11 +4,14 @@ from __future__ import annotations
 import numbers
 
 from ...backend import get_array_module
+from .. import precision
 from ..function import Function, unbroadcast
 from ._common import broadcast_error, wants_grad
 
 
 class Add(Function):
+    op = "add"
+
     def forward(self, a, b):
         self.shapes = a.shape, b.shape
         try:
@@ -22,6 +25,8 @@ class Add(Function):
 
 
 class Sub(Function):
+    op = "sub"
+
     def forward(self, a, b):
         self.shapes = a.shape, b.shape
         try:
@@ -35,6 +40,8 @@ class Sub(Function):
 
 
 class Mul(Function):
+    op = "mul"
+
     def forward(self, a, b):
         self.a, self.b = a, b
         try:
@@ -50,6 +57,8 @@ class Mul(Function):
 
 
 class Div(Function):
+    op = "div"
+
     def forward(self, a, b):
         try:
             out = a / b
@@ -69,6 +78,8 @@ class Div(Function):
 
 
 class Neg(Function):
+    op = "neg"
+
     def forward(self, a):
         return -a
 
@@ -98,6 +109,8 @@ def _power(x, n):
 
 
 class Pow(Function):
+    op = "pow"
+
     def forward(self, a, exponent):
         self.a, self.exponent = a, exponent
         out = _power(a, exponent)
@@ -123,6 +136,8 @@ def _swap(a):
 
 
 class MatMul(Function):
+    op = "matmul"
+
     def forward(self, a, b):
         if a.ndim < 2 or b.ndim < 2:
             raise ValueError(f"matmul: both operands need at least 2 dimensions (1-D is not supported), "
@@ -132,9 +147,9 @@ class MatMul(Function):
                              f"(a.shape[-1]={a.shape[-1]} but b.shape[-2]={b.shape[-2]})")
         self.a, self.b = a, b
         if b.ndim == 2:  # (..., K) @ (K, N): one GEMM instead of one per batch entry
-            return (_fold_batch(a) @ b).reshape(a.shape[:-1] + (b.shape[1],))
+            return precision.matmul(_fold_batch(a), b).reshape(a.shape[:-1] + (b.shape[1],))
         try:
-            return a @ b
+            return precision.matmul(a, b)
         except ValueError:
             raise ValueError(f"matmul: batch dimensions of shapes {a.shape} and {b.shape} do not broadcast") from None
 
@@ -142,12 +157,12 @@ class MatMul(Function):
         a, b = self.a, self.b
         grad_a = grad_b = None
         if wants_grad(self, 0):
-            grad_a = unbroadcast(grad @ _swap(b), a.shape)
+            grad_a = unbroadcast(precision.matmul(grad, _swap(b)), a.shape)
         if wants_grad(self, 1):
             if b.ndim == 2:  # sum over the batch folded into the GEMM's inner dimension
-                grad_b = _fold_batch(a).T @ _fold_batch(grad)
+                grad_b = precision.matmul(_fold_batch(a).T, _fold_batch(grad))
             else:
-                grad_b = unbroadcast(_swap(a) @ grad, b.shape)
+                grad_b = unbroadcast(precision.matmul(_swap(a), grad), b.shape)
         return grad_a, grad_b
 
 

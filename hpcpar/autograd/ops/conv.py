@@ -9,6 +9,7 @@ the (N, Ho, Wo, C, kh, kw) order. ``as_strided`` exists in NumPy and CuPy alike.
 from __future__ import annotations
 
 from ...backend import get_array_module
+from .. import precision
 from ..function import Function
 from ._common import wants_grad
 
@@ -48,6 +49,8 @@ def _check_nchw(x, op):
 
 
 class Conv2d(Function):
+    op = "conv2d"
+
     def forward(self, x, weight, bias=None, stride=(1, 1), padding=(0, 0)):
         _check_nchw(x, "conv2d")
         if weight.ndim != 4 or weight.shape[1] != x.shape[1]:
@@ -63,7 +66,7 @@ class Conv2d(Function):
         windows = xp.lib.stride_tricks.as_strided(  # (C, kh, kw, N, Ho, Wo), no copy
             padded, shape=(c, *kernel, n, ho, wo), strides=(s[1], s[2], s[3], s[0], s[2] * sh, s[3] * sw))
         cols = windows.reshape(-1, n * ho * wo)  # im2col: the one copy, (C*kh*kw, N*Ho*Wo)
-        out = weight.reshape(weight.shape[0], -1) @ cols  # (Cout, C*kh*kw) @ (C*kh*kw, N*Ho*Wo)
+        out = precision.matmul(weight.reshape(weight.shape[0], -1), cols)  # (Cout, C*kh*kw) @ (C*kh*kw, N*Ho*Wo)
         if bias is not None:
             out += bias[:, None]
         self.cols, self.weight, self.stride, self.padding = cols, weight, stride, padding
@@ -78,19 +81,21 @@ class Conv2d(Function):
         g2 = grad.transpose(1, 0, 2, 3).reshape(c_out, -1)  # (N, Cout, Ho, Wo) -> (Cout, N*Ho*Wo)
         grad_x = None
         if wants_grad(self, 0):  # folded in (C, N, Hp, Wp) order, the order d_cols comes in
-            d_cols = (weight.reshape(c_out, -1).T @ g2).reshape(c, kh, kw, n, ho, wo)
+            d_cols = precision.matmul(weight.reshape(c_out, -1).T, g2, keep_float32=True).reshape(c, kh, kw, n, ho, wo)
             c_first = (c, n) + self.padded_shape[2:]
-            grad_x = _fold(lambda i, j: d_cols[:, i, j], c_first, (kh, kw), self.stride, (ho, wo), grad.dtype, xp)
+            grad_x = _fold(lambda i, j: d_cols[:, i, j], c_first, (kh, kw), self.stride, (ho, wo), d_cols.dtype, xp)
             (ph, pw), (hp, wp) = self.padding, self.padded_shape[2:]
             grad_x = xp.ascontiguousarray(grad_x[:, :, ph:hp - ph, pw:wp - pw].transpose(1, 0, 2, 3))
-        grad_w = (g2 @ self.cols.T).reshape(weight.shape) if wants_grad(self, 1) else None
+        grad_w = precision.matmul(g2, self.cols.T).reshape(weight.shape) if wants_grad(self, 1) else None
         if not self.has_bias:
             return grad_x, grad_w
-        return grad_x, grad_w, g2.sum(axis=1) if wants_grad(self, 2) else None
+        return grad_x, grad_w, precision.sum(g2, axis=1) if wants_grad(self, 2) else None
 
 
 class MaxPool2d(Function):
     """Each window's gradient goes to its first maximum (in row-major order), as in PyTorch."""
+
+    op = "max_pool2d"
 
     def forward(self, x, kernel, stride):
         _check_nchw(x, "max_pool2d")
@@ -113,14 +118,17 @@ class MaxPool2d(Function):
             xp.logical_xor(unclaimed, hit, out=unclaimed)
             return grad * hit
 
-        return (_fold(tap_grad, self.x.shape, self.kernel, self.stride, self.out_hw, self.x.dtype, xp),)
+        return (_fold(tap_grad, self.x.shape, self.kernel, self.stride, self.out_hw,
+                      precision.accumulation_dtype(self.x.dtype), xp),)
 
 
 class AvgPool2d(Function):
+    op = "avg_pool2d"
+
     def forward(self, x, kernel, stride):
         _check_nchw(x, "avg_pool2d")
         self.out_hw = _out_size(x.shape, kernel, stride, "avg_pool2d")
-        out = _tap(x, 0, 0, stride, self.out_hw).copy()
+        out = _tap(x, 0, 0, stride, self.out_hw).astype(precision.accumulation_dtype(x.dtype))  # a copy
         for tap in range(1, kernel[0] * kernel[1]):
             out += _tap(x, *divmod(tap, kernel[1]), stride, self.out_hw)
         out *= 1.0 / (kernel[0] * kernel[1])
@@ -129,8 +137,8 @@ class AvgPool2d(Function):
 
     def backward(self, grad):
         share = grad * (1.0 / (self.kernel[0] * self.kernel[1]))  # each window element's equal share
-        return (_fold(lambda i, j: share, self.shape, self.kernel, self.stride, self.out_hw, self.dtype,
-                      self.xp(grad)),)
+        return (_fold(lambda i, j: share, self.shape, self.kernel, self.stride, self.out_hw,
+                      precision.accumulation_dtype(self.dtype), self.xp(grad)),)
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0):

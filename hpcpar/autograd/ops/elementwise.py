@@ -8,11 +8,14 @@ from __future__ import annotations
 import math
 
 from ...backend import get_array_module
+from .. import precision
 from ..function import Function, unbroadcast
 from ._common import broadcast_error
 
 
 class Exp(Function):
+    op = "exp"
+
     def forward(self, a):
         self.out = get_array_module(a).exp(a)
         return self.out
@@ -22,6 +25,8 @@ class Exp(Function):
 
 
 class Log(Function):
+    op = "log"
+
     def forward(self, a):
         self.a = a
         return get_array_module(a).log(a)
@@ -31,6 +36,8 @@ class Log(Function):
 
 
 class Sqrt(Function):
+    op = "sqrt"
+
     def forward(self, a):
         self.out = get_array_module(a).sqrt(a)
         return self.out
@@ -42,6 +49,8 @@ class Sqrt(Function):
 
 
 class Tanh(Function):
+    op = "tanh"
+
     def forward(self, a):
         self.out = get_array_module(a).tanh(a)
         return self.out
@@ -55,6 +64,8 @@ class Tanh(Function):
 
 
 class Relu(Function):
+    op = "relu"
+
     def forward(self, a):
         self.out = get_array_module(a).maximum(a, a.dtype.type(0))
         return self.out
@@ -68,26 +79,27 @@ _GELU_A = 0.044715
 
 
 class Gelu(Function):
-    """GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(c (x + a x^3)))."""
+    """GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(c (x + a x^3))).
+
+    16-bit inputs are computed in float32 and only the input is kept: backward recomputes the
+    tanh from it (saving it in 16 bits would cost its precision where 1 - t^2 is small)."""
+
+    op = "gelu"
 
     def forward(self, x):
-        xp = get_array_module(x)
-        t = x * x  # computed in place: c x (1 + a x^2), then its tanh
-        t *= _GELU_A
-        t += 1
-        t *= x
-        t *= _GELU_C
-        xp.tanh(t, out=t)
-        self.x, self.t = x, t
+        inner = precision.upcast(x)
+        t = _gelu_tanh(inner)
+        self.x, self.t = x, None if inner is not x else t
         out = t + 1
-        out *= x
+        out *= inner
         out *= 0.5
         return out
 
     def backward(self, grad):
-        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2), with t the saved tanh
+        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2), with t the tanh
         xp = self.xp(grad)
-        x, t = self.x, self.t
+        x = precision.upcast(self.x)
+        t = self.t if self.t is not None else _gelu_tanh(x)
         g = x * x
         g *= 3 * _GELU_A
         g += 1
@@ -103,7 +115,20 @@ class Gelu(Function):
         return (g,)
 
 
+def _gelu_tanh(x):
+    """tanh(c (x + a x^3)), computed in place as c x (1 + a x^2) in ``x``'s dtype."""
+    t = x * x
+    t *= _GELU_A
+    t += 1
+    t *= x
+    t *= _GELU_C
+    get_array_module(x).tanh(t, out=t)
+    return t
+
+
 class Where(Function):
+    op = "where"
+
     def forward(self, a, b, condition):
         xp = get_array_module(a, b)
         self.condition = xp.asarray(condition, dtype=bool)
@@ -123,6 +148,8 @@ class Where(Function):
 
 
 class MaskedFill(Function):
+    op = "masked_fill"
+
     def forward(self, a, mask, value):
         xp = get_array_module(a)
         self.mask = xp.asarray(mask, dtype=bool)

@@ -40,6 +40,8 @@ def shard_range(total: int, comm, what: str) -> tuple[int, int]:
 
 
 class _CopyToTP(Function):
+    op = "tp_communication"
+
     def forward(self, x, comm):
         self.comm = comm
         return x
@@ -49,6 +51,8 @@ class _CopyToTP(Function):
 
 
 class _ReduceFromTP(Function):
+    op = "tp_communication"
+
     def forward(self, x, comm):
         return comm.allreduce(x, "sum")
 
@@ -57,6 +61,8 @@ class _ReduceFromTP(Function):
 
 
 class _ScatterToTP(Function):
+    op = "tp_communication"
+
     def forward(self, x, comm):
         self.comm = comm
         start, stop = shard_range(x.shape[-1], comm, "last dimension")
@@ -67,6 +73,8 @@ class _ScatterToTP(Function):
 
 
 class _GatherFromTP(Function):
+    op = "tp_communication"
+
     def forward(self, x, comm):
         self.comm = comm
         self.width = x.shape[-1]
@@ -109,6 +117,8 @@ def _reduce_scatter_sequence(x, comm):
 class _GatherSequence(Function):
     """Entering a sharded region: all-gather the sequence forward, reduce-scatter backward."""
 
+    op = "tp_communication"
+
     def forward(self, x, comm):
         self.comm = comm
         return _gather_sequence(x, comm)
@@ -119,6 +129,8 @@ class _GatherSequence(Function):
 
 class _ReduceScatterSequence(Function):
     """Leaving a sharded region: reduce-scatter the sequence forward, all-gather backward."""
+
+    op = "tp_communication"
 
     def forward(self, x, comm):
         self.comm = comm

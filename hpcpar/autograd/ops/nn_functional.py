@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ...backend import get_array_module
+from .. import precision
 from ..function import Function
 from ._common import integer_array, scatter_add_rows, wants_grad
 
@@ -31,14 +32,18 @@ def _softmax(x, axis, in_place=False):
 
 
 class Softmax(Function):
+    op = "softmax"
+
     def forward(self, a, axis=-1):
         self.axis = axis
-        self.out = _softmax(a, axis)
+        inner = precision.upcast(a)
+        self.out = _softmax(inner, axis, in_place=inner is not a)
         return self.out
 
     def backward(self, grad):
-        # dx = y * (g - sum(g * y))
+        # dx = y * (g - sum(g * y)), in float32 for 16-bit inputs
         xp = self.xp(grad)
+        grad = precision.upcast(grad)
         g = grad * self.out
         row = g.sum(axis=self.axis, keepdims=True)
         xp.subtract(grad, row, out=g)
@@ -47,9 +52,12 @@ class Softmax(Function):
 
 
 class LogSoftmax(Function):
+    op = "log_softmax"
+
     def forward(self, a, axis=-1):
         xp = get_array_module(a)
         self.axis = axis
+        a = precision.upcast(a)
         out = a - a.max(axis=axis, keepdims=True)
         total = xp.exp(out).sum(axis=axis, keepdims=True)
         out -= xp.log(total, out=total)
@@ -59,6 +67,7 @@ class LogSoftmax(Function):
     def backward(self, grad):
         # dx = g - softmax * sum(g)
         xp = self.xp(grad)
+        grad = precision.upcast(grad)
         g = xp.exp(self.out)
         g *= grad.sum(axis=self.axis, keepdims=True)
         xp.subtract(grad, g, out=g)
@@ -66,12 +75,17 @@ class LogSoftmax(Function):
 
 
 class CrossEntropy(Function):
-    """Log-softmax and negative log-likelihood in one op; backward is softmax - onehot."""
+    """Log-softmax and negative log-likelihood in one op; backward is softmax - onehot.
+
+    Computed in float32 (or float64) whatever the logits' dtype; the loss is float32 for 16-bit
+    logits and the valid targets are counted as integers."""
+
+    op = "cross_entropy"
 
     def forward(self, logits, targets, ignore_index=-100, reduction="mean"):
         xp = get_array_module(logits)
         classes = logits.shape[-1]
-        x = logits.reshape(-1, classes)  # (..., C) -> (N, C)
+        x = precision.upcast(logits).reshape(-1, classes)  # (..., C) -> (N, C)
         t = targets.reshape(-1)
         valid = t != ignore_index
         t = xp.where(valid, t, 0)
@@ -92,17 +106,18 @@ class CrossEntropy(Function):
         if reduction == "none":
             return nll.reshape(targets.shape)
         loss = nll.sum()
-        if reduction == "mean":  # over non-ignored targets; 0 (not NaN) when all are ignored
-            self.count = xp.maximum(valid.sum(dtype=logits.dtype), 1)
-            loss = loss / self.count
+        if reduction == "mean":  # over non-ignored targets, counted exactly; 0 (not NaN) when all are ignored
+            self.count = xp.maximum(xp.count_nonzero(valid), 1)
+            loss = (loss / self.count).astype(nll.dtype)
         return loss
 
     def backward(self, grad):
         # Each row's gradient is scale * (softmax - onehot(target)); ignored rows get scale 0.
+        grad = grad.astype(self.probs.dtype, copy=False)
         if self.reduction == "none":
             scale = grad.reshape(-1) * self.valid
         elif self.reduction == "mean":
-            scale = self.valid * (grad / self.count)
+            scale = self.valid * (grad / self.count).astype(self.probs.dtype)
         else:
             scale = self.valid * grad
         scale = scale.astype(self.probs.dtype, copy=False)
@@ -113,6 +128,8 @@ class CrossEntropy(Function):
 
 
 class Embedding(Function):
+    op = "embedding"
+
     def forward(self, weight, ids):
         xp = get_array_module(weight)
         low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
@@ -127,13 +144,22 @@ class Embedding(Function):
 
 
 class LayerNorm(Function):
-    """Normalise over the last axis, then scale and shift; one Function, closed-form backward."""
+    """Normalise over the last axis, then scale and shift; one Function, closed-form backward.
+
+    16-bit inputs are normalised in float32 and rounded once at the output. Backward then keeps
+    the input itself and the per-row mean and 1/std (as fused GPU kernels do) and recomputes the
+    normalised input in float32, instead of keeping a float32 copy of the size of the input.
+    """
+
+    op = "layer_norm"
 
     def forward(self, x, *params, has_weight=True, has_bias=True, eps=1e-5):
         xp = get_array_module(x)
         weight = params[0] if has_weight else None
         bias = params[-1] if has_bias else None
-        xhat = x - x.mean(axis=-1, keepdims=True)
+        inner = precision.upcast(x)
+        mean = inner.mean(axis=-1, keepdims=True)
+        xhat = inner - mean  # a new array (inner may be x itself)
         out = xhat * xhat
         rstd = out.mean(axis=-1, keepdims=True)
         rstd += eps
@@ -146,13 +172,24 @@ class LayerNorm(Function):
             out[...] = xhat
         if bias is not None:
             out += bias
-        self.xhat, self.rstd, self.weight = xhat, rstd, weight
+        self.low = inner is not x
+        # 16 bits: keep x, mean and rstd and recompute xhat; otherwise keep xhat (one pass less)
+        self.xhat, self.saved = (None, (x, mean)) if self.low else (xhat, None)
+        self.rstd, self.weight = rstd, weight
         self.has_weight, self.has_bias = has_weight, has_bias
         return out
 
     def backward(self, grad):
         # dx = rstd * (gx - mean(gx) - xhat * mean(gx * xhat)), with gx = grad * weight
-        xhat, weight = self.xhat, self.weight
+        if self.low:
+            x, mean = self.saved
+            xhat = precision.upcast(x)
+            xhat -= mean
+            xhat *= self.rstd
+            grad = precision.upcast(grad)
+        else:
+            xhat = self.xhat
+        weight = self.weight
         dim = xhat.shape[-1]
         grads = []
         g_xhat = grad * weight if weight is not None else grad.copy()  # a temporary updated in place
@@ -173,15 +210,20 @@ class LayerNorm(Function):
 
 
 def dropout_scale(rng, p: float, shape, dtype, xp):
-    """0 (probability p) or 1/(1-p) for each element of ``shape``, drawn from ``rng``."""
+    """0 (probability p) or 1/(1-p) for each element of ``shape``, drawn from ``rng``.
+
+    In ``dtype``, except for 16-bit dtypes: there the scales stay float32, so that 1/(1-p) is not
+    rounded to 16 bits (bfloat16 would turn 1/0.9 into 1.109) and the product is rounded once."""
     draw_dtype = np.dtype(dtype) if np.dtype(dtype).name in ("float32", "float64") else np.float32  # what generators draw
     keep = xp.asarray(rng.random(shape, dtype=draw_dtype))
     # keep <- (keep >= p) / (1 - p), reusing the random buffer
     xp.multiply(keep >= p, keep.dtype.type(1.0 / (1.0 - p)), out=keep)
-    return keep.astype(dtype, copy=False)
+    return keep if precision.is_low(np.dtype(dtype)) else keep.astype(dtype, copy=False)
 
 
 class Dropout(Function):
+    op = "dropout"
+
     def forward(self, x, p, rng):
         self.scale = dropout_scale(rng, p, x.shape, x.dtype, get_array_module(x))
         return x * self.scale
@@ -193,6 +235,7 @@ class Dropout(Function):
 class Linear(Function):
     """x (..., in) @ weight (in, out) + bias (out,), folded to one GEMM each way."""
 
+    op = "linear"
     weight_inputs = (1, 2)  # a zero-bubble pipeline may compute these gradients later (autograd.deferred)
 
     def forward(self, x, weight, bias=None):
@@ -202,27 +245,31 @@ class Linear(Function):
         if bias is not None and bias.shape != (weight.shape[1],):
             raise ValueError(f"linear: bias of shape {bias.shape} does not fit weight of shape {weight.shape}")
         x2 = x.reshape(-1, x.shape[-1])  # (..., in) -> (N, in)
-        out = x2 @ weight
+        out = precision.matmul(x2, weight, keep_float32=True)  # 16 bits: the bias is added before the one rounding
         if bias is not None:
             out += bias
         self.x2, self.weight, self.x_shape, self.has_bias = x2, weight, x.shape, bias is not None
         return out.reshape(x.shape[:-1] + (weight.shape[1],))  # (N, out) -> (..., out)
 
     def backward(self, grad):
-        g2 = grad.reshape(-1, grad.shape[-1])  # (..., out) -> (N, out)
-        grad_x = (g2 @ self.weight.T).reshape(self.x_shape) if wants_grad(self, 0) else None
-        grad_w = self.x2.T @ g2 if wants_grad(self, 1) else None
+        g2 = precision.gemm_operand(grad.reshape(-1, grad.shape[-1]))  # (..., out) -> (N, out)
+        grad_x = precision.matmul(g2, self.weight.T).reshape(self.x_shape) if wants_grad(self, 0) else None
+        grad_w = precision.matmul(self.x2.T, g2) if wants_grad(self, 1) else None
         if not self.has_bias:
             return grad_x, grad_w
-        return grad_x, grad_w, g2.sum(axis=0) if wants_grad(self, 2) else None
+        return grad_x, grad_w, precision.sum(g2, axis=0) if wants_grad(self, 2) else None
 
 
 class Attention(Function):
     """softmax(q k^T / sqrt(hs) + causal mask) v over (B, H, T, hs), probabilities kept for backward.
 
     ``keep`` (B, H, T, T), optional: the attention-dropout scale (0 or 1/(1-p)) applied to the
-    probabilities before they weight ``v``.
+    probabilities before they weight ``v``. With 16-bit inputs the scores, the softmax and its
+    backward are float32 and the two products take 16-bit operands (float32 accumulation), as in
+    fused GPU attention; the probabilities are kept in the compute dtype.
     """
+
+    op = "attention"
 
     def forward(self, q, k, v, causal=True, keep=None):
         if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
@@ -232,30 +279,34 @@ class Attention(Function):
         steps, head_size = q.shape[-2], q.shape[-1]
         self.scale = 1.0 / math.sqrt(head_size)
         q_scaled = q * self.scale  # scaling (T, hs) is cheaper than scaling (T, T)
-        probs = q_scaled @ k.swapaxes(-1, -2)  # (B, H, T, hs) @ (B, H, hs, T) -> (B, H, T, T)
+        # (B, H, T, hs) @ (B, H, hs, T) -> (B, H, T, T), float32 for 16-bit inputs
+        scores = precision.matmul(q_scaled, k.swapaxes(-1, -2), keep_float32=True)
         if causal:  # -inf above the diagonal: a key after the query gets probability 0
-            probs += xp.where(xp.tri(steps, dtype=bool), q.dtype.type(0), q.dtype.type(-xp.inf))
-        _softmax(probs, -1, in_place=True)
+            scores += xp.where(xp.tri(steps, dtype=bool), scores.dtype.type(0), scores.dtype.type(-xp.inf))
+        _softmax(scores, -1, in_place=True)
+        probs = scores.astype(q.dtype, copy=False)  # 16 bits: rounded once, what backward keeps
         if keep is not None and keep.shape != probs.shape:
             raise ValueError(f"attention: dropout scale of shape {keep.shape} does not fit probabilities {probs.shape}")
-        weights = probs if keep is None else probs * keep
-        out = weights @ v  # (B, H, T, T) @ (B, H, T, hs) -> (B, H, T, hs)
+        weights = probs if keep is None else (scores * keep).astype(q.dtype, copy=False)
+        out = precision.matmul(weights, v)  # (B, H, T, T) @ (B, H, T, hs) -> (B, H, T, hs)
         self.q_scaled, self.k, self.v, self.probs, self.keep, self.out = q_scaled, k, v, probs, keep, out
         return out
 
     def backward(self, grad):
         probs, keep = self.probs, self.keep
-        grad_v = (probs if keep is None else probs * keep).swapaxes(-1, -2) @ grad
-        d_scores = grad @ self.v.swapaxes(-1, -2)  # d weights, (B, H, T, T)
+        grad = precision.gemm_operand(grad)  # used by two products and a sum
+        weights = probs if keep is None else (precision.upcast(probs) * keep).astype(probs.dtype, copy=False)
+        grad_v = precision.matmul(weights.swapaxes(-1, -2), grad)
+        d_scores = precision.matmul(grad, self.v.swapaxes(-1, -2), keep_float32=True)  # d weights, (B, H, T, T)
         if keep is not None:
             d_scores *= keep  # d probs
         # Softmax backward needs sum_j dP_ij P_ij = grad_i . out_i (with dropout too, since
         # out_i = sum_j keep_ij P_ij v_j): a (T, hs) product, not (T, T).
-        d_scores -= (grad * self.out).sum(axis=-1, keepdims=True)
+        d_scores -= precision.sum(precision.upcast(grad) * self.out, axis=-1, keepdims=True)
         d_scores *= probs  # masked positions have probability 0, so their gradient is 0
-        grad_q = d_scores @ self.k
+        grad_q = precision.matmul(d_scores, self.k, keep_float32=True)
         grad_q *= self.scale
-        grad_k = d_scores.swapaxes(-1, -2) @ self.q_scaled
+        grad_k = precision.matmul(d_scores.swapaxes(-1, -2), self.q_scaled)
         return grad_q, grad_k, grad_v
 
 

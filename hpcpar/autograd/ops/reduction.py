@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import math
 
+from .. import precision
 from ..function import Function
 from ._common import kept_shape, normalize_axes
 
 
 class Sum(Function):
+    op = "sum"
+
     def forward(self, a, axis=None, keepdims=False):
         self.shape = a.shape
         self.axes = normalize_axes(axis, a.ndim)
-        return a.sum(axis=self.axes, keepdims=keepdims)
+        return precision.sum(a, axis=self.axes, keepdims=keepdims)
 
     def backward(self, grad):
         # A read-only broadcast view: no copy of the input's size is made here.
@@ -20,10 +23,12 @@ class Sum(Function):
 
 
 class Mean(Function):
+    op = "mean"
+
     def forward(self, a, axis=None, keepdims=False):
         self.shape = a.shape
         self.axes = normalize_axes(axis, a.ndim)
-        return a.mean(axis=self.axes, keepdims=keepdims)
+        return a.mean(axis=self.axes, keepdims=keepdims, dtype=precision.accumulation_dtype(a.dtype))
 
     def backward(self, grad):
         count = math.prod(self.shape[i] for i in self.axes)
@@ -34,6 +39,8 @@ class Mean(Function):
 class Max(Function):
     """The gradient is split evenly among tied maxima (as ``torch.amax``), so it is symmetric."""
 
+    op = "max"
+
     def forward(self, a, axis=None, keepdims=False):
         self.axes = normalize_axes(axis, a.ndim)
         self.a = a
@@ -42,8 +49,8 @@ class Max(Function):
 
     def backward(self, grad):
         is_max = self.a == self.out
-        ties = is_max.sum(axis=self.axes, keepdims=True, dtype=self.a.dtype)
-        return (is_max * (grad.reshape(self.out.shape) / ties),)
+        ties = is_max.sum(axis=self.axes, keepdims=True, dtype=precision.accumulation_dtype(self.a.dtype))
+        return (is_max * (precision.upcast(grad.reshape(self.out.shape)) / ties),)
 
 
 def sum(a, axis=None, keepdims=False):  # noqa: A001 - mirrors Tensor.sum

@@ -4,11 +4,14 @@ from __future__ import annotations
 import numbers
 
 from ...backend import get_array_module
+from .. import precision
 from ..function import Function
 from ._common import scatter_add_rows
 
 
 class Reshape(Function):
+    op = "reshape"
+
     def forward(self, a, shape):
         self.shape = a.shape
         return a.reshape(shape)
@@ -18,6 +21,8 @@ class Reshape(Function):
 
 
 class Transpose(Function):
+    op = "transpose"
+
     def forward(self, a, axes=None):
         axes = tuple(reversed(range(a.ndim))) if axes is None else tuple(ax % a.ndim for ax in axes)
         self.inverse = tuple(sorted(range(a.ndim), key=axes.__getitem__))
@@ -50,6 +55,8 @@ def _scatter_is_assignment(index) -> bool:
 
 
 class GetItem(Function):
+    op = "getitem"
+
     def forward(self, a, index):
         self.index = _as_index(index, get_array_module(a))
         self.shape, self.dtype = a.shape, a.dtype
@@ -61,15 +68,18 @@ class GetItem(Function):
         if getattr(index, "dtype", None) is not None and index.dtype.kind in "iu":  # a[ids]: rows, maybe repeated
             rows = index.reshape(-1) % self.shape[0]  # negative ids name the same rows as positive ones
             return (scatter_add_rows(rows, grad.reshape((-1,) + self.shape[1:]), self.shape),)
-        full = xp.zeros(self.shape, dtype=self.dtype)
         if _scatter_is_assignment(index):
+            full = xp.zeros(self.shape, dtype=self.dtype)
             full[index] = grad
-        else:  # integer arrays may repeat an element: its gradients must add up
+        else:  # integer arrays may repeat an element: its gradients must add up (in float32 for 16 bits)
+            full = xp.zeros(self.shape, dtype=precision.accumulation_dtype(self.dtype))
             xp.add.at(full, index, grad)
         return (full,)
 
 
 class Concatenate(Function):
+    op = "concatenate"
+
     def forward(self, *arrays, axis=0):
         self.axis = axis
         self.bounds = []

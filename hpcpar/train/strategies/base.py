@@ -6,16 +6,19 @@ A strategy owns, for one way of agreeing:
   local SGD), the optimizer, mixed precision;
 - ``train_step(inputs, targets) -> loss``: forward, backward and the gradient exchange of one
   step on this dp replica's rows of the global batch;
-- ``finish_step(max_norm) -> taken``: clipping, the optimizer step (skipped on an fp16
-  overflow), clearing the gradients;
+- ``finish_step(max_norm, loss) -> taken``: clipping, the optimizer step (under fp16/bf16
+  skipped everywhere when the loss or a gradient is not finite on any rank), clearing the
+  gradients;
 - what it contributes to a checkpoint (``save``, ``load``: through the checkpoint protocol of
   ``hpcpar.state``, so ``hpcpar.checkpoint`` knows nothing of strategies) and which steps may
-  be saved (``checkpoint_allowed``);
+  be saved (``checkpoint_allowed``); a resume keeps the weight decay of each parameter the job
+  asks for (``weight_decays``), or fails on every rank;
 - the extra processes it serves (``trains`` is False on a parameter server's server ranks,
   which run ``serve`` instead of the loop), and the end of training (``finish_training``).
 
 ``stats`` says where the last step's time went: ``compute_s``, ``comm_s``, ``idle_s`` (the
-pipeline bubble), which add up to ``step_s``.
+pipeline bubble), which add up to ``step_s``; under fp16/bf16 also ``skipped_steps``, the
+steps skipped so far in this process.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import time
 from abc import ABC, abstractmethod
 
 from ... import checkpoint
+from ..config import JobError
 from ...dist.trace import NO_TRACE
 
 
@@ -76,8 +80,12 @@ class Strategy(ABC):
         """Forward, backward and the gradient exchange; returns this replica's mean loss."""
 
     @abstractmethod
-    def finish_step(self, max_norm: float) -> bool:
-        """Clip (``max_norm`` > 0), step, clear the gradients; False when the step was skipped."""
+    def finish_step(self, max_norm: float, loss: float) -> bool:
+        """Clip (``max_norm`` > 0), step, clear the gradients; False when the step was skipped.
+
+        ``loss``: what ``train_step`` returned. Under mixed precision a non-finite loss or
+        gradient on any rank skips the step everywhere; full precision takes every step.
+        """
 
     def local_train_step(self, inputs, targets, backward) -> float:
         """Forward and backward with no gradient exchange (the exchange is the step's finish)."""
@@ -134,12 +142,32 @@ class Strategy(ABC):
         model, optimizer, ctx = self.checkpoint_target()
         return checkpoint.save(root, step, model, optimizer, ctx, extra=extra, keep=keep, asynchronous=asynchronous)
 
+    @abstractmethod
+    def weight_decays(self) -> dict:
+        """{parameter name: weight decay} that this rank's optimizer applies (its groups, by name)."""
+
     def load_latest(self, root: str, extra: dict) -> dict | None:
         model, optimizer, ctx = self.checkpoint_target()
+        asked = self.weight_decays()
         info = checkpoint.load_latest(root, model, optimizer, ctx, extra=extra)
         if info is not None:
             self.after_load()
+            self.check_weight_decays(asked, root)
         return info
+
+    def check_weight_decays(self, asked: dict, root: str) -> None:
+        """A checkpoint restores the weight decay each parameter was trained with; a job that asks
+        for another (``optimizer.weight_decay``, ``optimizer.no_decay``) fails on every rank."""
+        restored = self.weight_decays()
+        differ = sorted(name for name, value in asked.items() if restored.get(name, value) != value)
+        differ = sorted(set().union(*self.world_ctx.world.allgather_object(differ)))
+        if differ:
+            raise JobError(self.job.source, [("optimizer.no_decay", f"the checkpoint in {root} was trained with "
+                                              f"another weight decay for {len(differ)} parameter(s) "
+                                              f"({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}) than "
+                                              f"optimizer.weight_decay and optimizer.no_decay give; resume with the "
+                                              f"settings it was trained with, or start anew with "
+                                              f"checkpoint.resume = false")])
 
     # ----- serving and the end ----------------------------------------------------------
     def serve(self, save_step) -> None:

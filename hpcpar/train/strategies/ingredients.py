@@ -11,18 +11,23 @@ MIXED = ("fp16", "bf16")
 def optimizer_class(job):
     """(optimizer class, its options) from the job's [optimizer] section."""
     o = job.optimizer
+    decay = dict(weight_decay=o.weight_decay, no_decay=o.no_decay)  # groups by parameter name
     if o.name == "sgd":
-        return SGD, dict(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        return SGD, dict(lr=o.lr, momentum=o.momentum, **decay)
     cls = AdamW if o.name == "adamw" else Adam
-    return cls, dict(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    return cls, dict(lr=o.lr, betas=tuple(o.betas), **decay)
 
 
 def make_precision(job, named):
-    """float32 masters for ``named`` under fp16/bf16 (fp16 scales the loss; bf16 has float32's
-    range and needs no scaling), else the parameters themselves."""
+    """float32 masters for ``named`` under fp16/bf16, else the parameters themselves."""
     if job.train.precision not in MIXED:
         return FullPrecision(named)
-    return MixedPrecision(named, scaler=DynamicLossScaler() if job.train.precision == "fp16" else None)
+    return MixedPrecision(named, scaler=loss_scaler(job))
+
+
+def loss_scaler(job):
+    """fp16 scales the loss; bf16 has float32's range and needs no scaling (None)."""
+    return DynamicLossScaler() if job.train.precision == "fp16" else None
 
 
 def make_gradient_compressor(parallel):

@@ -36,15 +36,20 @@ class LocalSGDStrategy(Strategy):
     def train_step(self, inputs, targets) -> float:
         return self.local_train_step(inputs, targets, self.precision.backward)
 
-    def finish_step(self, max_norm: float) -> bool:
-        """A local step (clipped by the job's grad_clip inside LocalSGD); every H-th, the average."""
+    def finish_step(self, max_norm: float, loss: float) -> bool:
+        """A local step (clipped by the job's grad_clip inside LocalSGD); every H-th, the average.
+        Under mixed precision a non-finite loss or gradient skips this replica's step only."""
         start = time.perf_counter()
-        self.local.step()
+        taken = self.local.step(loss)
         self.stats["comm_s"] = time.perf_counter() - start
-        return True
+        self.stats.update(self.precision.metrics())
+        return taken
 
     def optimizer_state_bytes(self) -> int:
-        return state_bytes(self._optimizer)
+        return state_bytes(self._optimizer) + self.precision.master_bytes()
+
+    def weight_decays(self) -> dict:
+        return self._optimizer.named_weight_decays()
 
     def describe(self) -> str:
         state = ", optimizer state averaged too" if self.local.average_optimizer_state else ""

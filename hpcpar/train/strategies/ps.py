@@ -1,6 +1,10 @@
 """Parameter server (``parallel.mode = "ps"``): the last ``servers`` ranks hold the parameters and
 step them; workers push gradients and pull parameters (``hpcpar.parallel.ps``).
 
+Under fp16/bf16 the servers keep float32 masters and the workers push float32 gradients,
+unscaled (``ParameterServer``'s mixed precision); a step with a non-finite loss or gradient is
+skipped by every server (synchronous) or that worker's push dropped (asynchronous).
+
 Checkpoints are collective over the whole world and synchronous: a worker asks the servers to
 join, they pause serving and save their ranges of the parameters and of the optimizer state.
 Servers save first at the end, while they still serve; then every worker stops them.
@@ -9,10 +13,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from ... import checkpoint
 from ...parallel.ps import ParameterServer
 from .base import Strategy
-from .ingredients import optimizer_class, state_bytes
+from .ingredients import MIXED, loss_scaler, optimizer_class, state_bytes
 
 
 class ParameterServerStrategy(Strategy):
@@ -22,8 +28,10 @@ class ParameterServerStrategy(Strategy):
         super().__init__(job, ctx, model)
         p = job.parallel
         cls, options = optimizer_class(job)
+        mixed = job.train.precision in MIXED
         self.ps = ParameterServer(model.named_parameters(), ctx, cls, servers=p.servers, staleness=p.staleness,
-                                  max_grad_norm=job.optimizer.grad_clip, **options)
+                                  max_grad_norm=job.optimizer.grad_clip, master_dtype=np.float32 if mixed else None,
+                                  scaler=loss_scaler(job) if mixed else None, **options)
         self.trains = self.ps.is_worker
         self.ctx = self.ps.ctx  # the workers' own context (dp = world - servers); None on a server
 
@@ -35,14 +43,15 @@ class ParameterServerStrategy(Strategy):
         return list(self.model.named_parameters())
 
     def train_step(self, inputs, targets) -> float:
-        return self.local_train_step(inputs, targets, lambda value: value.backward())
+        return self.local_train_step(inputs, targets, self.ps.backward)
 
-    def finish_step(self, max_norm: float) -> bool:
-        """Push the gradients and pull fresh parameters (the servers clip and step)."""
+    def finish_step(self, max_norm: float, loss: float) -> bool:
+        """Push the gradients and pull fresh parameters (the servers clip, by the job's grad_clip, and step)."""
         start = time.perf_counter()
-        self.ps.push_pull()
+        taken = self.ps.push_pull(loss)
         self.stats["comm_s"] = time.perf_counter() - start
-        return True
+        self.stats.update(self.ps.metrics())
+        return taken
 
     def optimizer_state_bytes(self) -> int:
         return 0 if self.trains else state_bytes(self.ps.optimizer)
@@ -50,8 +59,15 @@ class ParameterServerStrategy(Strategy):
     def describe(self) -> str:
         return self.ps.describe()
 
+    def weight_decays(self) -> dict:
+        return self.ps.named_weight_decays()
+
     def checkpoint_target(self) -> tuple:
         return self.ps, None, self.world_ctx  # the servers save parameters and state, the workers nothing
+
+    def checkpoint_extra(self) -> dict:
+        """The workers' loss scaler under fp16 (synchronous workers keep equal ones; asynchronous: rank 0's)."""
+        return {} if self.ps.scaler is None else {"scaler": self.ps.scaler}
 
     def save(self, root: str, step: int, extra: dict, keep: int, asynchronous: bool):
         def write():  # always synchronous: the servers pause serving for it

@@ -32,24 +32,27 @@ class SynchronousStrategy(Strategy):
     def optimizer(self):
         return self._optimizer
 
-    def finish_step(self, max_norm: float) -> bool:
+    def finish_step(self, max_norm: float, loss: float) -> bool:
         comm_before = self.ctx.comm_seconds()
         start = time.perf_counter()
         if max_norm > 0:
             self.update.clip(max_norm)
-        taken = self.update.step()
+        taken = self.update.step(loss)
         self._optimizer.zero_grad()
         for _, param in self.named_parameters():  # the model's own grads (distinct from masters under amp)
             param.grad = None
         comm = self.ctx.comm_seconds() - comm_before
         self.stats["comm_s"] = self.stats.get("comm_s", 0.0) + comm
         self.stats["compute_s"] = self.stats.get("compute_s", 0.0) + time.perf_counter() - start - comm
+        self.stats.update(self.precision.metrics())
         return taken
 
     def optimizer_state_bytes(self) -> int:
-        if self.job.parallel.zero:
-            return self._optimizer.state_bytes()
-        return state_bytes(self._optimizer)
+        optimizer = self._optimizer.state_bytes() if self.job.parallel.zero else state_bytes(self._optimizer)
+        return optimizer + self.precision.master_bytes()
+
+    def weight_decays(self) -> dict:
+        return self._optimizer.named_weight_decays()
 
     def checkpoint_target(self) -> tuple:
         return self.precision.named_master_parameters(), self._optimizer, self.ctx

@@ -3,7 +3,7 @@
     update = ReplicatedUpdate(optimizer, precision, ctx, owns_for_norm)   # DDP, pipeline: averaged grads
     update = ShardedUpdate(zero, precision, ctx, owns_for_norm)           # ZeRO-1: reduce-scatter first
     norm = update.clip(max_norm)      # optional: the global norm over dp, tp and pp
-    taken = update.step()             # False when mixed precision found an overflow
+    taken = update.step(loss)         # False when mixed precision found a non-finite loss or gradient
 
 ``precision`` is a ``MixedPrecision`` (float32 masters, loss scaling) or ``FullPrecision``
 (the model's own parameters): the same interface, so neither update branches on it.
@@ -16,7 +16,12 @@ from ...parallel.grad_norm import clip_grad_norm_parallel, counts_toward_norm, s
 
 
 class FullPrecision:
-    """``MixedPrecision``'s interface when the model's parameters are the ones the optimizer steps."""
+    """``MixedPrecision``'s interface when the model's parameters are the ones the optimizer steps.
+
+    Every step is taken: fp32 and fp64 have no overflow to recover from, so ``step`` checks
+    neither the loss nor the gradients (no extra collective per step, as PyTorch without amp),
+    and a loss that turned NaN shows in the log instead of being skipped silently.
+    """
 
     scaler = None
 
@@ -35,12 +40,19 @@ class FullPrecision:
     def unscale_grads(self) -> None:
         pass
 
-    def step(self, optimizer, allreduce_max=None, **step_options) -> bool:
+    def step(self, optimizer, allreduce_max=None, loss=None, **step_options) -> bool:
+        """``optimizer.step(**step_options)``; ``allreduce_max`` and ``loss`` are unused (every step is taken)."""
         optimizer.step(**step_options)
         return True
 
     def copy_to_model(self) -> None:
         pass
+
+    def master_bytes(self) -> int:
+        return 0  # no copy beside the model's parameters
+
+    def metrics(self) -> dict:
+        return {}  # nothing is skipped
 
 
 class ReplicatedUpdate:
@@ -54,8 +66,8 @@ class ReplicatedUpdate:
         self.precision.unscale_grads()
         return clip_grad_norm_parallel(self.precision.named_master_parameters(), max_norm, self.ctx, owns=self.owns)
 
-    def step(self) -> bool:
-        return self.precision.step(self.optimizer, allreduce_max=world_max(self.ctx))
+    def step(self, loss: float) -> bool:
+        return self.precision.step(self.optimizer, allreduce_max=world_max(self.ctx), loss=loss)
 
 
 class ShardedUpdate:
@@ -73,8 +85,9 @@ class ShardedUpdate:
         counts = lambda param: counts_toward_norm(param, self.ctx, self.owns)  # noqa: E731
         return self.optimizer.clip_grad_norm(max_norm, counts=counts, model_parallel_sum=sum_over_model_parallel(self.ctx))
 
-    def step(self) -> bool:
-        taken = self.precision.step(self.optimizer, allreduce_max=world_max(self.ctx), reduce=not self.reduced)
+    def step(self, loss: float) -> bool:
+        taken = self.precision.step(self.optimizer, allreduce_max=world_max(self.ctx), loss=loss,
+                                    reduce=not self.reduced)
         self.reduced = False
         return taken
 

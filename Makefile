@@ -13,7 +13,7 @@ PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
 export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup native demo test test-serial test-mpi bench clean
+.PHONY: setup native demo test test-serial test-mpi bench docs clean
 
 setup: $(VENV)/.installed
 
@@ -45,6 +45,9 @@ test-mpi:
 
 bench: setup native
 	$(TIMEOUT) 600 $(MPIEXEC) -n 4 $(VENV)/bin/hpcpar bench allreduce
+
+docs: setup
+	$(PY) -m hpcpar train --list-keys > docs/jobs.md
 
 clean:
 	rm -rf build build.log

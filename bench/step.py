@@ -10,7 +10,7 @@ for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(variable, "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hpcpar.bench.step import main  # noqa: E402
+from hpcpar.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(["bench", "step", *sys.argv[1:]])

@@ -1,17 +1,145 @@
 """The ``hpcpar`` command: one entry point, subcommands that each live in their own module.
 
 Every subcommand runs under fail-fast: an exception on any rank aborts the whole MPI job.
+A usage error (an unknown option, a missing file, a layout that does not fit) is one line on
+rank 0 and exit status 2 on every rank, with no traceback; ``--help`` works at every level.
+
+Only the module of the command given is imported (``hpcpar --help`` starts neither NumPy nor
+MPI). Each command module provides ``add_arguments(parser)``, which adds its options and sets
+``func``: the function called with the parsed arguments, returning an exit status or None.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
+import json
+import os
 import sys
 
+import hpcpar
 
-def _info(args) -> None:
-    from .info import print_info
+from . import log
 
-    print_info(dp=args.dp, pp=args.pp, tp=args.tp, device=args.device)
+# name -> (module[:function] that adds the arguments, default add_arguments; one line of help)
+COMMANDS = {
+    "train": ("hpcpar.cli:add_train_arguments", "train the job of a TOML file (under mpiexec or srun)"),
+    "compare": ("hpcpar.compare", "measure data, pipeline, tensor and hybrid layouts of this world on a job's model"),
+    "info": ("hpcpar.info", "MPI library, grid, CUDA-awareness, backends, parallel HDF5"),
+    "run": ("hpcpar.cli:add_run_arguments", "run SCRIPT.py under fail-fast (an exception on any rank ends the job)"),
+    "bench": ("hpcpar.bench", "benchmarks that print tables against a baseline of the same run"),
+    "ckpt": ("hpcpar.checkpoint.cli", "checkpoints (serial, no MPI): ls | inspect | verify | export"),
+    "data": ("hpcpar.data.prepare", "datasets (serial, no MPI): prepare an HDF5 token file from text"),
+    "plot": ("hpcpar.plot", "PNG figures from a metrics .jsonl or a compare.json"),
+    "generate": ("hpcpar.generate", "sample text from a GPT checkpoint (serial)"),
+}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; every option's help ends with its default unless it names one."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        shown = "default" in text or "%(default)" in text
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not shown and not unset:  # (0 is a default to show, False a switch's off)
+            text += " (default: %(default)s)"
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser for a job of many ranks: rank 0 prints help and errors, once.
+
+    A usage error is a single line (``hpcpar X: error: ...``) and exit status 2 on every rank:
+    every rank parses the same command line, so every rank reaches the same verdict.
+    """
+
+    def __init__(self, *args, top_level: bool = False, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.top_level = top_level
+
+    def parse_known_args(self, args=None, namespace=None):
+        """A sub-command reports the options it does not know itself (with its name, and a guess)."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and not self.top_level:
+            options = [o for action in self._actions for o in action.option_strings]
+            guess = difflib.get_close_matches(extras[0].split("=")[0], options, n=1)
+            self.error(f"unrecognized arguments: {' '.join(extras)}" + (f"; did you mean {guess[0]}?" if guess else ""))
+        return namespace, extras
+
+    def _print_message(self, message, file=None) -> None:
+        if log.world_rank() == 0:
+            super()._print_message(message, file)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _log_ranks(text: str) -> str:
+    try:
+        log.parse_ranks(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def add_logging_options(parser: argparse.ArgumentParser) -> None:
+    """Options every command takes: which ranks log, and from which level."""
+    group = parser.add_argument_group("logging")
+    group.add_argument("--log-level", choices=log.LEVELS, default=None,
+                       help="lowest level printed (default: $HPCPAR_LOG_LEVEL, else info)")
+    group.add_argument("--log-ranks", type=_log_ranks, default=None, metavar="all|0,3",
+                       help="ranks that print log lines; with more than one, each line starts with [rank R] "
+                            "(default: $HPCPAR_LOG_RANKS, else 0)")
+
+
+def leaf_parsers(parser: argparse.ArgumentParser):
+    """The parsers that end a command line (``hpcpar ckpt ls``, ``hpcpar train``), depth first."""
+    subcommands = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+    if not subcommands:
+        yield parser
+    for action in subcommands:
+        for child in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+            yield from leaf_parsers(child)
+
+
+# ----------------------------------------------------------------------------------------
+# train and run (their code lives below cli in the layers: only their arguments are here)
+# ----------------------------------------------------------------------------------------
+def jobs_reference() -> str:
+    """docs/jobs.md: every job key, from the schema (``make docs`` writes it; a test compares)."""
+    from .train.config import schema_table
+
+    return ("# Job file keys\n\n"
+            "Every key of a job file, with its type, default, allowed values and meaning. Generated from the\n"
+            "schema in `hpcpar/train/config.py` by `hpcpar train --list-keys` (`make docs` writes this file;\n"
+            "a test fails when it is stale). Set a key in the job's TOML file under its section, or on the\n"
+            "command line with `--set section.key=value` (TOML syntax; a bare word is a string).\n\n"
+            + schema_table() + "\n")
+
+
+def _train(args) -> int:
+    if args.list_keys:
+        print(jobs_reference(), end="")
+        return 0
+    if args.job is None:
+        raise _usage("hpcpar train", "the following arguments are required: job (or --list-keys)")
+    from mpi4py import MPI
+
+    from .train.config import JobError, load_job
+    from .train.loop import StopRequest, train
+    from .train.validate import validate
+
+    stop = StopRequest()  # first: until the handlers are in, SLURM's USR1 would kill the rank
+    overrides = args.set + ([f"train.trace={json.dumps(args.trace)}"] if args.trace else [])
+    try:  # the same verdict on every rank, before any rank waits on another
+        job = validate(load_job(args.job, overrides), MPI.COMM_WORLD.Get_size())
+        # JobErrors inside (a checkpoint that does not fit the job) come on every rank at once
+        train(job, resume=True if args.resume else None, stop=stop, progress=args.progress)
+    except JobError as error:
+        raise _usage("hpcpar train", str(error)) from None
+    return 0
 
 
 def _run(args) -> None:
@@ -20,129 +148,80 @@ def _run(args) -> None:
     run_script(args.script, args.script_args)
 
 
-def _bench(args) -> None:
-    from .bench import run_benchmark
-
-    run_benchmark(args.name, args.bench_args)
-
-
-def _ckpt(args) -> int:
-    from .checkpoint.cli import main as ckpt_main
-
-    return ckpt_main(args.ckpt_args)
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("script", help="the Python file to run as __main__ on every rank")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="its own arguments")
+    parser.set_defaults(func=_run)
 
 
-def _data(args) -> int:
-    from .data.prepare import main as prepare_main
-
-    return prepare_main(args)
-
-
-def _train(args) -> int:
-    from mpi4py import MPI
-
-    from .train.config import JobError, load_job
-    from .train.validate import validate
-    from .train.loop import StopRequest, train
-
-    stop = StopRequest()  # first: until the handlers are in, SLURM's USR1 would kill the rank
-    try:  # the same verdict on every rank, before any rank waits on another
-        job = validate(load_job(args.job, args.set), MPI.COMM_WORLD.Get_size())
-        train(job, resume=True if args.resume else None, stop=stop)  # JobErrors in it come on every rank at once
-    except JobError as error:
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            print(f"hpcpar train: error: {error}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", nargs="?", help="the job file, jobs/NAME.toml")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a job key, TOML syntax (repeatable): --set parallel.tp=2 (default: none)")
+    parser.add_argument("--resume", action="store_true",
+                        help="resume from the latest checkpoint (default: checkpoint.resume of the job)")
+    parser.add_argument("--progress", choices=("auto", "bar", "log", "none"), default="auto",
+                        help="bar: a live bar on the terminal the job was started from (under mpiexec too); log: a "
+                             "line every train.log_interval steps with elapsed time and ETA; auto: bar when rank 0's "
+                             "stderr is a terminal, else log; none: neither")
+    parser.add_argument("--trace", metavar="FILE", default=None,
+                        help="write one Chrome/Perfetto trace of every rank's steps to FILE, as train.trace does "
+                             "(default: train.trace of the job)")
+    parser.add_argument("--list-keys", action="store_true",
+                        help="print every job key with its type, default and meaning (docs/jobs.md), and exit")
+    parser.set_defaults(func=_train)
 
 
-def _compare(args) -> int:
-    from .compare import main as compare_main
+def _usage(prog: str, message: str):
+    from .dist.failfast import UsageError
 
-    return compare_main(args.compare_args)
-
-
-def _plot(args) -> int:
-    from .plot import main as plot_main
-
-    return plot_main(args.plot_args)
+    return UsageError(f"{prog}: error: {message}")
 
 
-def _generate(args) -> int:
-    from .generate import main as generate_main
-
-    return generate_main(args.generate_args)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hpcpar", description=__doc__.splitlines()[0])
+# ----------------------------------------------------------------------------------------
+# The parser and main
+# ----------------------------------------------------------------------------------------
+def build_parser(command: str | None = "*") -> Parser:
+    """The whole parser ("*"), or with only ``command``'s arguments filled in (None: none)."""
+    parser = Parser(prog="hpcpar", description="Data, pipeline and tensor parallel training of neural networks over MPI.",
+                    epilog="hpcpar COMMAND --help describes each command.", top_level=True)
+    parser.add_argument("--version", action="version", version=f"hpcpar {hpcpar.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    info = sub.add_parser("info", help="MPI library, grid, CUDA-awareness, backends, parallel HDF5")
-    info.add_argument("--dp", type=int, default=None)
-    info.add_argument("--pp", type=int, default=1)
-    info.add_argument("--tp", type=int, default=1)
-    info.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    info.set_defaults(func=_info)
-
-    run = sub.add_parser("run", help="run SCRIPT.py under fail-fast (like python -m mpi4py)")
-    run.add_argument("script")
-    run.add_argument("script_args", nargs=argparse.REMAINDER)
-    run.set_defaults(func=_run)
-
-    bench = sub.add_parser("bench", help="benchmarks that print tables against a baseline of the same run")
-    bench.add_argument("name", help="allreduce | step | ...")
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=_bench)
-
-    ckpt = sub.add_parser("ckpt", help="checkpoints (serial, no MPI): ls | inspect | verify | export",
-                          description="ls ROOT | inspect PATH | verify PATH | export PATH OUT.h5 "
-                                      "(hpcpar ckpt ACTION --help for each)")
-    ckpt.add_argument("ckpt_args", nargs=argparse.REMAINDER, help="ACTION and its arguments (hpcpar ckpt ls --help)")
-    ckpt.set_defaults(func=_ckpt)
-
-    train = sub.add_parser("train", help="train the job of a TOML file (under mpiexec or srun)")
-    train.add_argument("job", help="jobs/NAME.toml")
-    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override a job key, TOML syntax (repeatable): --set parallel.tp=2")
-    train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint (default: "
-                       "checkpoint.resume of the job)")
-    train.set_defaults(func=_train)
-
-    for name, func, text in (("compare", _compare, "measure data, pipeline, tensor and hybrid layouts of this "
-                                                     "world on a job's model (under mpiexec)"),
-                             ("plot", _plot, "PNG figures from a metrics .jsonl or a compare.json"),
-                             ("generate", _generate, "sample text from a GPT checkpoint (serial)")):
-        command = sub.add_parser(name, help=text, add_help=False)
-        command.add_argument(f"{name}_args", nargs=argparse.REMAINDER)
-        command.set_defaults(func=func)
-
-    data = sub.add_parser("data", help="datasets (serial, no MPI): prepare an HDF5 token file from text")
-    data_actions = data.add_subparsers(dest="action", required=True, metavar="ACTION")
-    prepare = data_actions.add_parser(
-        "prepare", help="text files (default: the Python standard library) -> HDF5 byte tokens, train/val",
-        description="Concatenate text files as bytes (one byte = one token) into OUT with datasets train and "
-                    "val; the default text is the Python standard library's own source.")
-    prepare.add_argument("--out", default="data/stdlib.h5", help="the HDF5 file to write (default: %(default)s)")
-    prepare.add_argument("--max-mb", type=float, default=8, help="read at most this many MiB (default: %(default)s)")
-    prepare.add_argument("--val-fraction", type=float, default=0.05,
-                         help="the last share of the bytes held out for validation (default: %(default)s)")
-    prepare.add_argument("paths", nargs="*", metavar="PATH", help="text files, in order (default: the stdlib)")
-    prepare.set_defaults(func=_data)
+    for name, (module, text) in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        if command in ("*", name):
+            module_name, _, function = module.partition(":")
+            getattr(importlib.import_module(module_name), function or "add_arguments")(command_parser)
+            for leaf in leaf_parsers(command_parser):
+                add_logging_options(leaf)
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    from .dist.failfast import ExitStatus, fail_fast, install
+def _command_of(argv: list[str]) -> str | None:
+    """The command named on the line (the first word that is not an option), if any."""
+    return next((word for word in argv if not word.startswith("-")), None)
 
+
+def main(argv: list[str] | None = None) -> None:
+    from .dist.failfast import ExitStatus, UsageError, fail_fast, install
+
+    argv = sys.argv[1:] if argv is None else list(argv)
     install()
-    args = build_parser().parse_args(argv)
+    command = _command_of(argv)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    log.configure(args.log_level, args.log_ranks)
     try:
         with fail_fast():
-            status = args.func(args)
+            try:
+                status = args.func(args)
+            except BrokenPipeError:  # hpcpar ... | head: the reader has gone; nothing left to say
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                status = 1
             if status:  # a verdict every rank reached alike: a plain exit status, not an MPI abort
                 raise ExitStatus(status)
     except ExitStatus as stop:
+        if isinstance(stop, UsageError) and log.world_rank() == 0:
+            print(stop.message, file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         sys.exit(stop.code)

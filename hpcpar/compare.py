@@ -8,18 +8,24 @@ pipeline, pure tensor parallelism and the hybrids. For each it measures, as medi
 steps after two warm-up steps (the slowest rank decides a step):
 
 - throughput and the speed-up over one rank, and scaling efficiency = speed-up / ranks;
-- the communication share and the pipeline bubble share of the step; on several nodes also the
-  share spent communicating across nodes (the communication time less that on the communicators
-  whose ranks share a node) and which communicators cross nodes;
+- where the step goes, as shares that add up to 100 %: each rank splits its own step into
+  communication (time inside communication calls, pipeline sends and receives included, less
+  the pipeline idle time), idle (a pipeline stage waiting with no work: the bubble) and
+  compute (the rest); the shares are averaged over the steps and then over the ranks;
+  on several nodes the share spent communicating across nodes (part of communication: the time
+  less that on the communicators whose ranks share a node) and which communicators cross nodes;
 - parameter + optimizer-state memory per rank, and the peak of NumPy allocations during a
   step (activations and workspace, from tracemalloc on one extra step);
-- bytes communicated per step (all ranks, all communicators).
+- bytes sent per step on the network (all ranks, all communicators), as ring algorithms
+  would send them (``hpcpar.dist.comm.ring_wire_bytes``).
 
-Prints the table, writes ``compare.json`` and, with matplotlib, ``compare.png``.
+The header states the CPUs the ranks may use (their affinity masks, capped by the cgroup's
+CPU quota) and the BLAS threads per rank; when ranks x threads on a node exceed its usable
+CPUs, a warning says the figures are distorted. Prints the table, writes ``compare.json`` and,
+with matplotlib, ``compare.png``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -29,14 +35,18 @@ from dataclasses import replace
 import numpy as np
 from mpi4py import MPI
 
+from . import host, log
 from .bench.step import traced_peak
-from .tables import format_table
 from .dist.comm import Communicator
 from .dist.context import init
+from .dist.failfast import UsageError
 from .parallel.pipeline.schedules import interleaved_fit
+from .tables import format_table
 from .train.build import build
 from .train.config import JobError, load_job
 from .train.validate import validate
+
+logger = log.get_logger(__name__)
 
 
 def factorisations(n: int) -> list[tuple[int, int, int]]:
@@ -69,13 +79,29 @@ def layout_job(job, layout, steps: int, precision: str | None = None):
     return validate(replace(job, parallel=parallel, train=train), dp * pp * tp)
 
 
+def step_shares(stats: dict, inter_node_s: float = 0.0) -> tuple[float, float, float]:
+    """(communication, idle, inter-node) shares of one rank's step: compute is the rest, so that
+    compute, communication and idle add up to 1; the inter-node share (``inter_node_s``, the
+    communication across nodes) is part of the communication share.
+
+    The step is the longer of its measured time and its parts (a strategy's finish adds to the
+    parts after the step's own time was taken)."""
+    parts = sum(max(stats.get(key, 0.0), 0.0) for key in ("compute_s", "comm_s", "idle_s"))
+    step = max(stats.get("step_s", 0.0), parts)
+    if step <= 0:
+        return 0.0, 0.0, 0.0
+    comm = min(max(stats.get("comm_s", 0.0), 0.0), step)
+    idle = min(max(stats.get("idle_s", 0.0), 0.0), step - comm)
+    return comm / step, idle / step, min(max(inter_node_s, 0.0), comm) / step
+
+
 def measure(job, comm, steps: int) -> dict:
     """Train ``steps`` + 2 steps of ``job`` on ``comm`` and return this layout's figures (on rank 0)."""
     p = job.parallel
     ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, comm=comm, device=job.train.device)
     run = build(job, ctx)
     strategy = run.strategy
-    times, comm_s, idle_s, inter_node_s = [], [], [], []
+    times, shares = [], []
     # Communication on the communicators that stay inside a node; on several nodes, the rest of
     # comm_s crossed nodes.
     inside = [c for name, c in (("dp", ctx.dp), ("pp", ctx.pp), ("tp", ctx.tp)) if name not in ctx.crossing_axes]
@@ -93,11 +119,10 @@ def measure(job, comm, steps: int) -> dict:
         elapsed = ctx.world.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX)
         if step >= 2:
             times.append(elapsed)
-            comm_s.append(strategy.stats.get("comm_s", 0.0))
-            idle_s.append(strategy.stats.get("idle_s", 0.0))
             inside_s = sum(c.stats.total_seconds for c in inside) - inside_before
-            inter_node_s.append(max(0.0, comm_s[-1] - inside_s) if several_nodes else 0.0)
-    traffic = sum(c.stats.total_bytes for c in ctx.communicators().values() if c.size > 1)  # size 1: local copies
+            inter_node_s = strategy.stats.get("comm_s", 0.0) - inside_s if several_nodes else 0.0
+            shares.append(step_shares(strategy.stats, inter_node_s))
+    traffic = sum(c.stats.total_wire_bytes for c in ctx.communicators().values())  # size 1 sends nothing
     inputs, targets = run.train_data.batch_at(0)
     losses = []
     activation_peak = traced_peak(lambda: losses.append(strategy.train_step(inputs, targets)))
@@ -107,31 +132,71 @@ def measure(job, comm, steps: int) -> dict:
     step_s = statistics.median(times)
     gather = lambda value, op=MPI.MAX: ctx.world.mpi.allreduce(value, op=op)  # noqa: E731
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
+    comm_share, idle_share, inter_share = (gather(statistics.fmean(s[k] for s in shares), MPI.SUM) / ctx.world_size
+                                           for k in (0, 1, 2))
     return {"layout": [p.dp, p.pp, p.tp], "precision": job.train.precision, "ranks": ctx.world_size, "step_s": step_s,
             "tokens_per_s": tokens / step_s,
-            "comm_share": gather(statistics.median(comm_s)) / step_s,
-            "bubble_share": gather(statistics.median(idle_s)) / step_s,
-            "inter_node_share": gather(statistics.median(inter_node_s)) / step_s,
-            "nodes": ctx.topology.nodes, "across_nodes": ctx.crossing_axes,
+            "compute_share": 1.0 - comm_share - idle_share, "comm_share": comm_share, "bubble_share": idle_share,
+            "inter_node_share": inter_share, "nodes": ctx.topology.nodes, "across_nodes": ctx.crossing_axes,
             "param_state_mb_per_rank": gather(params + state) / 2**20,
             "activation_peak_mb_per_rank": gather(activation_peak) / 2**20,
             "bytes_per_step": gather(traffic / steps, MPI.SUM)}
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hpcpar compare")
-    parser.add_argument("job")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--out", default=None, help="folder for compare.json and compare.png (default runs/compare-JOB)")
+def add_arguments(parser) -> None:
+    parser.add_argument("job", help="the job file whose model, data and optimizer are measured")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per layout (after 2 warm-up steps)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a job key, TOML syntax (repeatable) (default: none)")
+    parser.add_argument("--out", default=None,
+                        help="folder for compare.json and compare.png (default: runs/compare-JOB)")
     parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16", "fp16"], default=None,
                         help="also measure each layout in these precisions, beside fp32 (default: the job's only)")
-    args = parser.parse_args(argv)
+    parser.set_defaults(func=run)
 
+
+def cpu_budget(world) -> tuple[str, str | None]:
+    """(the header's words on CPUs and threads, a warning when a node runs more threads than it may use).
+
+    Per node: the CPUs its ranks may run on (the union of their affinity masks, capped by the
+    cgroup's quota) against the sum of the ranks' BLAS threads (after hpcpar's share of the cores)."""
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    host.share_cores(node.Get_size())  # what init does in every layout
+    facts = node.gather((host.affinity(), host.blas_thread_count()), root=0)
+    summary = None
+    if node.Get_rank() == 0:
+        cpus = host.usable_cpus(set().union(*(mask for mask, _ in facts)))
+        summary = (os.uname().nodename, cpus, [threads for _, threads in facts])
+    node.Free()
+    nodes = [s for s in world.gather(summary, root=0) or [] if s is not None]
+    if world.Get_rank() != 0:
+        return "", None
+    counts = sorted({t for _, _, threads in nodes for t in threads})
+    per_rank = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    cpus = sum(c for _, c, _ in nodes)
+    text = (f"{world.Get_size()} ranks on {len(nodes)} nodes ({cpus} usable CPUs)" if len(nodes) > 1 else
+            f"{world.Get_size()} ranks on {cpus} usable CPUs") + f", {per_rank} BLAS thread(s) per rank"
+    over = [(name, cpus, threads) for name, cpus, threads in nodes if sum(threads) > cpus]
+    if not over:
+        return text, None
+    name, cpus, threads = over[0]
+    fix = (f"launch at most {cpus} ranks per node" if len(threads) > cpus else
+           f"set OMP_NUM_THREADS and OPENBLAS_NUM_THREADS to {cpus // len(threads)}")
+    return text, (f"{len(threads)} ranks with {sum(threads)} BLAS threads in all on {cpus} usable CPU(s) of {name}: "
+                  f"the cores are oversubscribed and the timings of every layout are distorted; {fix}")
+
+
+def run(args) -> int:
     world = MPI.COMM_WORLD
     # Ranks outside a smaller layout wait here; they must not spin on the cores it runs on.
     waiting = Communicator(world, "world", wait_policy="yield")
-    job = load_job(args.job, args.set)
+    try:  # the same verdict on every rank, before any rank waits on another
+        job = load_job(args.job, args.set)
+    except JobError as error:
+        raise UsageError(f"hpcpar compare: error: {error}") from None
+    cpus, problem = cpu_budget(world)
+    if problem:
+        logger.warning(problem)
     out = args.out or os.path.join("runs", "compare-" + os.path.basename(args.job).rsplit(".", 1)[0])
     precisions = [None] if args.precision is None else ["fp32"] + [p for p in args.precision if p != "fp32"]
     results, skipped = [], []
@@ -162,11 +227,11 @@ def main(argv: list[str]) -> int:
         if same is not None:  # beside the same layout in float32
             r["step_vs_fp32"] = r["step_s"] / same["step_s"]
             r["activations_vs_fp32"] = r["activation_peak_mb_per_rank"] / same["activation_peak_mb_per_rank"]
-    print(report(job, results, skipped, world.Get_size(), args.steps), flush=True)
+    print(report(job, results, skipped, cpus, args.steps), flush=True)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "compare.json"), "w") as f:
-        json.dump({"job": args.job, "world": world.Get_size(), "steps": args.steps, "results": results,
-                   "skipped": skipped}, f, indent=1)
+        json.dump({"job": args.job, "world": world.Get_size(), "steps": args.steps, "cpus": cpus,
+                   "cpu_warning": problem, "results": results, "skipped": skipped}, f, indent=1)
     from .plot import plot_compare
 
     chart = plot_compare(os.path.join(out, "compare.json"), os.path.join(out, "compare.png"))
@@ -174,9 +239,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def report(job, results, skipped, world, steps) -> str:
-    """The table. On several nodes the comm column adds, in brackets, the share of the step spent
-    communicating across nodes, and a column names the communicators that cross them."""
+def report(job, results, skipped, cpus: str, steps: int) -> str:
+    """The table under a header naming the CPUs and threads (``cpus``). On several nodes the comm
+    column adds, in brackets, the share of the step spent communicating across nodes, and a
+    column names the communicators that cross them."""
     unit = "tok/s" if job.model.kind == "gpt" else "img/s"
     nodes = max(r["nodes"] for r in results)
     versus = any(r["precision"] != "fp32" and "step_vs_fp32" in r for r in results)
@@ -193,13 +259,11 @@ def report(job, results, skipped, world, steps) -> str:
     m = job.model
     model = (f"GPT layers {m.n_layer}, width {m.n_embd}, heads {m.n_head}, context {m.block_size}"
              if m.kind == "gpt" else "digits CNN")
-    where = f"{world} ranks on {os.cpu_count()} cores" if nodes == 1 else f"{world} ranks on {nodes} nodes"
     headers = ["layout dp x pp x tp", unit, "speed-up", "efficiency", "comm" if nodes == 1 else "comm (inter-node)",
                "bubble", "params+opt MB/rank", "activations MB/rank", "MB sent/step"]
     headers += ["step vs fp32", "activations vs fp32"] if versus else []
     text = format_table(headers + (["across nodes"] if nodes > 1 else []), rows,
-                        f"hpcpar compare: {model}, global batch {job.data.batch_size}, {where}, "
-                        f"median of {steps} steps")
+                        f"hpcpar compare: {model}, global batch {job.data.batch_size}, {cpus}, median of {steps} steps")
     for name, why in skipped:
         text += f"\nskipped {name}: {why}"
     if versus:

@@ -3,29 +3,33 @@
     hpcpar generate runs/demo/checkpoints --tokens 300 --prompt "def "
 
 Serial: the checkpoint's global view is read into one whole GPT (its config is stored in the
-checkpoint by ``hpcpar train``).
+checkpoint by ``hpcpar train``). Started by ``mpiexec -n N``, rank 0 does the work and prints
+the text once; the other ranks have nothing to do.
 """
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
-from . import checkpoint
+from . import checkpoint, log
 from .checkpoint.manifest import CheckpointError, read_manifest, resolve_step_dir
 from .dist.context import single_process
+from .dist.failfast import UsageError
 from .nn.gpt import GPT, GPTConfig
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hpcpar generate")
+def add_arguments(parser) -> None:
     parser.add_argument("checkpoint", help="a checkpoint root (its latest step) or a step folder")
-    parser.add_argument("--tokens", type=int, default=200)
-    parser.add_argument("--prompt", default="import ")
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-k", type=int, default=40)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--tokens", type=int, default=200, help="tokens (bytes) to sample after the prompt")
+    parser.add_argument("--prompt", default="import ", help="the text the sample continues")
+    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; lower is more likely text")
+    parser.add_argument("--top-k", type=int, default=40, help="sample among this many likeliest tokens")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if log.world_rank() != 0:
+        return 0
     try:
         step_dir = resolve_step_dir(args.checkpoint)
         saved = read_manifest(step_dir)["extra"].get("model_config")
@@ -35,8 +39,7 @@ def main(argv: list[str]) -> int:
         model = GPT(GPTConfig(**{k: v for k, v in saved["value"].items() if k in keys}), dtype=np.float32)
         checkpoint.load(step_dir, model, None, single_process())
     except CheckpointError as error:
-        print(f"hpcpar generate: error: {error}")
-        return 2
+        raise UsageError(f"hpcpar generate: error: {error}") from None
     prompt = np.frombuffer(args.prompt.encode(), dtype=np.uint8).astype(np.int64)[None, :]
     ids = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
                          rng=np.random.default_rng(args.seed))

@@ -134,6 +134,15 @@ def share_cores(ranks_on_node: int) -> int | None:
     return threads
 
 
+def blas_thread_count() -> int:
+    """Threads of the loaded BLAS pool (the largest, if several), 1 when none is loaded or known."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return int(os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or 1)
+    return max([pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"] or [1])
+
+
 def blas_threads() -> str:
     """The thread counts of the loaded BLAS libraries, e.g. ``openblas 1``."""
     try:

@@ -7,8 +7,27 @@ import warnings
 from mpi4py import MPI
 
 from . import backend
-from .dist.context import init
+from .dist.context import LayoutError, init, resolve_layout
+from .dist.failfast import UsageError
 from .dist.topology import PlacementWarning
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: the world / (pp x tp))")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel shards")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="auto: a GPU when CuPy sees one")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> None:
+    try:  # checked before any rank waits on another: every rank reaches the same verdict
+        resolve_layout(MPI.COMM_WORLD.Get_size(), args.dp, args.pp, args.tp)
+        backend.resolve_device(args.device)
+    except (LayoutError, RuntimeError) as error:
+        raise UsageError(f"hpcpar info: error: {error}") from None
+    print_info(dp=args.dp, pp=args.pp, tp=args.tp, device=args.device)
 
 
 def parallel_hdf5() -> bool:

@@ -1,4 +1,6 @@
 """Array collectives equal the NumPy answer on every rank (run at 1, 2 and 4 ranks)."""
+import pickle
+
 import numpy as np
 import pytest
 
@@ -105,12 +107,49 @@ def test_exact_call_and_byte_counts(comm):
     comm.reduce_scatter(b)
     comm.allgather(a)
     comm.broadcast(a)
-    assert comm.stats.calls("allreduce") == 2 and comm.stats.bytes("allreduce") == 2 * 40
-    assert comm.stats.calls("iallreduce") == 1 and comm.stats.bytes("iallreduce") == comm.size * 32
-    assert comm.stats.bytes("reduce_scatter") == comm.size * 32
+    n = comm.size
+    # "allreduce" is the family: the two blocking calls and the non-blocking one
+    assert comm.stats.calls("allreduce") == 3 and comm.stats.bytes("allreduce") == 2 * 40 + n * 32
+    assert comm.stats.calls("iallreduce") == 1 and comm.stats.bytes("iallreduce") == n * 32
+    assert comm.stats.bytes("reduce_scatter") == n * 32
     assert comm.stats.bytes("allgather") == 40 and comm.stats.bytes("broadcast") == 40
-    assert comm.stats.total_bytes == 2 * 40 + 2 * comm.size * 32 + 80
+    assert comm.stats.total_bytes == 2 * 40 + 2 * n * 32 + 80
     assert comm.stats.total_seconds > 0
+    # on the wire under ring algorithms: all-reduce 2(n-1)/n, reduce-scatter (n-1)/n of the input,
+    # all-gather (n-1) pieces, broadcast (n-1)/n of the buffer on average
+    assert comm.stats.wire_bytes("allreduce") == 2 * (2 * (n - 1) * 40 // n) + 2 * (n - 1) * n * 32 // n
+    assert comm.stats.wire_bytes("reduce_scatter") == (n - 1) * n * 32 // n
+    assert comm.stats.wire_bytes("allgather") == (n - 1) * 40
+    assert comm.stats.wire_bytes("broadcast") == (n - 1) * 40 // n
+    assert comm.stats.total_wire_bytes == sum(comm.stats.wire_bytes(op) for op in
+                                              ("allreduce", "reduce_scatter", "allgather", "broadcast"))
+    if n == 1:
+        assert comm.stats.total_wire_bytes == 0
+
+
+def test_point_to_point_wire_bytes_are_the_senders(comm):
+    if comm.size == 1:
+        pytest.skip("needs a peer")
+    comm.stats.reset()
+    buf = np.zeros(6)
+    if comm.rank == 0:
+        comm.send(np.ones(6), dest=1)
+        comm.isend(np.ones(6), dest=1).wait()
+    elif comm.rank == 1:
+        comm.recv(buf, source=0)
+        comm.irecv(buf, source=0).wait()
+    sent = 2 * 48 if comm.rank == 0 else 0
+    received = 2 * 48 if comm.rank == 1 else 0
+    assert comm.stats.calls("send") == (2 if comm.rank == 0 else 0) and comm.stats.wire_bytes("send") == sent
+    assert comm.stats.bytes("recv") == received and comm.stats.wire_bytes("recv") == 0
+
+
+def test_unknown_op_names_raise_with_the_known_names(comm):
+    with pytest.raises(ValueError, match=r"unknown communication op 'alreduce'; known: .*allreduce"):
+        comm.stats.calls("alreduce")
+    with pytest.raises(ValueError, match="'sned'"):
+        comm.stats.bytes("sned")
+    assert comm.stats.calls("gather_object") >= 0  # known, even when never called
 
 
 def test_object_calls_have_their_own_names(comm):
@@ -119,6 +158,8 @@ def test_object_calls_have_their_own_names(comm):
     assert comm.bcast_object("hello" if comm.rank == 0 else None) == "hello"
     assert comm.allreduce_object(comm.rank) == sum(range(comm.size))
     assert set(comm.stats.ops) == {"allgather_object", "bcast_object", "allreduce_object"}
+    n, hello = comm.size, len(pickle.dumps("hello"))
+    assert comm.stats.wire_bytes("bcast_object") == (n - 1) * hello // n  # the root's object, on every rank
 
 
 def test_unknown_reduce_op_is_named(comm):

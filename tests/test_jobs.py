@@ -35,14 +35,25 @@ def train(job, tmp, token_file, *overrides, ranks=4, timeout=240, wait=True):
 @pytest.mark.parametrize("job", JOBS, ids=[os.path.basename(j)[:-5] for j in JOBS])
 def test_every_shipped_job_runs(job, tmp_path, token_file):
     name = os.path.basename(job)[:-5]
+    ranks = RANKS.get(name, 4)
+    averages = ["parallel.local_steps=3"] if "local-sgd" in name else []  # an average inside the traced steps
     proc = train(job, tmp_path, token_file, "train.steps=6", "train.log_interval=3", "train.eval_interval=0",
-                 "checkpoint.interval=3", "train.sample_tokens=0", ranks=RANKS.get(name, 4))
+                 "checkpoint.interval=3", "train.sample_tokens=0", f'train.trace="{tmp_path}/trace.json"',
+                 *averages, ranks=ranks)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step     6/6" in proc.stdout and "val_loss" in proc.stdout
     assert os.path.isdir(tmp_path / "ckpt" / "step-00000006")
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records if "loss" in r] == [1, 3, 6]
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+    # the trace: every rank's steps (a server's rounds) with its compute and its communication
+    spans = [e for e in json.load(open(tmp_path / "trace.json"))["traceEvents"] if e["ph"] == "X"]
+    servers = 1 if "ps" in name else 0
+    for rank in range(ranks):
+        mine = {e["cat"] for e in spans if e["pid"] == rank}
+        trainer = {"forward", "backward"} if rank < ranks - servers else set()
+        assert {"step", "optimizer", "comm"} | trainer <= mine, (rank, mine)
+    assert all(e["args"]["comm"] and e["args"]["bytes"] >= 0 for e in spans if e["cat"] == "comm")
 
 
 def test_sequence_parallelism_trains_like_plain_tensor_parallelism(tmp_path, token_file):
@@ -225,6 +236,10 @@ def test_compare_plot_and_generate(tmp_path, token_file):
     results = json.load(open(tmp_path / "compare.json"))["results"]
     assert [r["layout"] for r in results] == [[1, 1, 1], [2, 1, 1], [1, 2, 1], [1, 1, 2]]
     assert results[0]["bytes_per_step"] == 0 and all(r["bytes_per_step"] > 0 for r in results[1:])
+    for r in results:  # where the time goes: compute, communication and idle partition the step
+        shares = (r["compute_share"], r["comm_share"], r["bubble_share"])
+        assert all(0 <= share <= 1 for share in shares) and abs(sum(shares) - 1) < 1e-9, r
+    assert "2 ranks on" in proc.stdout and "BLAS thread(s) per rank" in proc.stdout
     assert os.path.getsize(tmp_path / "compare.png") > 10_000
 
     run = train(job, tmp_path / "run", token_file, "train.steps=4", "train.log_interval=2", "model.n_layer=2",
@@ -236,9 +251,13 @@ def test_compare_plot_and_generate(tmp_path, token_file):
     generate = subprocess.run([sys.executable, "-m", "hpcpar", "generate", str(tmp_path / "run" / "ckpt"),
                                "--tokens", "20", "--prompt", "def "], capture_output=True, text=True, timeout=120)
     assert generate.returncode == 0 and generate.stdout.startswith("def ") and len(generate.stdout) >= 20
+    twice = subprocess.run([venv_bin("mpiexec"), "-n", "2", sys.executable, "-m", "hpcpar", "generate",
+                            str(tmp_path / "run" / "ckpt"), "--tokens", "20", "--prompt", "def "],
+                           capture_output=True, text=True, timeout=120)
+    assert twice.returncode == 0 and twice.stdout == generate.stdout  # rank 0 alone prints
     missing = subprocess.run([sys.executable, "-m", "hpcpar", "generate", str(tmp_path / "nowhere")],
                              capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 2 and "no committed checkpoint" in missing.stdout
+    assert missing.returncode == 2 and "no committed checkpoint" in missing.stderr
 
 
 def test_compare_measures_each_precision_beside_float32(tmp_path, token_file):

@@ -1,13 +1,14 @@
 """Benchmarks: each prints a table with a baseline measured in the same run.
 
-``hpcpar bench NAME [ARGS]`` runs ``hpcpar.bench.NAME.main(ARGS)``.
+``hpcpar bench NAME [OPTIONS]``: each module ``hpcpar.bench.NAME`` provides
+``add_arguments(parser)`` (its options, and ``func``) and ``run(args)``.
 """
 from __future__ import annotations
 
 import importlib
 
 BENCHMARKS = {
-    "allreduce": "hpcpar array all-reduce vs raw C MPI_Allreduce in the same processes",
+    "allreduce": "all-reduce: the same call in C, mpi4py and hpcpar; the shared-memory path vs MPICH and a memory copy",
     "step": "single-process GPT training step vs PyTorch CPU",
     "dp": "data-parallel gradient sync vs one raw flat all-reduce; overlap; weak scaling",
     "pipeline": "measured pipeline bubble vs (p-1)/(m+p-1) per schedule, step time",
@@ -18,8 +19,11 @@ BENCHMARKS = {
 MODULES = {"async": "async_training"}  # benchmark names that are not module names (async is a keyword)
 
 
-def run_benchmark(name: str, argv: list[str]) -> None:
-    if name not in BENCHMARKS:
-        known = ", ".join(f"{k} ({v})" for k, v in BENCHMARKS.items())
-        raise SystemExit(f"hpcpar bench: unknown benchmark {name!r}; known: {known}")
-    importlib.import_module(f"hpcpar.bench.{MODULES.get(name, name)}").main(argv)
+def add_arguments(parser) -> None:
+    """``hpcpar bench``: one sub-command per benchmark, each with its own options."""
+    benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK",
+                                    title="benchmarks (hpcpar bench NAME --help for each one's options)")
+    for name, text in BENCHMARKS.items():
+        bench = benches.add_parser(name, help=text, description=text)
+        importlib.import_module(f"hpcpar.bench.{MODULES.get(name, name)}").add_arguments(bench)
+

@@ -38,7 +38,6 @@ bytes / copy time.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -175,15 +174,16 @@ def load_library(ctx):
         raise SystemExit(f"hpcpar bench allreduce: the C baseline library is unusable: {exc}") from None
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="hpcpar bench allreduce")
-    parser.add_argument("--max-mib", type=float, default=64.0)
-    parser.add_argument("--min-bytes", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+def add_arguments(parser) -> None:
+    parser.add_argument("--max-mib", type=float, default=64.0, help="largest message, MiB (sizes double up to it)")
+    parser.add_argument("--min-bytes", type=int, default=8, help="smallest message, bytes")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per size; the tables show medians")
     parser.add_argument("--wait", choices=("spin", "yield"), default=None,
                         help="wait setting of every side (default: yield when ranks outnumber CPUs)")
-    args = parser.parse_args(argv)
+    parser.set_defaults(func=run)
 
+
+def run(args) -> None:
     ctx = init(wait_policy=args.wait, shm=True)
     lib = load_library(ctx)
     polite = ctx.wait_policy == "yield"

@@ -32,13 +32,13 @@ waiting moved, not removed; they gain where the slowness comes and goes (``--rot
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from ..autograd import no_grad
+from ..dist.failfast import UsageError
 from ..data.corpus import batch_windows, stdlib_corpus
 from ..dist.context import init
 from ..nn.gpt import GPT, GPTConfig
@@ -120,29 +120,30 @@ def run_mode(spec: dict, world_ctx, args, train_tokens, held_out) -> dict | None
             "busy": float(np.mean([r["busy"] for r in trained])), "ps": spec["mode"] == "ps"}
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="hpcpar bench async")
+def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps per worker")
     parser.add_argument("--batch", type=int, default=8, help="windows of 64 bytes per worker and step")
-    parser.add_argument("--slow-rank", type=int, default=1, help="world rank of the straggler (-1: none)")
+    parser.add_argument("--slow-rank", type=int, default=1, help="world rank of the straggler, -1 for none")
     parser.add_argument("--slow-factor", type=float, default=3.0, help="its compute takes this many times longer")
     parser.add_argument("--rotate", action="store_true", help="the straggler role moves to the next worker each step")
     parser.add_argument("--servers", type=int, default=1, help="parameter-server ranks (the last ranks)")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--lr", type=float, default=2e-3, help="learning rate of every mode")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
+    parser.set_defaults(func=run)
 
+
+def run(args) -> None:
     world_ctx = init(device="cpu")
     size = world_ctx.world_size
     workers = size - args.servers
     if workers < 1:
-        raise SystemExit(f"hpcpar bench async: {args.servers} server(s) leave no worker among {size} ranks; "
+        raise UsageError(f"hpcpar bench async: error: {args.servers} server(s) leave no worker among {size} ranks; "
                          f"launch at least {args.servers + 1} ranks (mpiexec -n 4)")
     if args.slow_rank >= workers:
-        raise SystemExit(f"hpcpar bench async: --slow-rank {args.slow_rank} must be a worker in every mode "
+        raise UsageError(f"hpcpar bench async: error: --slow-rank {args.slow_rank} must be a worker in every mode "
                          f"(ranks 0..{workers - 1}; the last {args.servers} are servers), or -1 for none")
     if args.slow_factor < 1:
-        raise SystemExit(f"hpcpar bench async: --slow-factor must be >= 1, got {args.slow_factor}")
+        raise UsageError(f"hpcpar bench async: error: --slow-factor must be >= 1, got {args.slow_factor}")
 
     tokens = stdlib_corpus(1 << 20)
     split = int(0.9 * len(tokens))

@@ -24,7 +24,6 @@ The files go to a fresh folder under ``--dir`` (default: the system temp folder)
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 from dataclasses import replace
 import os
@@ -129,15 +128,17 @@ def measure(ctx, folder: str, repeats: int, zero: bool, device: str, config=BENC
         "folder_bytes": sum(e.stat().st_size for e in os.scandir(step_dir) if e.is_file())}
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="hpcpar bench ckpt")
-    parser.add_argument("--dir", default=None, help="where to write (a temporary folder is made inside; default /tmp)")
-    parser.add_argument("--repeats", type=int, default=5)
+def add_arguments(parser) -> None:
+    parser.add_argument("--dir", default=None, help="where to write: a temporary folder is made inside (default: the system's temporary folder)")
+    parser.add_argument("--repeats", type=int, default=5, help="saves and loads timed; medians shown")
     parser.add_argument("--zero", action="store_true", help="optimizer state sharded by ZeRO-1 over the ranks")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
-    parser.add_argument("--n-layer", type=int, default=BENCH_CONFIG.n_layer)
-    parser.add_argument("--n-embd", type=int, default=BENCH_CONFIG.n_embd)
-    args = parser.parse_args(argv)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="where the model lives")
+    parser.add_argument("--n-layer", type=int, default=BENCH_CONFIG.n_layer, help="GPT blocks of the model saved")
+    parser.add_argument("--n-embd", type=int, default=BENCH_CONFIG.n_embd, help="GPT width of the model saved")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> None:
     config = replace(BENCH_CONFIG, n_layer=args.n_layer, n_embd=args.n_embd)
 
     ctx = init(device=args.device)

@@ -22,7 +22,6 @@ by MPI and once with them in the node's shared-memory window (hpcpar.dist.shm; p
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -100,16 +99,17 @@ def group_row(group: MPI.Comm, shm: bool, args) -> list:
             n * args.batch * BENCH_CONFIG.block_size / step]
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="hpcpar bench dp")
-    parser.add_argument("--steps", type=int, default=5)
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per world size; medians shown")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank (weak scaling)")
     parser.add_argument("--bucket-mb", type=float, default=6.0,
                         help="bucket size (the 12 MiB of gradients in 3 buckets: room to overlap)")
     parser.add_argument("--path", choices=("both", "mpi", "shm"), default="both",
                         help="buckets all-reduced by MPI, in the shared-memory window, or each in turn")
-    args = parser.parse_args(argv)
+    parser.set_defaults(func=run)
 
+
+def run(args) -> None:
     world = MPI.COMM_WORLD
     waiting = Communicator(world, "world", wait_policy="yield")  # idle ranks must not spin on the busy cores
     sizes = [n for n in (1, 2, 4, 8, 16) if n <= world.Get_size()]

@@ -13,7 +13,6 @@ call (the slowest rank) and bus bandwidth = bytes x 2(m-1)/m / time.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -22,6 +21,7 @@ from mpi4py import MPI
 
 from ..dist.comm import wait_politely
 from ..dist.context import init
+from ..dist.failfast import UsageError
 from .allreduce import bus_bandwidth, iterations, sizes
 from ..tables import format_table, human_bytes
 
@@ -53,11 +53,12 @@ def allreduce_time(comm: MPI.Comm, buf: np.ndarray, warmup: int, iters: int) -> 
 
 
 def groups(ctx) -> tuple[list[int], list[int]]:
-    """World ranks of the intra-node and the inter-node group (same size), or SystemExit."""
+    """World ranks of the intra-node and the inter-node group (same size); a UsageError (the
+    same verdict on every rank: the topology is the world's) when the launch cannot give them."""
     topo = ctx.topology
     node0 = topo.ranks_on(0)
     if topo.nodes < 2 or len(node0) < 2:
-        raise SystemExit(f"hpcpar bench net: needs ranks on at least 2 nodes and 2 on the first "
+        raise UsageError(f"hpcpar bench net: needs ranks on at least 2 nodes and 2 on the first "
                          f"(got {topo.node_sizes()} ranks on {topo.nodes} node(s)); e.g. mpiexec -n 4 -ppn 2")
     m = min(len(node0), topo.nodes)
     return node0[:m], [topo.ranks_on(n)[0] for n in range(m)]
@@ -91,12 +92,13 @@ def measure(world, intra, inter, nbytes, rounds):
     return {key: statistics.median(values) for key, values in times.items() if values} if rank == 0 else None
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="hpcpar bench net")
-    parser.add_argument("--max-mib", type=float, default=16.0)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args(argv)
+def add_arguments(parser) -> None:
+    parser.add_argument("--max-mib", type=float, default=16.0, help="largest message, MiB (sizes double up to it)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per size, intra and inter in turn; medians")
+    parser.set_defaults(func=run)
 
+
+def run(args) -> None:
     ctx = init()
     world = ctx.world.mpi
     intra, inter = groups(ctx)

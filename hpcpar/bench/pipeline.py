@@ -12,7 +12,6 @@ which the table notes.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 from dataclasses import replace
@@ -53,16 +52,18 @@ def run_case(ctx, schedule, chunks, m, batch, steps, sample, config=BENCH_CONFIG
     return step_s, bubble, records[0]["theoretical_bubble"], comm
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="hpcpar bench pipeline")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--micro", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (split into micro-batches)")
+    parser.add_argument("--micro", type=int, nargs="+", default=[4, 8, 16], help="micro-batch counts to measure")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per row; medians shown")
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline depths to measure (those that fit the world)")
     parser.add_argument("--n-layer", type=int, default=6,
                         help="blocks; 6 (+ embedding + head = 8 layers) cut evenly into 2 and 4 stages, "
                              "and 2 stages x 2 chunks (4 layers make the interleaved stages uneven)")
-    args = parser.parse_args(argv)
+    parser.set_defaults(func=run)
+
+
+def run(args) -> None:
     config = replace(BENCH_CONFIG, n_layer=args.n_layer)
 
     world = MPI.COMM_WORLD

@@ -15,7 +15,6 @@ of each: the tracemalloc peak of the NumPy allocations of one forward and backwa
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import contextlib
 import pstats
@@ -245,17 +244,19 @@ def format_results(results: dict, config: GPTConfig, batch_size: int) -> str:
     return table
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="hpcpar bench step", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8)
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=10, help="timed steps; medians shown")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp16"],
                         help="hpcpar's precisions, each beside float32 (bf16 needs ml_dtypes)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
     parser.add_argument("--profile", action="store_true",
                         help="print the functions that dominate an hpcpar step (in the last --precision)")
-    args = parser.parse_args(argv)
+    parser.set_defaults(func=run)
+
+
+def run(args) -> None:
     results = run_step_bench(BENCH_CONFIG, args.batch, args.steps, args.warmup, not args.no_torch, args.precision)
     print(format_results(results, BENCH_CONFIG, args.batch))
     if args.profile:

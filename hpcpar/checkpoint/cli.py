@@ -242,35 +242,33 @@ def export(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hpcpar ckpt", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``hpcpar ckpt``'s actions, each with its own arguments."""
+    parser.description = __doc__.split("\n\n")[1]
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     listing = sub.add_parser("ls", help="list the steps under a checkpoint root")
-    listing.add_argument("root")
+    listing.add_argument("root", help="the checkpoint root (checkpoint.dir of the job)")
     listing.add_argument("--quick", action="store_true", help="check presence and sizes only, not CRC-32")
-    listing.set_defaults(func=ls)
+    listing.set_defaults(func=_reporting(ls))
     inspecting = sub.add_parser("inspect", help="step, layout, extras and tensors of one checkpoint")
     inspecting.add_argument("path", help="checkpoint root (its latest step) or a step folder")
-    inspecting.set_defaults(func=inspect)
+    inspecting.set_defaults(func=_reporting(inspect))
     verifying = sub.add_parser("verify", help="check every file against the manifest; exit 1 if damaged")
     verifying.add_argument("path", help="checkpoint root (its latest step) or a step folder")
-    verifying.set_defaults(func=verify)
+    verifying.set_defaults(func=_reporting(verify))
     exporting = sub.add_parser("export", help="write one consolidated, non-virtual HDF5 file")
     exporting.add_argument("path", help="checkpoint root (its latest step) or a step folder")
     exporting.add_argument("out", help="the HDF5 file to write (replaced if it exists)")
-    exporting.set_defaults(func=export)
-    return parser
+    exporting.set_defaults(func=_reporting(export))
 
 
-def main(argv: list[str]) -> int:
-    """Run ``hpcpar ckpt ARGV``; returns the exit status instead of raising."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as stop:  # usage errors and --help
-        return stop.code if isinstance(stop.code, int) else 2
-    try:
-        return args.func(args)
-    except (CheckpointError, OSError) as error:
-        print(f"hpcpar ckpt {args.action}: error: {error}", file=sys.stderr)
-        return 1
+def _reporting(action):
+    """``action(args)``, with a checkpoint or file error as one line on stderr and exit status 1."""
+    def run(args) -> int:
+        try:
+            return action(args)
+        except (CheckpointError, OSError) as error:
+            print(f"hpcpar ckpt {args.action}: error: {error}", file=sys.stderr)
+            return 1
+
+    return run

@@ -25,8 +25,11 @@ import os
 import h5py
 import numpy as np
 
+from .. import log
 from ..state import Saved, checkpointable, slab_slices
 from .manifest import INDEX, CheckpointError, list_steps, read_manifest, resolve_step_dir, step_dirname, verify_files
+
+logger = log.get_logger(__name__)
 
 
 def verify_collectively(step_dir: str, manifest: dict, comm) -> None:
@@ -166,12 +169,11 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
 def load_latest(root: str, model, optimizer, ctx, extra: dict | None = None, strict: bool = True) -> dict | None:
     """Load the newest checkpoint under ``root`` that verifies; None when there is none.
 
-    A damaged newest checkpoint is reported on rank 0 and the next older one is tried.
+    A damaged newest checkpoint is reported (a warning) and the next older one is tried.
     """
     for step in reversed(list_steps(root)):
         try:
             return load(os.path.join(root, step_dirname(step)), model, optimizer, ctx, extra, strict=strict)
         except CheckpointError as error:
-            if ctx.rank == 0:
-                print(f"hpcpar: skipping checkpoint step {step}: {error}", flush=True)
+            logger.warning(f"skipping checkpoint step {step}: {error}")
     return None

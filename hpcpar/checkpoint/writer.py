@@ -302,6 +302,9 @@ class AsyncSave:
     def __init__(self, thread: threading.Thread, job: SaveJob):
         self.thread, self.job, self.error = thread, job, None
 
+    def __str__(self) -> str:
+        return f"{self.job.step_dir} (being written in the background)"
+
     def wait(self) -> str:
         self.thread.join()
         if self in _pending:

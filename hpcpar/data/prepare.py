@@ -23,6 +23,17 @@ from .corpus import read_text_bytes, stdlib_files
 
 FORMAT = "hpcpar-tokens"
 VOCAB_SIZE = 256
+# A compressed file's bytes would be tokenized as they are, noise to the model: refused, with the fix.
+COMPRESSED = {b"\x1f\x8b": ("gzip", "gunzip -k"), b"BZh": ("bzip2", "bunzip2 -k"),
+              b"\xfd7zXZ\x00": ("xz", "unxz -k"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd"),
+              b"PK\x03\x04": ("zip", "unzip")}
+
+
+def compression_of(path: str) -> tuple[str, str] | None:
+    """(format, the command that decompresses it) when ``path`` starts with a compressed format's magic."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    return next((found for magic, found in COMPRESSED.items() if head.startswith(magic)), None)
 
 
 def files_used(paths: list[str], max_bytes: int | None) -> list[str]:
@@ -50,6 +61,10 @@ def prepare(out: str, paths: list[str] | None = None, max_mb: float | None = 8, 
                 raise IsADirectoryError(f"{path!r} is a folder; give its files (e.g. {path}/*.txt)")
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no such file {path!r}")
+            compressed = compression_of(path)
+            if compressed:
+                raise ValueError(f"{path!r} is {compressed[0]}-compressed; tokens are the bytes of plain text: "
+                                 f"decompress it first ({compressed[1]} {path})")
         source = f"{len(paths)} file(s) given"
     else:
         paths = stdlib_files()
@@ -102,6 +117,23 @@ def ensure_prepared(path: str, comm=None, **options) -> None:
         error = comm.bcast_object(error, root=0)
     if error:
         raise RuntimeError(error)
+
+
+def add_arguments(parser) -> None:
+    """``hpcpar data``: its actions (``prepare``) and their options."""
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    text = "text files (default: the Python standard library) -> HDF5 byte tokens, train/val"
+    prepare_parser = actions.add_parser(
+        "prepare", help=text,
+        description="Concatenate text files as bytes (one byte = one token) into OUT with datasets train\n"
+                    "and val; the default text is the Python standard library's own source. Compressed\n"
+                    "files (gzip, bzip2, xz, zstd, zip) are refused: decompress them first.")
+    prepare_parser.add_argument("--out", default="data/stdlib.h5", help="the HDF5 file to write")
+    prepare_parser.add_argument("--max-mb", type=float, default=8, help="read at most this many MiB")
+    prepare_parser.add_argument("--val-fraction", type=float, default=0.05,
+                                help="the last share of the bytes held out for validation")
+    prepare_parser.add_argument("paths", nargs="*", metavar="PATH", help="text files, in order (default: the stdlib)")
+    prepare_parser.set_defaults(func=main)
 
 
 def main(args) -> int:

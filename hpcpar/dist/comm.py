@@ -6,8 +6,9 @@ synchronize, since MPI reads device memory outside CuPy's stream order) and are 
 through host memory otherwise. Calls that move pickled Python objects have their own
 names (``*_object``) so they are never mistaken for the array path.
 
-Every call adds to ``comm.stats`` (calls, bytes this rank contributed, seconds), so the
-layers above can report a communication share and tests can assert exact traffic.
+Every call adds to ``comm.stats`` (calls, the bytes it was given, the bytes this rank sends on
+the wire under ring algorithms, seconds), so the layers above can report a communication share
+and the traffic, and tests can assert exact counts.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import os
 import pickle
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -73,33 +75,121 @@ def default_wait_policy(node_size: int, cpus: int | None = None) -> str:
 # ----------------------------------------------------------------------------------------
 # Counters
 # ----------------------------------------------------------------------------------------
+# Every operation a Communicator records, and the families a name stands for in the queries:
+# ``calls("allreduce")`` counts blocking and non-blocking all-reduces, ``calls("iallreduce")``
+# the non-blocking ones alone.
+OPS = ("barrier", "allreduce", "iallreduce", "reduce_scatter", "allgather", "broadcast",
+       "send", "isend", "recv", "irecv", "bcast_object", "allgather_object", "gather_object",
+       "allreduce_object", "send_object", "recv_object")
+FAMILIES = {"allreduce": ("allreduce", "iallreduce"), "send": ("send", "isend"), "recv": ("recv", "irecv")}
+
+
+def ring_wire_bytes(op: str, nbytes: int, size: int) -> int:
+    """Bytes one rank sends over the network for ``op`` given ``nbytes``, under ring algorithms.
+
+    With n = ``size`` ranks and B the bytes the call was given on this rank:
+
+    - all-reduce (B = the whole buffer): reduce-scatter then all-gather, 2(n-1)/n x B;
+    - reduce-scatter (B = the whole input): (n-1)/n x B; all-gather (B = this rank's piece,
+      n x B the result): (n-1) x B, that is (n-1)/n of the full size;
+    - broadcast (B = the buffer): pipelined along a chain, (n-1)/n x B per rank on average;
+    - send: B; receive: 0 (counted on the sender); barrier: 0;
+    - pickled objects as their array counterparts, with B their pickled size (a gather's
+      root receives, the others send B).
+
+    Rounded down to whole bytes; 0 when n = 1. A model of the traffic, not a measurement:
+    MPI libraries pick other algorithms for small messages (recursive doubling, trees).
+    """
+    n = size
+    if n <= 1 or op in ("barrier", "recv", "irecv", "recv_object"):
+        return 0
+    if op in ("allreduce", "iallreduce", "allreduce_object"):
+        return 2 * (n - 1) * nbytes // n
+    if op in ("reduce_scatter", "broadcast", "bcast_object"):
+        return (n - 1) * nbytes // n
+    if op in ("allgather", "allgather_object"):
+        return (n - 1) * nbytes
+    return nbytes  # send, isend, send_object, gather_object (a non-root rank's contribution)
+
+
+@dataclass
+class CallRecord:
+    """One finished call (or the wait of a non-blocking one), as a listener of CommStats hears it."""
+
+    comm: str  # the communicator's name: world, dp, pp, tp, ...
+    op: str
+    start: float  # time.perf_counter() of this rank
+    end: float
+    nbytes: int  # given to the call
+    wire_bytes: int  # sent by this rank under ring algorithms (0 for a wait)
+    peer: int = -1  # point-to-point: the other rank, in this communicator
+    tag: int = -1
+    wait: bool = False  # the wait that completed a non-blocking call
+
+
 @dataclass
 class OpCount:
     calls: int = 0
-    bytes: int = 0
+    bytes: int = 0  # what the calls were given on this rank
+    wire_bytes: int = 0  # what this rank sends on the network under ring algorithms (ring_wire_bytes)
     seconds: float = 0.0
 
 
 @dataclass
 class CommStats:
-    """Per-operation counters of one communicator."""
+    """Per-operation counters of one communicator of ``size`` ranks.
 
+    ``bytes(op)`` is what the calls were given on this rank (the buffer of an all-reduce, this
+    rank's piece of an all-gather); ``wire_bytes(op)`` is what this rank sends on the network for
+    them under ring algorithms (``ring_wire_bytes``). Queries take an operation of ``OPS`` or a
+    family of ``FAMILIES``; any other name raises ValueError listing the known ones.
+    """
+
+    size: int = 1
+    name: str = ""
     ops: dict = field(default_factory=dict)
+    listener: Callable[[CallRecord], None] | None = None  # hears every call: a trace (hpcpar.dist.trace)
 
-    def add(self, op: str, nbytes: int, seconds: float) -> None:
+    def add(self, op: str, nbytes: int, seconds: float, wire: int | None = None, peer: int = -1,
+            tag: int = -1, start: float | None = None) -> None:
+        """One call of ``seconds``; ``start`` (its ``time.perf_counter()`` at the start) places it
+        in a listener's timeline, which would otherwise end it now."""
         count = self.ops.setdefault(op, OpCount())
+        wire = ring_wire_bytes(op, int(nbytes), self.size) if wire is None else int(wire)
         count.calls += 1
         count.bytes += int(nbytes)
+        count.wire_bytes += wire
         count.seconds += seconds
+        if self.listener is not None:
+            begin = time.perf_counter() - seconds if start is None else start
+            self.listener(CallRecord(self.name, op, begin, begin + seconds, int(nbytes), wire, peer, tag))
 
-    def add_seconds(self, op: str, seconds: float) -> None:
+    def add_seconds(self, op: str, seconds: float, peer: int = -1, tag: int = -1, nbytes: int = 0,
+                    start: float | None = None) -> None:
+        """The time a non-blocking call spent in its wait (``start`` as for ``add``)."""
         self.ops.setdefault(op, OpCount()).seconds += seconds
+        if self.listener is not None:
+            begin = time.perf_counter() - seconds if start is None else start
+            self.listener(CallRecord(self.name, op, begin, begin + seconds, nbytes, 0, peer, tag, wait=True))
+
+    def _counts(self, op: str) -> list[OpCount]:
+        names = FAMILIES.get(op, (op,))
+        if op not in FAMILIES and op not in OPS and op not in self.ops:
+            known = ", ".join(sorted(set(OPS) | set(self.ops)))
+            raise ValueError(f"unknown communication op {op!r}; known: {known}")
+        return [self.ops[name] for name in names if name in self.ops]
 
     def calls(self, op: str) -> int:
-        return self.ops[op].calls if op in self.ops else 0
+        return sum(c.calls for c in self._counts(op))
 
     def bytes(self, op: str) -> int:
-        return self.ops[op].bytes if op in self.ops else 0
+        return sum(c.bytes for c in self._counts(op))
+
+    def wire_bytes(self, op: str) -> int:
+        return sum(c.wire_bytes for c in self._counts(op))
+
+    def seconds(self, op: str) -> float:
+        return sum(c.seconds for c in self._counts(op))
 
     @property
     def total_seconds(self) -> float:
@@ -108,6 +198,10 @@ class CommStats:
     @property
     def total_bytes(self) -> int:
         return sum(c.bytes for c in self.ops.values())
+
+    @property
+    def total_wire_bytes(self) -> int:
+        return sum(c.wire_bytes for c in self.ops.values())
 
     def reset(self) -> None:
         self.ops.clear()
@@ -175,9 +269,11 @@ class _Staged:
 class Handle:
     """A pending non-blocking call; ``wait()`` completes it and returns the result array."""
 
-    def __init__(self, comm: "Communicator", op: str, request, finish, waiting: Waiting, keepalive=None):
+    def __init__(self, comm: "Communicator", op: str, request, finish, waiting: Waiting, keepalive=None,
+                 nbytes: int = 0):
         self._comm, self._op, self._request, self._finish, self._waiting = comm, op, request, finish, waiting
         self._keepalive = keepalive
+        self._nbytes = nbytes
         self._result = None
         self.done = False
 
@@ -190,7 +286,8 @@ class Handle:
         if not self.done:
             start = time.perf_counter()
             self._comm._wait(self._request, self._waiting)
-            self._comm.stats.add_seconds(self._op, time.perf_counter() - start)
+            self._comm.stats.add_seconds(self._op, time.perf_counter() - start, peer=self._waiting.peer,
+                                         tag=self._waiting.tag, nbytes=self._nbytes, start=start)
             self._complete()
         return self._result
 
@@ -220,7 +317,7 @@ class Communicator:
         self.size = mpi_comm.Get_size()
         self.cuda_aware = query_cuda_aware() if cuda_aware is None else cuda_aware
         self.wait_policy = wait_policy
-        self.stats = CommStats()
+        self.stats = CommStats(size=self.size, name=name)
         self.watchdog = StallWatchdog.for_communicator(self)  # None: HPCPAR_STALL_S=0
         self.shm = None  # the shared-memory path (hpcpar.dist.shm), attached by hpcpar.init when on
 
@@ -250,7 +347,7 @@ class Communicator:
             self.mpi.Barrier()
         else:
             self._wait(self.mpi.Ibarrier(), waiting)
-        self.stats.add("barrier", 0, time.perf_counter() - start)
+        self.stats.add("barrier", 0, time.perf_counter() - start, start=start)
 
     # ----- collectives --------------------------------------------------------------
     def allreduce(self, x, op: str = "sum", out=None):
@@ -267,7 +364,7 @@ class Communicator:
         else:
             self._wait(self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op]), waiting)
         result = finish()
-        self.stats.add("allreduce", x.nbytes, time.perf_counter() - start)
+        self.stats.add("allreduce", x.nbytes, time.perf_counter() - start, start=start)
         return result
 
     def iallreduce(self, x, op: str = "sum", out=None) -> Handle:
@@ -282,8 +379,8 @@ class Communicator:
         start = time.perf_counter()
         staged, finish = self._prepare_allreduce("iallreduce", x, op, out)
         request = self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op])
-        self.stats.add("iallreduce", x.nbytes, time.perf_counter() - start)
-        return Handle(self, "iallreduce", request, finish, self._next_collective("iallreduce"))
+        self.stats.add("iallreduce", x.nbytes, time.perf_counter() - start, start=start)
+        return Handle(self, "iallreduce", request, finish, self._next_collective("iallreduce"), nbytes=x.nbytes)
 
     def _prepare_allreduce(self, name: str, x, op: str, out):
         """Check, copy ``x`` into ``out`` (unless in place) and stage it; return (staged, finish)."""
@@ -323,7 +420,7 @@ class Communicator:
         result = recv.finish()
         if op == "mean":
             result /= self.size
-        self.stats.add("reduce_scatter", x.nbytes, time.perf_counter() - start)
+        self.stats.add("reduce_scatter", x.nbytes, time.perf_counter() - start, start=start)
         return result
 
     def allgather(self, x, out=None):
@@ -346,7 +443,7 @@ class Communicator:
         send, recv = _Staged(x, self.cuda_aware), _Staged(out, self.cuda_aware, copy_in=False)
         self._wait(self.mpi.Iallgather(send.buffer, recv.buffer), self._next_collective("allgather"))
         result = recv.finish()
-        self.stats.add("allgather", x.nbytes, time.perf_counter() - start)
+        self.stats.add("allgather", x.nbytes, time.perf_counter() - start, start=start)
         return result
 
     def broadcast(self, x, root: int = 0):
@@ -357,7 +454,7 @@ class Communicator:
         staged = _Staged(x, self.cuda_aware, copy_in=self.rank == root)
         self._wait(self.mpi.Ibcast(staged.buffer, root=root), self._next_collective("broadcast"))
         staged.finish()
-        self.stats.add("broadcast", x.nbytes, time.perf_counter() - start)
+        self.stats.add("broadcast", x.nbytes, time.perf_counter() - start, start=start)
         return x
 
     # ----- point-to-point -----------------------------------------------------------
@@ -373,42 +470,49 @@ class Communicator:
         x = x if x.flags.c_contiguous else get_array_module(x).ascontiguousarray(x)
         staged = _Staged(x, self.cuda_aware)
         request = self.mpi.Isend(staged.buffer, dest=dest, tag=tag)
-        self.stats.add(_op_name, x.nbytes, time.perf_counter() - start)
+        self.stats.add(_op_name, x.nbytes, time.perf_counter() - start, start=start, peer=dest, tag=tag)
         # The staged host copy must outlive the request: the handle keeps it alive.
-        return Handle(self, _op_name, request, lambda: x, Waiting.point_to_point(_op_name, dest, tag), keepalive=staged)
+        return Handle(self, _op_name, request, lambda: x, Waiting.point_to_point(_op_name, dest, tag), keepalive=staged,
+                      nbytes=x.nbytes)
 
     def irecv(self, buf, source: int, tag: int = 0, *, _op_name: str = "irecv") -> Handle:
         _require_contiguous(buf, _op_name)
         start = time.perf_counter()
         staged = _Staged(buf, self.cuda_aware, copy_in=False)
         request = self.mpi.Irecv(staged.buffer, source=source, tag=tag)
-        self.stats.add(_op_name, buf.nbytes, time.perf_counter() - start)
-        return Handle(self, _op_name, request, staged.finish, Waiting.point_to_point(_op_name, source, tag))
+        self.stats.add(_op_name, buf.nbytes, time.perf_counter() - start, start=start, peer=source, tag=tag)
+        return Handle(self, _op_name, request, staged.finish, Waiting.point_to_point(_op_name, source, tag),
+                      nbytes=buf.nbytes)
 
     # ----- pickled Python objects (separate names: never the array path) -------------
     def bcast_object(self, obj, root: int = 0):
-        return self._object_call("bcast_object", obj, lambda: self.mpi.bcast(obj, root=root))
+        return self._object_call("bcast_object", obj, lambda: self.mpi.bcast(obj, root=root), wire_of_result=True)
 
     def allgather_object(self, obj) -> list:
         return self._object_call("allgather_object", obj, lambda: self.mpi.allgather(obj))
 
     def gather_object(self, obj, root: int = 0):
-        return self._object_call("gather_object", obj, lambda: self.mpi.gather(obj, root=root))
+        return self._object_call("gather_object", obj, lambda: self.mpi.gather(obj, root=root),
+                                 sends=self.rank != root)
 
     def allreduce_object(self, obj, op: str = "sum"):
         return self._object_call("allreduce_object", obj, lambda: self.mpi.allreduce(obj, op=_reduce_op(op)))
 
     def send_object(self, obj, dest: int, tag: int = 0) -> None:
-        self._object_call("send_object", obj, lambda: self.mpi.send(obj, dest=dest, tag=tag))
+        self._object_call("send_object", obj, lambda: self.mpi.send(obj, dest=dest, tag=tag), peer=dest, tag=tag)
 
     def recv_object(self, source: int, tag: int = 0):
-        return self._object_call("recv_object", None, lambda: self.mpi.recv(source=source, tag=tag))
+        return self._object_call("recv_object", None, lambda: self.mpi.recv(source=source, tag=tag), peer=source,
+                                 tag=tag)
 
-    def _object_call(self, op: str, obj, call):
+    def _object_call(self, op: str, obj, call, *, wire_of_result: bool = False, sends: bool = True, peer: int = -1,
+                     tag: int = -1):
+        """Run ``call``; count ``obj``'s pickled size (a broadcast's wire bytes from the root's object)."""
         start = time.perf_counter()
         result = call()
         nbytes = len(pickle.dumps(obj)) if obj is not None else 0
-        self.stats.add(op, nbytes, time.perf_counter() - start)
+        wire = ring_wire_bytes(op, len(pickle.dumps(result)) if wire_of_result else nbytes, self.size) if sends else 0
+        self.stats.add(op, nbytes, time.perf_counter() - start, start=start, wire=wire, peer=peer, tag=tag)
         return result
 
     # ----- structure ----------------------------------------------------------------

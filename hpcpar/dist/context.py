@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-from .. import backend, host
+from .. import backend, host, log
 from . import nodes
 from . import topology as _topology
 from .shm import MIN_BYTES, ShmCollectives, shm_setting
@@ -171,6 +171,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
     """
     world_mpi = comm if comm is not None else MPI.COMM_WORLD
     dp, pp, tp = resolve_layout(world_mpi.Get_size(), dp, pp, tp)
+    log.ensure_configured()  # rank 0's log lines on stdout, unless the application set up its own
     device = backend.resolve_device(device)
     use_shm, shm_node_size = shm_setting(shm), nodes.node_size_setting(node_size)
 

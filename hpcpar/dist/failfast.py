@@ -34,6 +34,18 @@ class ExitStatus(Exception):
         self.code = code
 
 
+class UsageError(ExitStatus):
+    """Bad input that every rank finds alike (a missing script, a layout that does not fit):
+    the ``hpcpar`` command prints ``message`` once, on rank 0, and every rank exits 2."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def _abort(exc_type, exc, tb) -> None:
     from mpi4py import MPI
 
@@ -47,6 +59,21 @@ def _abort(exc_type, exc, tb) -> None:
         time.sleep(ABORT_GRACE_SECONDS)
         world.Abort(ABORT_EXIT_CODE)
     os._exit(ABORT_EXIT_CODE)
+
+
+def _exit_everywhere(stop: SystemExit) -> None:
+    """A non-zero exit while other ranks may wait in MPI: one line, then MPI_Abort with the code."""
+    module = sys.modules.get("mpi4py.MPI")
+    if module is None or not module.Is_initialized() or module.Is_finalized() or module.COMM_WORLD.Get_size() == 1:
+        return  # no peer can be waiting on this process through MPI: a plain exit
+    world = module.COMM_WORLD
+    code = stop.code if isinstance(stop.code, int) else ABORT_EXIT_CODE
+    reason = stop.code if isinstance(stop.code, str) else f"exit status {stop.code}"
+    sys.stdout.flush()
+    sys.stderr.write(f"hpcpar: rank {world.Get_rank()} of {world.Get_size()} exited: {reason}\n")
+    sys.stderr.flush()
+    time.sleep(ABORT_GRACE_SECONDS)
+    world.Abort(code)
 
 
 def install() -> None:
@@ -64,8 +91,10 @@ def install() -> None:
 def fail_fast():
     """``with fail_fast(): main()`` — any exception leaving the block aborts every rank.
 
-    ``SystemExit`` with code 0 passes through; a non-zero exit on one rank also aborts,
-    since the other ranks would otherwise wait for it.
+    ``ExitStatus`` (a verdict every rank reaches alike) and ``SystemExit`` pass through as
+    plain exits, without a traceback. A non-zero ``SystemExit`` once MPI runs with other ranks
+    could be one rank's alone (``sys.exit(1)`` in a script), and the others would wait for it
+    forever: that rank prints one line (not a traceback) and aborts the job with its code.
     """
     try:
         yield
@@ -73,7 +102,7 @@ def fail_fast():
         raise
     except SystemExit as stop:
         if stop.code not in (None, 0):
-            _abort(type(stop), stop, stop.__traceback__)
+            _exit_everywhere(stop)
         raise
     except BaseException:  # noqa: BLE001 - KeyboardInterrupt too: never leave peers waiting
         _abort(*sys.exc_info())
@@ -81,8 +110,8 @@ def fail_fast():
 
 def run_script(path: str, args: list[str]) -> None:
     """``hpcpar run SCRIPT.py ARGS``: run a user's script as ``__main__`` under fail-fast."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"hpcpar run: no such script {path!r}")
+    if not os.path.isfile(path):  # every rank looks alike: a usage error, not an abort
+        raise UsageError(f"hpcpar run: error: no such script {path!r}")
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     install()

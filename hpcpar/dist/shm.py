@@ -110,7 +110,7 @@ class ShmCollectives:
     def __init__(self, comm, node_color: int, min_bytes: int = MIN_BYTES, chunk_bytes: int = CHUNK_BYTES):
         self.comm, self.node_color = comm, node_color
         self.min_bytes, self.chunk_bytes = min_bytes, chunk_bytes
-        self.stats = CommStats()  # the calls that took this path
+        self.stats = CommStats(size=comm.size, name=comm.name)  # the calls that took this path
         self.usable: bool | None = None  # None until the first call that could use it
         self.node = self.cross = self.windows = None
         self._control = self._scratch = None
@@ -214,7 +214,7 @@ class ShmCollectives:
         if not in_place:
             out = np.empty_like(x) if out is None else out
             out.reshape(-1)[...] = mine
-        self._count("allreduce", x.nbytes, time.perf_counter() - start)
+        self._count("allreduce", x.nbytes, time.perf_counter() - start, start)
         return x if in_place else out
 
     def iallreduce(self, x, op: str = "sum", out=None) -> Handle | None:
@@ -227,8 +227,9 @@ class ShmCollectives:
         start = time.perf_counter()
         debug.check_collective(self.comm, "iallreduce", x)
         request = self._post(_Allreduce(self, segment, x.dtype, x.size, op))
-        self._count("iallreduce", x.nbytes, time.perf_counter() - start)
-        return Handle(self.comm, "iallreduce", request, lambda: x, self.comm._next_collective("iallreduce"))
+        self._count("iallreduce", x.nbytes, time.perf_counter() - start, start)
+        return Handle(self.comm, "iallreduce", request, lambda: x, self.comm._next_collective("iallreduce"),
+                      nbytes=x.nbytes)
 
     def reduce_scatter(self, x, op: str = "sum"):
         """This rank's block of the reduced shared buffer ``x`` (a communicator on one node)."""
@@ -242,7 +243,7 @@ class ShmCollectives:
         waiting = self.comm._next_collective("reduce_scatter")
         result = np.empty(x.size // self.size, dtype=x.dtype)
         self.comm._wait(self._post(_ReduceScatter(self, segment, x.dtype, x.size, op, result)), waiting)
-        self._count("reduce_scatter", x.nbytes, time.perf_counter() - start)
+        self._count("reduce_scatter", x.nbytes, time.perf_counter() - start, start)
         return result.reshape((x.shape[0] // self.size,) + x.shape[1:])
 
     def allgather(self, x, out):
@@ -256,12 +257,12 @@ class ShmCollectives:
         debug.check_collective(self.comm, "allgather", x)
         waiting = self.comm._next_collective("allgather")
         self.comm._wait(self._post(_Allgather(self, segment, out.dtype, out.size, x)), waiting)
-        self._count("allgather", x.nbytes, time.perf_counter() - start)
+        self._count("allgather", x.nbytes, time.perf_counter() - start, start)
         return out
 
-    def _count(self, name: str, nbytes: int, seconds: float) -> None:
-        self.comm.stats.add(name, nbytes, seconds)
-        self.stats.add(name, nbytes, seconds)
+    def _count(self, name: str, nbytes: int, seconds: float, start: float) -> None:
+        self.comm.stats.add(name, nbytes, seconds, start=start)
+        self.stats.add(name, nbytes, seconds, start=start)
 
     # ----- flags: posting, progress, completion ------------------------------------------
     def _post(self, op) -> "_Request":

@@ -93,6 +93,7 @@ from ..autograd import Parameter
 from ..backend import get_array_module, to_device
 from ..dist.comm import Communicator, wait_all
 from ..dist.context import init
+from ..dist.trace import NO_TRACE
 from ..dist.waiting import YIELD_SLEEP_S
 from ..optim.amp import all_finite, scaled_backward
 from ..optim.clip import clip_arrays
@@ -160,6 +161,7 @@ class ParameterServer(Checkpointable):
         self.params = [p for _, p in named]
         self.world_ctx = ctx  # checkpoints are collective over the whole world, servers included
         self.on_save = None  # on servers: on_save(step) writes this rank's part when the workers ask
+        self.trace = NO_TRACE  # a Tracer records a server's rounds (and a worker's calls, through its communicators)
         self.numel = sum(p.size for p in self.params)
         if self.numel < servers:
             raise ValueError(f"ParameterServer: {self.numel} parameters cannot be split over {servers} servers")
@@ -305,31 +307,37 @@ class ParameterServer(Checkpointable):
         if self.is_worker or self._stopped:
             return
         loop = _ServerLoop(self)
+        rounds = itertools.count(1)  # a round: answer every worker whose message is there
         while loop.active:
             ready = loop.ready_workers()
             if not ready:
                 loop.idle()
                 continue
-            for w in ready:
-                loop.take_message(w)
-            loop.apply_synchronous_round()
-            loop.answer_pulls()
-            loop.save_when_everyone_asked()
+            with self.trace.step(next(rounds), "round"):
+                for w in ready:
+                    loop.take_message(w)
+                loop.apply_synchronous_round()
+                loop.answer_pulls()
+                loop.save_when_everyone_asked()
         loop.send_final_parameters()
         self._stopped = True
 
     def _apply(self, grad, lr: float, contributions: list[tuple]) -> None:
         """One optimizer step on the shard with ``grad``; log one record per contributing push."""
+        with self.trace.span("optimizer", "optimizer", pushes=len(contributions)):
+            self._step_shard(grad, lr)
+        for worker, step, version_read, lead in contributions:
+            self.update_log.append(UpdateRecord(worker, step, version_read, self.version + 1,
+                                                self.version - version_read, lead))
+        self.version += 1
+
+    def _step_shard(self, grad, lr: float) -> None:
         self.shard.grad = grad
         if self.max_grad_norm and self.synchronous:  # the norm of the averaged gradient over all servers
             clip_arrays([self.shard.grad], self.max_grad_norm, allreduce_sum=self._sum_over_servers)
         self.optimizer.lr = lr
         self.optimizer.step()
         self.shard.grad = None
-        for worker, step, version_read, lead in contributions:
-            self.update_log.append(UpdateRecord(worker, step, version_read, self.version + 1,
-                                                self.version - version_read, lead))
-        self.version += 1
 
     def _sum_over_servers(self, value: float) -> float:
         if self.server_comm.size == 1:

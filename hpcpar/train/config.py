@@ -21,10 +21,10 @@ before any rank waits on another:
 Every problem is reported in one ``JobError`` (a ValueError) naming the file, the key
 (``parallel.tp``), the numbers and the fix; all problems of a step are listed at once.
 
-Paths (``data.path``, ``train.metrics``, ``train.trace``, ``checkpoint.dir``) are relative
-to the current folder — where ``hpcpar train``, ``mpiexec`` or ``sbatch`` is started, as
-for ``hpcpar data prepare --out`` — not to the job file's folder; ``{job}`` in them becomes
-the job file's name without ``.toml`` (``runs/{job}/metrics.jsonl``).
+Paths (``data.path``, ``train.metrics``, ``train.trace``, ``train.tensorboard``,
+``checkpoint.dir``) are relative to the current folder — where ``hpcpar train``, ``mpiexec``
+or ``sbatch`` is started, as for ``hpcpar data prepare --out`` — not to the job file's folder;
+``{job}`` in them becomes the job file's name without ``.toml`` (``runs/{job}/metrics.jsonl``).
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from .. import defaults
 from ..parallel.compression import COMPRESSORS
 from ..parallel.pipeline.partition import PARTITION_METHODS
 from ..parallel.pipeline.schedules import SCHEDULES
+from . import tensorboard
 
 try:  # Python >= 3.11
     import tomllib
@@ -281,7 +282,12 @@ class TrainSection:
                           choices=("fp32", "fp16", "bf16", "fp64"))
     device: str = _key("auto", STRING, "auto = cuda when a GPU is usable", choices=("auto", "cpu", "cuda"))
     metrics: str = _key("runs/{job}/metrics.jsonl", STRING, "JSONL metrics file (written by rank 0)")
-    trace: str | None = _key(None, STRING, "Chrome trace file of the steps; unset = no trace")
+    trace: str | None = _key(None, STRING, "one Chrome/Perfetto trace-event JSON of every rank's steps "
+                             "(spans of forward, backward, optimizer, communication; clocks aligned); unset = none")
+    trace_steps: int = _key(5, INTEGER, "steps kept in the trace: the first N and the last N", check=at_least(1))
+    tensorboard: str | None = _key(None, STRING, "folder for TensorBoard event files of the metrics; unset = none",
+                                   check=Check("set only where tensorboardX is installed "
+                                               "(pip install 'hpcpar[tensorboard]')", lambda v: tensorboard.available()))
     sample_tokens: int = _key(0, INTEGER, "tokens sampled from the model after training", check=at_least(0),
                               applies=GPT_ONLY)
     max_seconds: float | None = _key(None, NUMBER, "stop (and checkpoint) after this long; unset = no limit",
@@ -300,7 +306,7 @@ class CheckpointSection:
 SECTIONS = {"model": ModelSection, "data": DataSection, "parallel": ParallelSection,
             "optimizer": OptimizerSection, "lr_schedule": LRScheduleSection, "train": TrainSection,
             "checkpoint": CheckpointSection}
-PATH_KEYS = ("data.path", "train.metrics", "train.trace", "checkpoint.dir")
+PATH_KEYS = ("data.path", "train.metrics", "train.trace", "train.tensorboard", "checkpoint.dir")
 DEPRECATED_SECTIONS = {"schedule": "lr_schedule"}  # old name -> new name, read with a notice for one release
 
 

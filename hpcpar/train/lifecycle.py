@@ -13,9 +13,10 @@ import time
 
 import numpy as np
 
-from .. import checkpoint
+from .. import checkpoint, log
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+logger = log.get_logger(__name__)
 
 
 class StopRequest:
@@ -72,6 +73,13 @@ def requeue_if_slurm(run, stop: StopRequest) -> None:
         return
     run.ctx.world.barrier()  # requeueing ends the job at once: every rank must be done first
     if run.ctx.rank == 0:
+        # Requeueing ends this run by force and the launcher says so in words that look like a
+        # failure: the line before tells the user they are expected.
+        logger.info(f"requeueing SLURM job {job_id}: the checkpoint is saved and the requeued job resumes from it; "
+                    f"lines that follow such as '*** JOB {job_id} ON ... CANCELLED AT ... DUE TO JOB REQUEUE ***' "
+                    f"(srun) or 'BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES' (mpiexec) are expected")
         result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
-        print(f"requeue of SLURM job {job_id}: " + ("requested" if result.returncode == 0 else result.stderr.strip()),
-              flush=True)
+        if result.returncode == 0:
+            logger.info(f"requeue of SLURM job {job_id}: requested")
+        else:
+            logger.warning(f"requeue of SLURM job {job_id}: {result.stderr.strip()}")

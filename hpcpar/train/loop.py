@@ -13,96 +13,160 @@ signal or ``train.max_seconds`` ends the run at a step boundary with a checkpoin
 """
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 
 import numpy as np
 
-from .. import checkpoint
+from .. import checkpoint, log as logs
 from ..dist.context import init
 from ..dist.topology import PlacementWarning
+from ..dist.trace import Tracer
 from .build import Run, build
 from .config import Job
 from .evaluate import evaluate, sample_text
 from .lifecycle import StopRequest, load_latest, requeue_if_slurm, save_checkpoint, stop_reason
 from .report import Logger, peak_memory_mb
 
+logger = logs.get_logger(__name__)
 
-def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None) -> dict:
+
+def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None, progress: str = "auto") -> dict:
     """Train ``job`` on every rank of the world; returns the last logged metrics (on every trainer).
 
-    ``resume`` overrides ``checkpoint.resume``; ``stop`` is the signal catcher
-    (one is installed when not given).
+    ``resume`` overrides ``checkpoint.resume``; ``stop`` is the signal catcher (one is installed
+    when not given); ``progress`` is how rank 0 shows it: auto, bar, log or none (``Progress``).
     """
     stop = stop or StopRequest()
-    run = start(job)
-    if not run.trains:  # a parameter server: loads with the workers, serves until each has stopped
-        load_latest(run, resume)
-        run.strategy.serve(lambda step: save_checkpoint(run, step, final=True))
-        return {}
-    log = Logger(job, run.ctx, job.train.steps)
-    info = load_latest(run, resume)
-    if info is not None:
-        log.line(f"resumed from {info['step_dir']} (written by layout {info['layout']})")
-    step = start_step = info["step"] if info is not None else 0
-    last, reason, began = {"step": step}, None, time.perf_counter()
-    while step < job.train.steps and reason is None:
-        started = time.perf_counter()
-        inputs, targets = run.train_data.batch_at(step)
-        run.train_data.step = step + 1
+    ctx = start_context(job)
+    with Logger(job, ctx, job.train.steps, progress) as log:  # first: with a bar, every line goes above it
+        describe(job, ctx)
+        run = build(job, ctx)
+        tracer = start_trace(run)
+        if not run.trains:  # a parameter server: loads with the workers, serves until each has stopped
+            load_latest(run, resume)
+            run.strategy.serve(lambda step: save_checkpoint(run, step, final=True))
+            finish_trace(run, tracer, log)
+            return {}
+        info = load_latest(run, resume)
+        if info is not None:
+            log.line(f"resumed from {info['step_dir']} (written by layout {info['layout']})")
+        step = start_step = info["step"] if info is not None else 0
+        log.begin(run.ctx, start_step, info["step_dir"] if info is not None else None)
+        last, reason, began = {"step": step}, None, time.perf_counter()
+        while step < job.train.steps and reason is None:
+            started = time.perf_counter()
+            loss, lr = train_one_step(run, step)
+            step += 1
+            last = report_step(run, log, step, start_step, loss, lr, time.perf_counter() - started) or last
+            between_steps(run, log, step)
+            reason = stop_reason(run, stop, began)
+
+        def save_final():
+            log.line(f"checkpoint {save_checkpoint(run, step, final=True)}")
+        run.strategy.finish_training(save_final if step > start_step or reason else None)
+        checkpoint.wait()
+        finish_trace(run, tracer, log)
+        if reason is not None:
+            log.line(f"stopped at step {step} ({reason}); checkpoint saved")
+            log.close()  # requeueing ends the job at once
+            requeue_if_slurm(run, stop)
+            return {**last, "stopped": reason}
+        log.progress.close()  # the bar ends before the last lines: they follow it
+        return {**last, **final_report(run, step, log)}
+
+
+def train_one_step(run: Run, step: int) -> tuple[float, float]:
+    """Step ``step`` (counted from 0): the strategy's step and finish, the LR schedule; (loss, lr)."""
+    inputs, targets = run.train_data.batch_at(step)
+    run.train_data.step = step + 1
+    trace = run.strategy.trace
+    with trace.step(step + 1):
         loss = run.strategy.train_step(inputs, targets)
-        run.strategy.finish_step(job.optimizer.grad_clip, loss)
-        lr = run.strategy.optimizer.lr
-        run.lr_schedule.step()
-        step += 1
-        if step % job.train.log_interval == 0 or step in (job.train.steps, start_step + 1):
-            last = step_record(run, step, loss, lr, time.perf_counter() - started)
-            log.step(last)
-        if job.train.eval_interval and step % job.train.eval_interval == 0 and step < job.train.steps:
-            metrics = evaluate(run)
-            log.record({"step": step, **metrics})
-            log.line(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        interval = job.checkpoint.interval
-        if interval and step % interval == 0 and step < job.train.steps and run.strategy.checkpoint_allowed(step):
-            save_checkpoint(run, step)
-        reason = stop_reason(run, stop, began)
-
-    def save_final():
-        log.line(f"checkpoint {save_checkpoint(run, step, final=True)}")
-    run.strategy.finish_training(save_final if step > start_step or reason else None)
-    checkpoint.wait()
-    if reason is not None:
-        log.line(f"stopped at step {step} ({reason}); checkpoint saved")
-        requeue_if_slurm(run, stop)
-        return {**last, "stopped": reason}
-    return {**last, **final_report(run, step, log)}
+        with trace.span("optimizer", "optimizer"):  # clip and step; the exchange of ps and local SGD
+            run.strategy.finish_step(run.job.optimizer.grad_clip, loss)
+    lr = run.strategy.optimizer.lr
+    run.lr_schedule.step()
+    return loss, lr
 
 
-def start(job: Job) -> Run:
-    """The context and the run; rank 0 prints the resolved job, the grid and the placement."""
+def tokens_per_step(job: Job) -> int:
+    return job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
+
+
+def report_step(run: Run, log: Logger, step: int, start_step: int, loss: float, lr: float,
+                seconds: float) -> dict | None:
+    """After ``step``: at a log interval (and the run's first and last step) its metrics record,
+    returned (collective); the progress display moves on every step, with the dp-mean loss when
+    a bar shows it (collective too: rank 0 asked for it at ``Logger.begin``)."""
+    record = None
+    if step % run.job.train.log_interval == 0 or step in (run.job.train.steps, start_step + 1):
+        record = step_record(run, step, loss, lr, seconds)
+        log.step(record)
+        loss = record["loss"]
+    elif log.every_loss:
+        loss = float(run.ctx.dp.allreduce(np.array([loss]), "mean")[0])
+    log.progress.step(step, loss, tokens_per_step(run.job), seconds)
+    return record
+
+
+def between_steps(run: Run, log: Logger, step: int) -> None:
+    """Evaluation and the periodic checkpoint when ``step`` is due for them (collective); both logged."""
+    job = run.job
+    if job.train.eval_interval and step % job.train.eval_interval == 0 and step < job.train.steps:
+        metrics = evaluate(run)
+        log.record({"step": step, **metrics})
+        log.line(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    interval = job.checkpoint.interval
+    if interval and step % interval == 0 and step < job.train.steps and run.strategy.checkpoint_allowed(step):
+        log.line(f"checkpoint {save_checkpoint(run, step)}")
+
+
+def start_context(job: Job):
+    """The context of the job's grid (a parameter-server job's grid holds the workers; the
+    servers come from the same world)."""
     p = job.parallel
-    with warnings.catch_warnings():  # the placement report below carries the warning
+    with warnings.catch_warnings():  # the placement report (describe) carries the warning
         warnings.simplefilter("ignore", PlacementWarning)
-        # A parameter-server job's grid holds the workers: the servers come from the same world.
-        ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device, shm=p.shm,
-                   node_size=p.node_size)
+        return init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device, shm=p.shm,
+                    node_size=p.node_size)
+
+
+def describe(job: Job, ctx) -> None:
+    """Rank 0 logs the resolved job, the grid and the placement (and notices about the job file)."""
     if ctx.rank == 0:
         for notice in job.notices:
-            print(f"hpcpar train: notice: {notice}", file=sys.stderr, flush=True)
-        print(job.describe(), flush=True)
-        print(ctx.grid_table(), flush=True)
-        print(ctx.placement_report(), flush=True)
-        print(f"shared-memory collectives: {ctx.shm_description()}", flush=True)
-    return build(job, ctx)
+            logger.warning(notice)
+        logger.info(job.describe())
+        logger.info(ctx.grid_table())
+        logger.info(ctx.placement_report())
+        logger.info(f"shared-memory collectives: {ctx.shm_description()}")
+
+
+def start_trace(run: Run) -> Tracer | None:
+    """With ``train.trace``: every rank records its spans, clocks measured against rank 0 (collective)."""
+    if not run.job.train.trace:
+        return None
+    tracer = Tracer(run.strategy.world_ctx.world, steps=run.job.train.trace_steps)
+    run.strategy.use_trace(tracer)
+    return tracer
+
+
+def finish_trace(run: Run, tracer: Tracer | None, log: Logger) -> None:
+    """Write the trace of every rank into ``train.trace`` (collective)."""
+    if tracer is None:
+        return
+    tracer.close()
+    path = tracer.write(run.job.train.trace)
+    if path is not None:
+        log.line(f"trace of every rank: {path} (open it in https://ui.perfetto.dev)")
 
 
 def step_record(run, step: int, loss: float, lr: float, step_s: float) -> dict:
     """The metrics of a logged step: the loss averaged over dp, peak memory of every rank (collective)."""
     stats, ctx = run.strategy.stats, run.ctx
-    tokens = run.job.data.batch_size * (run.job.model.block_size if run.job.model.kind == "gpt" else 1)
     return {"step": step, "loss": float(ctx.dp.allreduce(np.array([loss]), "mean")[0]), "lr": lr,
-            "tokens_per_s": tokens / step_s, "step_s": step_s, "compute_s": stats.get("compute_s", 0.0),
+            "tokens_per_s": tokens_per_step(run.job) / step_s, "step_s": step_s, "compute_s": stats.get("compute_s", 0.0),
             "comm_s": stats.get("comm_s", 0.0), "idle_s": stats.get("idle_s", 0.0),
             "peak_mem_mb": ctx.world.allgather_object(round(peak_memory_mb(), 1)), "time": time.time(),
             **({"skipped_steps": stats["skipped_steps"]} if "skipped_steps" in stats else {})}
@@ -115,5 +179,6 @@ def final_report(run, step: int, log: Logger) -> dict:
     log.line(", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) + f" after {step} steps")
     if run.job.model.kind == "gpt" and run.job.train.sample_tokens:
         text = sample_text(run, run.job.train.sample_tokens)
-        log.line("--- sampled from the model ---\n" + text + "\n------------------------------")
+        if run.ctx.rank == 0:  # the command's output, not a log line
+            print("--- sampled from the model ---\n" + text + "\n------------------------------", flush=True)
     return metrics

@@ -1,10 +1,15 @@
-"""What rank 0 tells the user during training: step lines, the metrics file, peak memory."""
+"""What rank 0 tells the user during training: log lines, progress, the metrics file, peak memory."""
 from __future__ import annotations
 
 import json
 import os
 import resource
-import sys
+import time
+
+from .. import log
+from .progress import Progress
+
+logger = log.get_logger(__name__)
 
 
 def peak_memory_mb() -> float:
@@ -19,42 +24,67 @@ def peak_memory_mb() -> float:
 
 
 class Logger:
-    """Rank 0's console and JSONL output."""
+    """Rank 0's output of a run: log lines, the progress display, the metrics file, TensorBoard.
 
-    def __init__(self, job, ctx, total_steps: int):
+    Lines go through ``hpcpar.log`` (rank 0 by default, ``--log-ranks``); progress is a live bar
+    or lines with elapsed time and ETA (``progress.Progress``); records are appended to
+    ``train.metrics`` (JSONL) and, with ``train.tensorboard``, written as TensorBoard scalars.
+    A run's first record, ``{"event": "start", ...}``, names the job, its layout and throughput
+    unit, so that ``hpcpar plot`` can tell runs and resumed segments apart.
+    """
+
+    def __init__(self, job, ctx, total_steps: int, progress: str = "auto"):
         self.rank0 = ctx.rank == 0
-        self.total = total_steps
+        self.job, self.total = job, total_steps
         self.unit = "tok" if job.model.kind == "gpt" else "img"
-        self.tty = sys.stdout.isatty()
         self.path = job.train.metrics
         if self.rank0 and self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self.tensorboard = None
+        if self.rank0 and job.train.tensorboard:
+            from .tensorboard import TensorBoardWriter
+
+            self.tensorboard = TensorBoardWriter(job.train.tensorboard)
+        self.progress = Progress(progress, total_steps, self.unit, show=self.rank0)
+        self.every_loss = False  # set by begin: whether rank 0 shows a bar
+
+    def begin(self, ctx, start_step: int, resumed_from: str | None) -> None:
+        """The run's start record, and the progress display from ``start_step`` on."""
+        name = os.path.splitext(os.path.basename(self.job.source))[0]
+        self.record({"event": "start", "step": start_step, "job": name, "layout": ctx.layout,
+                     "unit": "tokens" if self.unit == "tok" else "images", "resumed_from": resumed_from,
+                     "time": time.time()})
+        self.progress.begin(start_step)
+        self.every_loss = ctx.world.bcast_object(self.progress.live, root=0)  # a bar shows every step's loss
 
     def record(self, entry: dict) -> None:
         if self.rank0 and self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.record(entry)
 
     def line(self, text: str) -> None:
-        if self.rank0:
-            print(text, flush=True)
+        logger.info(text)
 
     def step(self, entry: dict) -> None:
-        """One step's record: to the metrics file and as a progress line."""
+        """A logged step's record: to the metrics file, and a progress line in log mode."""
         self.record(entry)
-        self.progress(entry["step"], f"step {entry['step']:>5}/{self.total}  loss {entry['loss']:.4f}  "
-                                     f"lr {entry['lr']:.2e}  {entry['tokens_per_s']:,.0f} {self.unit}/s  step "
-                                     f"{1e3 * entry['step_s']:.0f} ms = compute {1e3 * entry['compute_s']:.0f} + "
-                                     f"comm {1e3 * entry['comm_s']:.0f} + idle {1e3 * entry['idle_s']:.0f}  "
-                                     f"mem {max(entry['peak_mem_mb']):.0f} MB")
+        self.progress.line(entry["step"], f"step {entry['step']:>5}/{self.total}  loss {entry['loss']:.4f}  "
+                                          f"lr {entry['lr']:.2e}  {entry['tokens_per_s']:,.0f} {self.unit}/s  step "
+                                          f"{1e3 * entry['step_s']:.0f} ms = compute {1e3 * entry['compute_s']:.0f} + "
+                                          f"comm {1e3 * entry['comm_s']:.0f} + idle {1e3 * entry['idle_s']:.0f}  "
+                                          f"mem {max(entry['peak_mem_mb']):.0f} MB")
 
-    def progress(self, step: int, text: str) -> None:
-        if not self.rank0:
-            return
-        if self.tty:
-            done = int(30 * step / self.total)
-            print(f"\r[{'#' * done}{'.' * (30 - done)}] {text}", end="", flush=True)
-            if step >= self.total:
-                print(flush=True)
-        else:
-            print(text, flush=True)
+    def close(self) -> None:
+        """The bar ends, the console is the console again, TensorBoard's file is closed (twice is fine)."""
+        self.progress.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
+    def __enter__(self) -> "Logger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -26,7 +26,6 @@ embedding) are summed between those ranks, then averaged over the dp group.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 
 import numpy as np
@@ -37,6 +36,7 @@ from ...autograd import Tensor, no_grad
 from ...autograd.deferred import deferred_weight_grads
 from ...backend import get_array_module
 from ...dist.comm import Communicator
+from ...dist.trace import Tracer
 from ...state import ParameterHolder
 from ..data import DistributedDataParallel
 from ..sequence import sync_sequence_parallel_grads
@@ -341,22 +341,13 @@ class PipelineParallel(ParameterHolder):
         return outputs if last in self.stage_layers else None
 
     # ----- observability --------------------------------------------------------------
-    def trace_events(self) -> list:
-        """This rank's last step as Chrome trace events (microseconds from the step's start)."""
-        origin = self.stats.get("step_start", 0.0)
-        return [{"name": name, "ph": "X", "pid": 0, "tid": self.ctx.rank, "ts": (start - origin) * 1e6,
-                 "dur": (end - start) * 1e6, "cat": name.rstrip("0123456789@s<->").split("@")[0] or name}
-                for name, start, end in self.trace]
-
     def write_trace(self, path: str) -> None:
-        """Gather every rank's events and write one Chrome trace JSON (opens in Perfetto); collective."""
-        everyone = self.ctx.world.gather_object(self.trace_events())
-        if self.ctx.rank == 0:
-            events = [e for rank_events in everyone for e in rank_events]
-            events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-                       for r in range(self.ctx.world_size)]
-            with open(path, "w") as f:
-                json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        """The last step of every rank as one Chrome trace (opens in Perfetto), on rank 0's clock;
+        collective. ``hpcpar.dist.trace.Tracer`` records whole runs (``train.trace``)."""
+        tracer = Tracer(self.ctx.world, steps=1)
+        end = self.trace[-1][2] if self.trace else self.stats.get("step_start", 0.0)
+        tracer.add_recorded_step(0, self.stats.get("step_start", end), end, self.trace)
+        tracer.write(path)
 
 
 def _named(layer):

@@ -34,7 +34,7 @@ class AllReduce(SynchronousStrategy):
         start = time.perf_counter()
         comm_before = self.ctx.tp.stats.total_seconds + (self.ddp.sync_seconds if self.ddp else 0.0)
         loss = accumulate_gradients(self.model, inputs, targets, self.job.parallel.micro_batches,
-                                    self.precision.backward, self.ddp.no_sync if self.ddp else None)
+                                    self.precision.backward, self.ddp.no_sync if self.ddp else None, self.trace)
         if self.ddp is not None:
             self.ddp.finish_grad_sync()
         sync_sequence_parallel_grads(self.model.named_parameters(), self.ctx.tp)

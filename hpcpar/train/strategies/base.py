@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 
 from ... import checkpoint
 from ..config import JobError
+from ...dist.trace import NO_TRACE
 
 
 def split_rows(batch, parts: int) -> list:
@@ -34,20 +35,24 @@ def split_rows(batch, parts: int) -> list:
     return [batch[k * size:(k + 1) * size] for k in range(parts)]
 
 
-def accumulate_gradients(model, inputs, targets, micro_batches: int, backward, no_sync=None) -> float:
+def accumulate_gradients(model, inputs, targets, micro_batches: int, backward, no_sync=None,
+                         trace=NO_TRACE) -> float:
     """Forward and backward of ``micro_batches`` slices of the rows, gradients summed; the mean loss.
 
     ``no_sync()`` (DDP's) wraps every backward but the last, so the all-reduce runs once.
+    ``trace`` records a forward and a backward span per slice.
     """
     total = 0.0
     pieces = list(zip(split_rows(inputs, micro_batches), split_rows(targets, micro_batches)))
     for k, (x, y) in enumerate(pieces):
-        loss = model.loss(x, y) * (1.0 / micro_batches)
-        if no_sync is not None and k < len(pieces) - 1:
-            with no_sync():
+        with trace.span("forward", "forward", micro=k):
+            loss = model.loss(x, y) * (1.0 / micro_batches)
+        with trace.span("backward", "backward", micro=k):
+            if no_sync is not None and k < len(pieces) - 1:
+                with no_sync():
+                    backward(loss)
+            else:
                 backward(loss)
-        else:
-            backward(loss)
         total += loss.item()
     return total
 
@@ -57,6 +62,7 @@ class Strategy(ABC):
 
     name: str = ""
     trains: bool = True  # False on ranks that only serve (parameter servers)
+    trace = NO_TRACE  # a Tracer when the job writes one (use_trace)
 
     def __init__(self, job, ctx, model):
         self.job, self.ctx, self.model = job, ctx, model
@@ -84,7 +90,8 @@ class Strategy(ABC):
     def local_train_step(self, inputs, targets, backward) -> float:
         """Forward and backward with no gradient exchange (the exchange is the step's finish)."""
         start = time.perf_counter()
-        loss = accumulate_gradients(self.model, inputs, targets, self.job.parallel.micro_batches, backward)
+        loss = accumulate_gradients(self.model, inputs, targets, self.job.parallel.micro_batches, backward,
+                                    trace=self.trace)
         elapsed = time.perf_counter() - start
         self.stats = {"step_s": elapsed, "compute_s": elapsed, "comm_s": 0.0, "idle_s": 0.0}
         return loss
@@ -103,6 +110,17 @@ class Strategy(ABC):
 
     def describe(self) -> str:
         return self.name
+
+    # ----- observability ----------------------------------------------------------------
+    def communicators(self) -> list:
+        """Every communicator this rank's strategy talks on (what a trace watches)."""
+        contexts = [self.world_ctx] + ([self.ctx] if self.ctx is not None else [])
+        return list({id(c): c for ctx in contexts for c in ctx.communicators().values()}.values())
+
+    def use_trace(self, tracer) -> None:
+        """Record this rank's spans (forward, backward, communication) in ``tracer``."""
+        self.trace = tracer
+        tracer.watch(self.communicators())
 
     # ----- checkpoints ----------------------------------------------------------------
     @abstractmethod

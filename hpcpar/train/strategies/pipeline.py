@@ -30,6 +30,7 @@ class Pipeline(SynchronousStrategy):
     def train_step(self, inputs, targets) -> float:
         tp_before = self.ctx.tp.stats.total_seconds
         loss = self.pipe.train_step(inputs, targets)
+        self.trace.add_actions(self.pipe.trace)  # F, B, W, sends and receives, as the schedule ran them
         s = self.pipe.stats
         tp = self.ctx.tp.stats.total_seconds - tp_before
         self.stats = {"step_s": s["step_s"], "compute_s": s["compute_s"] - tp, "comm_s": s["comm_s"] + tp,

@@ -79,6 +79,13 @@ class ParameterServerStrategy(Strategy):
         self.ps.save_checkpoint(step, lambda: written.append(write()))
         return written[0]
 
+    def communicators(self) -> list:
+        return super().communicators() + [c for c in (self.ps.comm, self.ps.server_comm) if c is not None]
+
+    def use_trace(self, tracer) -> None:
+        super().use_trace(tracer)
+        self.ps.trace = tracer  # a server's rounds and updates
+
     def serve(self, save_step) -> None:
         self.ps.on_save = save_step  # when the workers ask
         self.ps.serve()

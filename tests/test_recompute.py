@@ -410,3 +410,28 @@ def test_bytes_kept_per_block_on_a_tensor_parallel_rank_equal_the_formula(world,
                 got = kept_per_block(mode, dtype, 0.1, 2, CONFIG, ctx.tp, sequence_parallel)
                 assert got == want, (mode, np.dtype(dtype).name, tp, sequence_parallel)
     world.Barrier()
+
+
+def test_the_rerun_runs_inside_the_context_made_at_forward_time():
+    """State a region reads that is gone by backward (a context variable) is re-entered for the rerun."""
+    import contextlib
+    import contextvars
+
+    factor = contextvars.ContextVar("factor", default=1.0)
+
+    @contextlib.contextmanager
+    def use(value):
+        token = factor.set(value)
+        try:
+            yield
+        finally:
+            factor.reset(token)
+
+    def region(x):
+        return ops.tanh(x * factor.get())
+
+    x = Tensor(np.linspace(-1, 1, 5), requires_grad=True)
+    with use(3.0):
+        y = recompute(region, x, context=use(factor.get()))
+    y.sum().backward()
+    np.testing.assert_allclose(x.grad, 3.0 * (1 - np.tanh(3.0 * x.data) ** 2), rtol=1e-14)

@@ -17,9 +17,13 @@ recomputation happens in B, the W action runs the deferred GEMMs of the rerun gr
 
 ``params`` matters only when no input needs a gradient: the output still does if a parameter
 inside the region does. ``random`` lists NumPy Generators, or objects with ``get_state()`` and
-``set_state(state)`` (NumPy's RandomState, or a keyed dropout's context).
+``set_state(state)`` (NumPy's RandomState). ``context`` is for state the region reads that is
+gone by backward without being random: a context manager, made when the forward runs, that the
+rerun runs inside (e.g. one that re-enters a context variable's value at forward time).
 """
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
@@ -27,11 +31,11 @@ from . import memory
 from .function import Function, enable_grad, is_grad_enabled, no_grad
 
 
-def recompute(function, *inputs, params=(), random=()):
+def recompute(function, *inputs, params=(), random=(), context=None):
     """``function(*inputs)`` (one Tensor out), keeping only ``inputs`` for backward; see the module."""
     if not is_grad_enabled():
         return function(*inputs)
-    return Recompute.run(function, inputs, params, random)
+    return Recompute.run(function, inputs, params, random, context)
 
 
 def _state(source):
@@ -57,13 +61,14 @@ class Recompute(Function):
     op = "recompute"
 
     @classmethod
-    def run(cls, function, inputs, params, random):
+    def run(cls, function, inputs, params, random, context=None):
         from .tensor import Tensor
 
         if not all(isinstance(x, Tensor) for x in inputs):
             raise TypeError("recompute: the inputs of a recomputed region must be Tensors")
         fn = cls()
         fn.function, fn.random = function, tuple(random)
+        fn.context = context if context is not None else contextlib.nullcontext()
         fn.states = [(source, _state(source)) for source in fn.random]  # before the region draws
         data = fn.forward(*inputs)
         out = Tensor(data)
@@ -89,7 +94,7 @@ class Recompute(Function):
         now = [(source, _state(source)) for source, _ in self.states]
         _restore(self.states)
         try:
-            with enable_grad():
+            with self.context, enable_grad():
                 out = self.function(*leaves)
         finally:
             _restore(now)  # the stream goes on from where the forward passes left it

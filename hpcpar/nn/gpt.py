@@ -156,8 +156,9 @@ def random_sources(module) -> list:
     region restores them, so its rerun draws the masks of its first run."""
     sources = {}
     for _, layer in module.named_modules():
-        if isinstance(layer, (Dropout, HeadDropout)) and layer.training and layer.p > 0 and layer.rng is not None:
-            sources.setdefault(id(layer.rng), layer.rng)
+        rng = getattr(layer, "rng", None)
+        if isinstance(layer, (Dropout, HeadDropout)) and layer.training and layer.p > 0 and rng is not None:
+            sources.setdefault(id(rng), rng)
     return list(sources.values())
 
 

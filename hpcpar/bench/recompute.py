@@ -75,7 +75,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp64", "fp32", "bf16", "fp16"],
                         help="the model's dtype (no optimizer runs: forward and backward only)")
     parser.add_argument("--steps", type=int, default=10, help="timed forward+backward passes per mode; medians")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed passes per mode first")
     parser.set_defaults(func=run)
 
 

@@ -14,7 +14,7 @@ from hpcpar.autograd import Parameter, Tensor, ops
 from hpcpar.autograd.deferred import deferred_weight_grads
 from hpcpar.autograd.memory import kept_for_backward
 from hpcpar.autograd.recompute import recompute
-from hpcpar.nn.activation_memory import block_kept_bytes
+from hpcpar.nn.activation_memory import block_kept_bytes, embedding_kept_bytes, head_kept_bytes
 from hpcpar.nn.gpt import GPT, RECOMPUTE, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=4, n_embd=16, dropout=0.1, seed=5)
@@ -183,6 +183,33 @@ def test_bytes_kept_per_block_equal_the_formula(mode, shape):
         for dropout in (0.0, 0.1):
             want = block_kept_bytes(rows, seq, width, heads, dtype=dtype, recompute=mode, dropout=dropout)
             assert kept_per_block(mode, dtype, dropout, rows, config) == want, (np.dtype(dtype).name, dropout)
+
+
+def whole_graph_bytes(config, dtype, mode, rows, tp=None, sequence_parallel=False):
+    model = GPT(config, dtype, tp=tp)
+    model.sequence_parallel = sequence_parallel
+    model.recompute = mode
+    rng = np.random.default_rng(0)
+    ids, targets = (np.ascontiguousarray(rng.integers(0, config.vocab_size, (rows, config.block_size))) for _ in "it")
+    with kept_for_backward(model.parameters()) as kept:
+        model.loss(ids, targets)
+    return kept.bytes
+
+
+def formula_bytes(config, dtype, mode, rows, tp=1, sequence_parallel=False):
+    """Embedding + n_layer blocks + head by the formulas."""
+    shape = dict(dtype=dtype, tp=tp, sequence_parallel=sequence_parallel)
+    block = block_kept_bytes(rows, config.block_size, config.n_embd, config.n_head, recompute=mode,
+                             dropout=config.dropout, **shape)
+    return (embedding_kept_bytes(rows, config.block_size, config.n_embd, dropout=config.dropout, **shape)
+            + config.n_layer * block + head_kept_bytes(rows, config.block_size, config.n_embd, config.vocab_size, **shape))
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE)
+def test_the_whole_graph_is_embedding_blocks_and_head_by_the_formulas(mode):
+    for dtype in dtypes():
+        for config in (CONFIG, GPTConfig(vocab_size=32, block_size=16, n_layer=3, n_head=2, n_embd=32, tie_weights=False)):
+            assert whole_graph_bytes(config, dtype, mode, 3) == formula_bytes(config, dtype, mode, 3), np.dtype(dtype).name
 
 
 def test_recomputation_saves_what_the_formula_says():
@@ -399,7 +426,7 @@ def test_full_recomputation_reissues_each_blocks_forward_tp_communication_and_se
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_bytes_kept_per_block_on_a_tensor_parallel_rank_equal_the_formula(world, sequence_parallel):
+def test_bytes_kept_on_a_tensor_parallel_rank_equal_the_formulas(world, sequence_parallel):
     tp = 4 if world.Get_size() >= 4 else 2
     ctx = layout_context(world, 1, 1, tp)
     if ctx is not None:
@@ -409,6 +436,8 @@ def test_bytes_kept_per_block_on_a_tensor_parallel_rank_equal_the_formula(world,
                                         sequence_parallel=sequence_parallel, recompute=mode, dropout=0.1)
                 got = kept_per_block(mode, dtype, 0.1, 2, CONFIG, ctx.tp, sequence_parallel)
                 assert got == want, (mode, np.dtype(dtype).name, tp, sequence_parallel)
+                whole = whole_graph_bytes(CONFIG, dtype, mode, 2, ctx.tp, sequence_parallel)
+                assert whole == formula_bytes(CONFIG, dtype, mode, 2, tp, sequence_parallel), (mode, dtype, "whole")
     world.Barrier()
 
 

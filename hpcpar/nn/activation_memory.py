@@ -25,6 +25,13 @@ sequence parallelism (else 1), a block keeps, by recomputation mode:
   - with residual dropout: 2 sigma N h (f + e), its two scales (float32 under 16 bits) and outputs.
 - ``selective``: ``none`` less the scaled q and the b (a/t) s^2 terms.
 
+Outside the blocks (``embedding_kept_bytes``, ``head_kept_bytes``): the embedding keeps its token
+and position rows (and under tensor parallelism the masked rows before their all-reduce), its
+dropout's input and scales, and integer ids; the head keeps the final LayerNorm's input (the last
+block's output), its output (gathered under sequence parallelism), the logits (N V / t) and the
+loss's float32-or-wider softmax of them (N V / t f), and integer targets. A block keeps its own
+input, so embedding + n_layer blocks + head is the whole graph.
+
 Against Korthikanti et al. (2022), ``s b h (34 + 5 a s / h)`` bytes at 16 bits (t = 1), this
 graph keeps 58 s b h + 6 a s^2 b bytes in bfloat16 with dropout, plus 16 s b: the extra s b h
 terms are arrays no backward reads but the graph holds as inputs of its nodes (the products
@@ -67,4 +74,39 @@ def block_kept_bytes(batch: int, seq: int, n_embd: int, n_head: int, *, dtype=np
     attn_dropout = dropout if attn_dropout is None else attn_dropout
     kept += n * h / t * f  # q scaled: float32 under 16 bits on NumPy (and e otherwise, where f = e)
     kept += batch * (n_head / t) * seq * seq * (e + (f if attn_dropout > 0 else 0))
+    return kept
+
+
+def _shares(dtype, tp: int, sequence_parallel: bool):
+    dtype = np.dtype(dtype)
+    low = precision.is_low(dtype)
+    sp = sequence_parallel and tp > 1
+    return dtype.itemsize, precision.accumulation_dtype(dtype).itemsize, low, (1 / tp if sp else 1), sp
+
+
+def embedding_kept_bytes(batch: int, seq: int, n_embd: int, *, dtype=np.float32, tp: int = 1,
+                         sequence_parallel: bool = False, dropout: float = 0.0) -> float:
+    """Bytes the embedding stage keeps for backward per micro-batch and tp rank (int64 ids, one array)."""
+    e, f, _, sigma, _ = _shares(dtype, tp, sequence_parallel)
+    n, h = batch * seq, n_embd
+    kept = n * 8 + sigma * seq * 8  # token ids (tp: their local rows) and position ids
+    if tp > 1:
+        kept += n + n * h * e  # rows outside this rank's vocabulary; the masked rows before the all-reduce
+    kept += sigma * (n + seq) * h * e  # token and position rows, the inputs of their sum
+    if dropout > 0:
+        kept += sigma * n * h * (e + f)  # the dropout's input and scales
+    return kept
+
+
+def head_kept_bytes(batch: int, seq: int, n_embd: int, vocab_size: int, *, dtype=np.float32, tp: int = 1,
+                    sequence_parallel: bool = False) -> float:
+    """Bytes the head (final LayerNorm, logits, cross entropy) keeps per micro-batch and tp rank, its input included."""
+    e, f, low, sigma, sp = _shares(dtype, tp, sequence_parallel)
+    n, h = batch * seq, n_embd
+    kept = sigma * n * h * e * (2 if low else 3)  # LayerNorm input, output and (32/64-bit) normalised input
+    kept += sigma * n * (2 * f if low else e)  # its statistics
+    if sp:
+        kept += n * h * e  # the gathered LayerNorm output, the logits' input
+    kept += n * vocab_size / tp * (e + f)  # logits and the loss's softmax
+    kept += n * (8 + 8 + 1) + 8 if tp == 1 else n * (1 + 8 + 1)  # target rows and masks
     return kept

@@ -22,6 +22,7 @@ from .module import Module, ModuleList
 
 RECOMPUTE = ("none", "selective", "full")  # activation recomputation (GPT.recompute)
 
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 256

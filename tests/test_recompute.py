@@ -142,7 +142,7 @@ def test_recompute_mode_is_checked_and_switchable():
     assert all(b.attn.recompute_core and not b.recompute_block for b in model.blocks)
 
 
-def test_the_job_key_sets_the_models_recomputation(tmp_path):
+def test_the_job_key_sets_the_models_recomputation():
     from hpcpar.train.build import build_model
     from hpcpar.train.config import JobError, load_job
 

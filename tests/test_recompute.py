@@ -124,9 +124,10 @@ def test_gpt_recomputation_equals_no_recomputation_in_float64_with_dropout(mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_gpt_recomputation_in_bfloat16_gives_the_same_bits(mode):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
-    for (loss, grads), (want_loss, want_grads) in zip(gpt_step(mode, ml_dtypes.bfloat16, 1), gpt_step("none", ml_dtypes.bfloat16, 1)):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpt_recomputation_in_16_bits_gives_the_same_bits(mode, dtype):
+    dtype = pytest.importorskip("ml_dtypes").bfloat16 if dtype == "bfloat16" else np.float16
+    for (loss, grads), (want_loss, want_grads) in zip(gpt_step(mode, dtype, 1), gpt_step("none", dtype, 1)):
         assert loss == want_loss
         for name in want_grads:
             np.testing.assert_array_equal(grads[name].astype(np.float32), want_grads[name].astype(np.float32))

@@ -465,3 +465,20 @@ def test_the_rerun_runs_inside_the_context_made_at_forward_time():
         y = recompute(region, x, context=use(factor.get()))
     y.sum().backward()
     np.testing.assert_allclose(x.grad, 3.0 * (1 - np.tanh(3.0 * x.data) ** 2), rtol=1e-14)
+
+
+def test_bench_recompute_prints_each_mode_with_counted_and_formula_bytes():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "hpcpar", "bench", "recompute", "--n-layer", "1", "--n-embd", "32",
+                           "--block", "16", "--batch", "2", "--steps", "1", "--warmup", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split()[:1] == ["recompute"])
+    rows = [line.split() for line in lines[at + 2:at + 5]]
+    assert [row[0] for row in rows] == list(RECOMPUTE)
+    assert all(row[6] == row[7] for row in rows)  # per block: counted = formula
+    kept = [float(row[5]) for row in rows]
+    assert kept[0] > kept[1] > kept[2]

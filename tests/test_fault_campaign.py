@@ -211,6 +211,13 @@ def test_a_step_folder_resumes_and_weights_only_starts_a_new_run(job, tmp_path, 
     text = ok(train(job, tmp_path / "c", other_token_file, f"--resume {source}", "--load-weights-only"))
     assert f"initialised from the weights of {source} (step 2" in text and "step     4/4" in text
     assert json.load(open(tmp_path / "c" / "ckpt" / "run.json"))["started_from"] == source
+    # continuing from a step folder into a folder that holds another run: refused, or that run moved aside
+    other_run = state_of(tmp_path / "c" / "ckpt")
+    assert "of another run than" in refused(train(job, tmp_path / "c", token_file, f"--resume {source}"))
+    assert_nothing_lost(other_run, tmp_path / "c" / "ckpt")
+    text = ok(train(job, tmp_path / "c", token_file, f"--resume {source}", "--overwrite"))
+    assert f"aside to {tmp_path}/c/ckpt.old-1; nothing is deleted" in text and f"resumed from {source}" in text
+    assert_nothing_lost(other_run, tmp_path / "c" / "ckpt.old-1")
     # the weights of another model do not fit, and --load-weights-only needs a step folder
     error = refused(train(job, tmp_path / "d", token_file, f"--resume {source}", "--load-weights-only", "model.n_embd=32"))
     assert "model.n_embd: 16 in the checkpoint, 32 now" in error

@@ -78,7 +78,7 @@ def decide(job, request: Request, current: dict) -> Decision:
                                       f"run with --resume auto or never")
             return Decision(lines=[f"starting fresh: no checkpoint in {root}"], run_id=identity.new_run_id())
         return _continue(job, root, _newest_manifest(root, steps), current, from_root=True)
-    return _from_step_folder(job, mode, root, steps, current)
+    return _from_step_folder(job, mode, root, steps, current, request.overwrite)
 
 
 def _fresh(root: str, steps: list, request: Request, mode: str, source: str | None) -> Decision:
@@ -94,14 +94,15 @@ def _fresh(root: str, steps: list, request: Request, mode: str, source: str | No
         decision.lines.append(f"--overwrite: moving {root} (steps {_listed(steps)}) aside to {decision.move_aside}; "
                               f"nothing is deleted")
     if source is not None:
-        decision.load, decision.weights_only = source, True
+        decision.load, decision.weights_only = moved(source, root, decision.move_aside), True
     else:
         decision.lines.append(f"starting fresh in {root} (--resume never)")
     return decision
 
 
-def _from_step_folder(job, path: str, root: str, steps: list, current: dict) -> Decision:
-    """``--resume PATH``: continue from a step folder; ``root`` must be empty or hold the same run."""
+def _from_step_folder(job, path: str, root: str, steps: list, current: dict, overwrite: bool) -> Decision:
+    """``--resume PATH``: continue from a step folder; ``root`` must be empty or hold the same run
+    (``--overwrite``: another run's checkpoints there are moved aside first)."""
     if problem := _not_a_step_folder(path, root):
         return Decision(error=problem)
     decision = _continue(job, path, _manifest_or_error(path), current, from_root=False)
@@ -110,9 +111,21 @@ def _from_step_folder(job, path: str, root: str, steps: list, current: dict) -> 
     theirs = _newest_manifest(root, steps)
     if isinstance(theirs, dict) and not identity.differences(_print_of(theirs), current):
         return decision
-    return Decision(error=f"{root} holds checkpoints (steps {_listed(steps)}) of another run than {path}; continuing "
-                          f"there would mix two runs. Choose another checkpoint.dir, or start with --resume never "
-                          f"--overwrite")
+    if not overwrite:
+        return Decision(error=f"{root} holds checkpoints (steps {_listed(steps)}) of another run than {path}; "
+                              f"continuing there would mix two runs; nothing was changed. Choose another "
+                              f"checkpoint.dir, or pass --overwrite to move them aside (they are kept, renamed)")
+    decision.move_aside = aside_name(root)
+    decision.load = moved(path, root, decision.move_aside)
+    decision.lines.append(f"--overwrite: moving {root} (steps {_listed(steps)}, another run's) aside to "
+                          f"{decision.move_aside}; nothing is deleted")
+    return decision
+
+
+def moved(path: str, root: str, aside: str | None) -> str:
+    """Where ``path`` is once ``root`` has been renamed ``aside`` (unchanged when it is outside root)."""
+    inside = os.path.abspath(path).startswith(os.path.abspath(root) + os.sep)
+    return os.path.join(aside, os.path.relpath(path, root)) if aside and inside else path
 
 
 def _not_a_step_folder(path: str, root: str) -> str | None:

@@ -144,9 +144,13 @@ def test_another_learning_rate_and_clip_resume_with_one_line_each(job, tmp_path,
     text = ok(train(job, tmp_path, token_file, "optimizer.lr=0.002", "optimizer.grad_clip=1.0"))
     assert "resumed from" in text and "step 4" in text and "fingerprint" in text
     assert "optimizer.grad_clip: 0.0 in the checkpoint, 1.0 now (allowed" in text
-    assert "learning-rate schedule from the job, not the checkpoint: optimizer.lr 0.001 -> 0.002" in text
     assert "nothing to do: the checkpoint is at step 4, train.steps = 4" in text  # and it trained nothing
+    assert "val_loss" not in text and "step     " not in text
     assert_nothing_lost(before, tmp_path / "ckpt")
+    text = ok(train(job, tmp_path, token_file, "optimizer.lr=0.002", "train.steps=5", "checkpoint.keep=10"))
+    assert "learning-rate schedule from the job, not the checkpoint: optimizer.lr 0.001 -> 0.002, train.steps 4 -> 5" in text
+    assert lrs(tmp_path)[5] == pytest.approx(0.002 * 0.5 * (1 + np.cos(np.pi * 4 / 5)))  # the job's lr and length
+    assert_nothing_lost(before, tmp_path / "ckpt", unchanged=False)
 
 
 def test_another_layout_resumes_resharded(job, tmp_path, token_file):

@@ -52,8 +52,9 @@ def describe(print_: dict) -> str:
     data = print_.get("data") or {}
     shown = (f"{data.get('path')} ({data.get('tokens', 0):,} tokens)" if "path" in data else data.get("kind", "?"))
     model = print_.get("model") or {}
-    width = "x".join(str(model[k]) for k in ("n_layer", "n_embd") if k in model) or model.get("kind", "?")
-    return (f"fingerprint {digest(print_)} (model {model.get('kind', '?')} {width}, data {shown}, "
+    shape = (f"{model.get('n_layer')} layers x {model.get('n_embd')}" if model.get("kind") == "gpt"
+             else f"channels {model.get('channels')}")
+    return (f"fingerprint {digest(print_)} (model {model.get('kind', '?')} {shape}, data {shown}, "
             f"{print_.get('optimizer')}, {print_.get('precision')})")
 
 
@@ -86,8 +87,8 @@ def changes(saved_job: dict | None, job, saved_layout: dict | None, layout: dict
         if key in saved_job.get(section, {}) and old != new and job.applies(dotted):
             lines.append(f"{dotted}: {_shown(old)} in the checkpoint, {_shown(new)} now (allowed: the job's value is used)")
     if saved_layout and any(saved_layout.get(k) != layout.get(k) for k in ("dp", "pp", "tp", "world")):
-        lines.append(f"layout: dp {saved_layout['dp']} x pp {saved_layout['pp']} x tp {saved_layout['tp']} in the "
-                     f"checkpoint, dp {layout['dp']} x pp {layout['pp']} x tp {layout['tp']} now (allowed: resharded)")
+        lines.append(f"layout: {layout_text(saved_layout)} in the checkpoint, {layout_text(layout)} now "
+                     f"(allowed: resharded)")
     old_path, new_path = (saved_print.get("data") or {}).get("path"), (current_print.get("data") or {}).get("path")
     if old_path and new_path and old_path != new_path:
         lines.append(f"data.path: {old_path} in the checkpoint, {new_path} now (the same data: size, tokens and "
@@ -95,6 +96,10 @@ def changes(saved_job: dict | None, job, saved_layout: dict | None, layout: dict
     if saved_print.get("hpcpar") not in (None, current_print.get("hpcpar")):
         lines.append(f"hpcpar {saved_print['hpcpar']} wrote the checkpoint, {current_print['hpcpar']} runs now")
     return lines
+
+
+def layout_text(layout: dict) -> str:
+    return f"dp {layout['dp']} x pp {layout['pp']} x tp {layout['tp']}"
 
 
 def _shown(value) -> str:

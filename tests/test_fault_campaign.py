@@ -230,6 +230,17 @@ def test_a_step_folder_resumes_and_weights_only_starts_a_new_run(job, tmp_path, 
     assert_nothing_lost(before, tmp_path / "a" / "ckpt")
 
 
+def test_auto_refuses_to_start_over_a_folder_whose_checkpoints_are_all_damaged(job, tmp_path, token_file):
+    ok(train(job, tmp_path, token_file))
+    for step in (2, 4):  # truncate every shard: nothing loads
+        shard = tmp_path / "ckpt" / step_dirname(step) / "shard-00000.h5"
+        shard.write_bytes(shard.read_bytes()[:100])
+    before = state_of(tmp_path / "ckpt")
+    error = refused(train(job, tmp_path, token_file, "train.steps=6"))
+    assert f"no checkpoint in {tmp_path}/ckpt loads" in error and "nothing was written" in error
+    assert state_of(tmp_path / "ckpt") == before  # the damaged steps are still there to repair
+
+
 def test_extending_train_steps_follows_the_jobs_schedule(job, tmp_path, token_file):
     ok(train(job, tmp_path / "short", token_file, "train.steps=4", "lr_schedule.min_lr=0.0001"))
     text = ok(train(job, tmp_path / "short", token_file, "train.steps=8", "lr_schedule.min_lr=0.0001"))

@@ -1,6 +1,8 @@
-"""The life of a run across steps and restarts: stop signals, resume, checkpoints, requeue.
+"""The life of a run across steps and restarts: its start, stop signals, checkpoints, requeue.
 
-On SIGTERM or SIGUSR1 (SLURM's warning before the time limit, or a preemption) every rank
+``start`` begins a run by the resume policy (``resume``): the run's fingerprint (``identity``),
+the verdict every rank shares, the load, the LR schedule taken from the job, and the run
+folder's provenance. On SIGTERM or SIGUSR1 (SLURM's warning before the time limit, or a preemption) every rank
 agrees at the next step boundary (never mid-step), a checkpoint is saved, and under SLURM the
 job asks to be requeued; the requeued job resumes from that checkpoint.
 """

@@ -75,7 +75,8 @@ def start(run, request: Request) -> dict | None:
     resumed = info is not None and not decision.weights_only
     schedule = adopt_job_schedule(run) if resumed and info["step"] < job.train.steps else None  # else: nothing to do
     weights_from = info["step_dir"] if info is not None and decision.weights_only else None
-    record = identity.provenance(job, decision.run_id, world.size, hosts, started_from=weights_from)
+    loaded_id = ((info["extra"].get("provenance") or {}).get("run_id") if resumed else None)  # the step's own run
+    record = identity.provenance(job, loaded_id or decision.run_id, world.size, hosts, started_from=weights_from)
     run.identity = {"fingerprint": current, "provenance": record}
     if world.rank != 0:
         return info
@@ -97,7 +98,7 @@ def say_resumed(run, info: dict, decision, current: dict) -> None:
                     f"a new run starts at step 0 with fresh optimizer state")
         return
     logger.info(f"resumed from {info['step_dir']} (step {info['step']}, {identity.describe(saved)}, written by "
-                f"{identity.layout_text(info['layout'])}, run {decision.run_id})")
+                f"{identity.layout_text(info['layout'])}, run {run.identity['provenance']['run_id']})")
     saved_job = (info["extra"].get("provenance") or {}).get("job")
     for line in identity.changes(saved_job, run.job, info["layout"], run.ctx.layout if run.trains else info["layout"],
                                  saved, current):

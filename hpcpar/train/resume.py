@@ -18,13 +18,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from .. import log
 from ..checkpoint.manifest import CheckpointError, MANIFEST, latest_step, list_steps, read_manifest, step_dirname
 from . import identity
 from .config import RESUME_MODES, JobError
-
-logger = log.get_logger(__name__)
-
 
 class ResumeRefused(JobError):
     """A start the policy refuses: one message (every difference and the ways out), exit 2 on every rank."""
@@ -50,7 +46,6 @@ class Decision:
     weights_only: bool = False
     move_aside: str | None = None  # a fresh run's dir holds checkpoints: moved to this folder first
     run_id: str | None = None
-    manifest_step: int | None = None
     lines: list = field(default_factory=list)
     error: str | None = None
 
@@ -149,8 +144,9 @@ def _other_model(path: str, current: dict) -> str | None:
 
 def _continue(job, source: str, manifest, current: dict, from_root: bool) -> Decision:
     """Resume from ``source`` when its fingerprint is this job's; else the refusal naming every difference."""
-    if isinstance(manifest, str):  # no manifest reads: damage, left to the loader's fallback (or its error)
-        return Decision(load=source, from_root=from_root, lines=[f"resuming from {source} ({manifest})"])
+    if isinstance(manifest, str):  # no manifest reads: damage, for the loader to report (nothing will load)
+        return Decision(load=source, from_root=from_root, run_id=identity.new_run_id(),
+                        lines=[f"{source}: no manifest reads ({manifest})"])
     saved = _print_of(manifest)
     different = identity.differences(saved, current)
     if different:
@@ -162,7 +158,7 @@ def _continue(job, source: str, manifest, current: dict, from_root: bool) -> Dec
                                 f"checkpoints of {where} are moved aside, not deleted)")
     extra = manifest.get("extra", {})
     run_id = (extra.get("provenance", {}).get("value") or {}).get("run_id") or identity.new_run_id()
-    return Decision(load=source, from_root=from_root, run_id=run_id, manifest_step=manifest["step"])
+    return Decision(load=source, from_root=from_root, run_id=run_id)
 
 
 def _print_of(manifest: dict) -> dict:
@@ -228,7 +224,7 @@ def load(run, decision: Decision) -> dict | None:
     if decision.weights_only:  # a new run from step 0 (``source_step``: where the weights come from)
         info = run.strategy.load_weights(decision.load)
         return {**info, "source_step": info["step"], "step": 0}
-    elif decision.from_root:
+    if decision.from_root:
         info = run.strategy.load_latest(decision.load, run.checkpoint_extra())
     else:
         info = run.strategy.load_step(decision.load, run.checkpoint_extra())

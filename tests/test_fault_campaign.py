@@ -52,19 +52,19 @@ def other_token_file(tmp_path_factory):
     return path
 
 
-def train(job, folder, data, *args, ranks=1, timeout=180, launcher=None):
+def train(job, folder, data, *args, ranks=1, timeout=180, launcher=None, cwd=None):
     """``hpcpar train`` of the tiny job with its checkpoints and metrics under ``folder``; args: --set
-    overrides (``key=value``) and options (``--resume never``)."""
+    overrides (``key=value``) and options (``--resume never``); ``data`` None: the job's data.path."""
     command = [sys.executable, "-m", "hpcpar", "train", job, "--progress", "log",
-               "--set", f'checkpoint.dir="{folder}/ckpt"', "--set", f'train.metrics="{folder}/metrics.jsonl"',
-               "--set", f'data.path="{data}"']
+               "--set", f'checkpoint.dir="{folder}/ckpt"', "--set", f'train.metrics="{folder}/metrics.jsonl"']
+    command += ["--set", f'data.path="{data}"'] if data else []
     for arg in args:
         command += arg.split(" ", 1) if arg.startswith("--") else ["--set", arg]
     if launcher:
         command = launcher + command[3:]  # the launcher's script takes the command's arguments
     elif ranks > 1:
         command = [venv_bin("mpiexec"), "-n", str(ranks)] + command
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
 
 
@@ -256,6 +256,10 @@ def test_a_missing_data_path_is_an_error_with_the_command_to_make_it(job, tmp_pa
     error = refused(train(job, tmp_path, typo))
     assert f"hpcpar data prepare --out {typo}" in error and "Only the built-in corpus" in error
     assert not os.path.exists(typo) and not os.path.exists(tmp_path / "ckpt")
+    # the built-in corpus at its default path is prepared on first use, and the run says so
+    text = ok(train(job, tmp_path, None, "train.steps=1", "checkpoint.interval=0", cwd=tmp_path))
+    assert "data/stdlib.h5 is missing: preparing it once from the Python standard library" in text
+    assert os.path.isfile(tmp_path / "data" / "stdlib.h5") and "wrote data/stdlib.h5" in text
 
 
 # ----- crashes ----------------------------------------------------------------------------------------

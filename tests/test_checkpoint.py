@@ -81,22 +81,23 @@ def test_a_failed_shard_write_fails_the_save_on_every_rank(world, tmp_path_facto
 @pytest.mark.parametrize("save_ranks, load_ranks, zero", [(None, 1, True), (None, 2, False), (1, None, False),
                                                          (2, None, True)])
 def test_load_into_another_layout(world, tmp_path_factory, save_ranks, load_ranks, zero):
-    """Save on one data-parallel width, load on another, continue: equals one process (1e-12)."""
+    """Save on one data-parallel width, load on another, continue: equals one process (1e-12), dropout
+    included (its masks are keyed by step and sample, not by rank)."""
     size = world.Get_size()
     save_ranks, load_ranks = save_ranks or size, load_ranks or size
     root = shared_dir(world, tmp_path_factory, "relayout")
-    reference = DataParallelRun(hpcpar.init(comm=MPI.COMM_SELF, device="cpu"), dropout=0.0)
+    reference = DataParallelRun(hpcpar.init(comm=MPI.COMM_SELF, device="cpu"))
     reference_losses = reference.train(range(TOTAL))
 
     ctx = sub_context(world, save_ranks)
     if ctx is not None:
-        run = DataParallelRun(ctx, zero=zero, dropout=0.0)
+        run = DataParallelRun(ctx, zero=zero)
         run.train(range(SAVE_AT))
         checkpoint.save(root, SAVE_AT, run.model, run.optimizer, ctx, extra=run.extra())
     world.Barrier()
     ctx = sub_context(world, load_ranks)
     if ctx is not None:
-        run = DataParallelRun(ctx, zero=not zero, dropout=0.0)  # ZeRO <-> plain as well
+        run = DataParallelRun(ctx, zero=not zero)  # ZeRO <-> plain as well
         checkpoint.load(root, run.model, run.optimizer, ctx, extra=run.extra())
         losses = run.train(range(SAVE_AT, TOTAL))
         np.testing.assert_allclose(losses, reference_losses[SAVE_AT:], rtol=0, atol=1e-12)

@@ -37,6 +37,7 @@ from ...autograd.deferred import deferred_weight_grads
 from ...backend import get_array_module
 from ...dist.comm import Communicator
 from ...dist.trace import Tracer
+from ...nn.dropout_keys import offset_dropout_key
 from ...state import ParameterHolder
 from ..data import DistributedDataParallel
 from ..sequence import sync_sequence_parallel_grads
@@ -247,8 +248,9 @@ class PipelineParallel(ParameterHolder):
         else:  # p == 1: the previous stage is on this rank
             x = Tensor(self._handover.pop(("F", i, s)).data, requires_grad=True)
         out = x
-        for layer in self.stage_layers[s]:
-            out = layer(out)
+        with offset_dropout_key(i * x.shape[0]):  # micro-batch i's rows: the masks one process draws for them
+            for layer in self.stage_layers[s]:
+                out = layer(out)
         if s == self.num_virtual - 1:
             out = self.loss_fn(out, self._targets[i]) * (1.0 / self.m)
             self._loss += out.item()

@@ -6,7 +6,7 @@ import pytest
 
 from hpcpar.autograd import Parameter, Tensor
 from hpcpar.nn import (GPT, DigitsCNN, Dropout, DropoutKey, GPTConfig, HeadDropout, Linear, Module, ModuleList, Sequential,
-                       ReLU, dropout_key, init, offset_dropout_key)
+                       ReLU, active_dropout_key, dropout_key, init, offset_dropout_key, replay_dropout_key)
 from hpcpar.nn.dropout_keys import keyed_uniform
 
 TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.0, seed=3)
@@ -260,6 +260,11 @@ def test_gpt_dropout_masks_are_keyed_by_step_and_sample():
     with dropout_key(DropoutKey(7, first_sample=12)):
         np.testing.assert_array_equal(model(ids[2:]).data, whole[2:])
         np.testing.assert_array_equal(tiny_gpt(dropout=0.5)(ids[2:]).data, whole[2:])  # a pure function: any copy
+    with dropout_key(DropoutKey(7, first_sample=12)), offset_dropout_key(1):
+        replay = replay_dropout_key()  # what a recomputed region takes at its forward ...
+    assert active_dropout_key() is None
+    with replay:  # ... and reruns under in backward
+        assert active_dropout_key() == DropoutKey(7, first_sample=13)
     model.eval()
     np.testing.assert_array_equal(model(ids).data, tiny_gpt(dropout=0.0)(ids).data)
     with pytest.raises(RuntimeError, match="dropout key"):

@@ -15,7 +15,7 @@ its samples and of its rows (sequence parallelism) without drawing the others
 (``PCG64.advance``). The key in force is a context variable: the training loop sets it per
 step, engines that cut a batch into micro-batches move it on by their offset
 (``offset_dropout_key``), and a recomputation that replays a forward later re-enters the key
-the forward ran under (``active_dropout_key`` at the time, ``dropout_key`` around the replay).
+the forward ran under (``replay_dropout_key``, made at the forward, entered around the replay).
 """
 from __future__ import annotations
 
@@ -54,6 +54,13 @@ def dropout_key(key: DropoutKey | None):
         yield key
     finally:
         _ACTIVE.reset(token)
+
+
+def replay_dropout_key():
+    """A context that re-enters the key in force now: made when a region runs forward, entered when
+    recomputation reruns it in backward (``autograd.recompute``'s ``context``), so the rerun draws
+    the first run's masks whatever key (or micro-batch offset) is in force by then."""
+    return dropout_key(active_dropout_key())
 
 
 def offset_dropout_key(rows: int):

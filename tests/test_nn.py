@@ -269,6 +269,10 @@ def test_gpt_dropout_masks_are_keyed_by_step_and_sample():
     np.testing.assert_array_equal(model(ids).data, tiny_gpt(dropout=0.0)(ids).data)
     with pytest.raises(RuntimeError, match="dropout key"):
         Dropout(0.5)(Tensor(np.ones((2, 3))))  # a layer outside a model needs a key
+    with dropout_key(DropoutKey(0)):  # any rank of input: axis 0 samples, axis 1 positions
+        for shape in ((6,), (6, 5), (6, 5, 4, 3)):
+            y = Dropout(0.5)(Tensor(np.ones(shape))).data
+            assert y.shape == shape and set(np.unique(y)) == {0.0, 2.0}
 
 
 def test_keyed_draws_of_any_rows_are_the_draws_of_the_whole():

@@ -99,13 +99,14 @@ class Dropout(Module):
         if not self.training or self.p == 0.0:
             return x
         key = _key_for(self)
-        batch, length = x.shape[:2]
+        batch, length = x.shape[0], (x.shape[1] if x.ndim > 1 else 1)  # axis 1: positions in the sample
         shards = self.sequence_shards
         parts = 1 if shards is None else shards.size
         positions = range(length) if parts == 1 else range(shards.rank * length, (shards.rank + 1) * length)
         uniform = keyed_uniform((self.seed, key.step, self.site), (length * parts,) + tuple(x.shape[2:]),
                                 range(key.first_sample, key.first_sample + batch), positions, draw_dtype(x.dtype))
-        return ops.dropout(x, self.p, scale=scale_from_uniform(x.xp.asarray(uniform), self.p, x.dtype))
+        scale = scale_from_uniform(x.xp.asarray(uniform.reshape(x.shape)), self.p, x.dtype)
+        return ops.dropout(x, self.p, scale=scale)
 
     def extra_repr(self):
         return f"p={self.p}"

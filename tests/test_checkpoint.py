@@ -167,6 +167,22 @@ def test_damage_is_detected_by_load_naming_the_file(tmp_path, how):
     assert info["step"] == 1
 
 
+def test_a_checkpoint_with_the_former_dropout_stream_loads_and_resumes_bitwise(tmp_path):
+    """Checkpoints of earlier versions carry each rank's dropout generator ("rng"); masks are keyed
+    now and nothing reads it, but such a checkpoint loads and the run goes on as if uninterrupted."""
+    ctx = hpcpar.init(device="cpu")
+    straight = DataParallelRun(ctx)
+    straight.train(range(TOTAL))
+    first = DataParallelRun(ctx)
+    first.train(range(SAVE_AT))
+    checkpoint.save(str(tmp_path), SAVE_AT, first.model, first.optimizer, ctx,
+                    extra={**first.extra(), "rng": np.random.default_rng(3)})
+    resumed = DataParallelRun(ctx)
+    assert checkpoint.load(str(tmp_path), resumed.model, resumed.optimizer, ctx, extra=resumed.extra())["step"] == SAVE_AT
+    resumed.train(range(SAVE_AT, TOTAL))
+    assert max_difference(resumed.parameters(), straight.parameters()) == 0.0
+
+
 def test_wrong_model_gives_a_clear_error(tmp_path):
     ctx = hpcpar.init(device="cpu")
     run = DataParallelRun(ctx)

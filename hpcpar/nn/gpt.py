@@ -17,6 +17,7 @@ from ..autograd.recompute import recompute
 from ..autograd.ops import mappings
 from ..backend import array_module, resolve_device, to_device, to_host
 from . import init, tensor_parallel
+from .dropout_keys import DropoutKey, active_dropout_key, dropout_key, replay_dropout_key
 from .layers import Dropout, Embedding, HeadDropout, LayerNorm, Linear
 from .module import Module, ModuleList
 
@@ -34,7 +35,7 @@ class GPTConfig:
     attn_dropout: float | None = None  # attention probabilities; None: the same as dropout (as in GPT-2)
     bias: bool = True  # biases in Linear and LayerNorm
     tie_weights: bool = True  # the lm head reuses the token embedding
-    seed: int = 0  # parameter initialisation and the dropout stream
+    seed: int = 0  # parameter initialisation and the dropout masks
 
     def __post_init__(self):
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -103,7 +104,7 @@ class CausalSelfAttention(Module):
         qkv = ops.transpose(qkv, (3, 0, 2, 1, 4))  # -> (3, B, nh, T, hs)
         q, k, v = (ops.reshape(t, (B, nh, T, hs)) for t in ops.split(qkv, 3, axis=0))  # each (B, nh, T, hs)
         if self.recompute_core:  # keep q, k, v only: probabilities and dropout masks are redone in backward
-            y = recompute(self.core, q, k, v, random=random_sources(self.attn_drop))
+            y = recompute(self.core, q, k, v, context=replay_dropout_key())
         else:
             y = self.core(q, k, v)  # (B, nh, T, hs)
         y = ops.reshape(ops.transpose(y, (0, 2, 1, 3)), (B, T, nh * hs))  # -> (B, T, nh, hs) -> (B, T, nh hs)
@@ -144,23 +145,12 @@ class Block(Module):
 
     def forward(self, x):
         if self.recompute_block:  # keep the block's input only; the whole block reruns in backward
-            return recompute(self.residual, x, params=self.parameters(), random=random_sources(self))
+            return recompute(self.residual, x, params=self.parameters(), context=replay_dropout_key())
         return self.residual(x)
 
     def residual(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
-
-
-def random_sources(module) -> list:
-    """The generators the dropouts inside ``module`` draw from in a training forward: a recomputed
-    region restores them, so its rerun draws the masks of its first run."""
-    sources = {}
-    for _, layer in module.named_modules():
-        rng = getattr(layer, "rng", None)
-        if isinstance(layer, (Dropout, HeadDropout)) and layer.training and layer.p > 0 and rng is not None:
-            sources.setdefault(id(rng), rng)
-    return list(sources.values())
 
 
 class GPTHead(Module):
@@ -218,21 +208,13 @@ class GPT(Module):
             block.attn.proj.weight.init = init.normal(residual_std)
             block.mlp.proj.weight.init = init.normal(residual_std)
         init.initialize(self, config.seed)
-        self.rng = xp.random.default_rng(config.seed)
+        dropouts = [m for _, m in self.named_modules() if isinstance(m, (Dropout, HeadDropout))]
+        for site, module in enumerate(dropouts):  # numbered in module order: the same in every layout
+            module.seed, module.site = config.seed, site
+        self.has_dropout = any(m.p > 0 for m in dropouts)
+        self.unkeyed_forwards = 0  # training forwards run without a dropout key (each drew its own step's masks)
         self.sequence_parallel = False
         self.recompute = "none"
-
-    @property
-    def rng(self):
-        """The generator every Dropout (and HeadDropout) of this model draws from; assigning it rewires them all."""
-        return self._rng
-
-    @rng.setter
-    def rng(self, generator):
-        object.__setattr__(self, "_rng", generator)
-        for _, module in self.named_modules():
-            if isinstance(module, (Dropout, HeadDropout)):
-                module.rng = generator
 
     @property
     def sequence_parallel(self) -> bool:
@@ -291,10 +273,19 @@ class GPT(Module):
         return [self.embed, *self.blocks, self.head]
 
     def forward(self, ids) -> Tensor:
-        """ids (B, T) integer array -> logits (B, T, vocab_size)."""
-        x = ids
-        for layer in self.layers():
-            x = layer(x)
+        """ids (B, T) integer array -> logits (B, T, vocab_size).
+
+        Dropout draws the masks of the active key (``dropout_keys``: the training loop sets one
+        per step). A training forward with dropout and no key takes ``DropoutKey(n)`` for its
+        n-th such call, so plain loops get fresh masks per forward, reproducibly."""
+        key = active_dropout_key()
+        if key is None and self.training and self.has_dropout:
+            key = DropoutKey(self.unkeyed_forwards)
+            self.unkeyed_forwards += 1
+        with dropout_key(key):
+            x = ids
+            for layer in self.layers():
+                x = layer(x)
         return x
 
     def loss(self, ids, targets, ignore_index: int = -100) -> Tensor:

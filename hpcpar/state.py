@@ -50,12 +50,15 @@ class Piece:
 
 @dataclass(frozen=True)
 class Read:
-    """One slab a rank reads at load; ``assign(values)`` gets a host array of the slab's shape."""
+    """One slab a rank reads at load; ``assign(values)`` gets a host array of the slab's shape
+    (which it must copy: it may be a view of the loader's buffers). ``dtype``, when given, is
+    the dtype the checkpoint must hold (another is a mismatch, not a silent cast)."""
 
     key: str
     global_shape: tuple
     slab: Slab
     assign: Callable[[np.ndarray], None]
+    dtype: object = None
 
 
 @dataclass
@@ -218,7 +221,7 @@ def parameter_load_plan(named_parameters) -> LoadPlan:
     reads = []
     for name, param in named_parameters:
         shape, slab = global_slab(param)
-        reads.append(Read(f"model/{name}", shape, slab, into(param)))
+        reads.append(Read(f"model/{name}", shape, slab, into(param), param.dtype))
     return LoadPlan(reads)
 
 
@@ -253,7 +256,7 @@ def flat_state_load_plan(saved: Saved, slabs: list, shard, commit: Callable[[dic
         for name, _, shape, glob, local_shape, offset in slabs:
             def assign(values, flat=flat, offset=offset):
                 flat[offset: offset + values.size] = values.reshape(-1)
-            reads.append(Read(f"optim/{name}/{key}", shape, glob, assign))
+            reads.append(Read(f"optim/{name}/{key}", shape, glob, assign, shard.dtype))
 
     def finish():
         commit({key: value if np.ndim(value) == 0 else to_device(value, shard.xp) for key, value in state.items()})

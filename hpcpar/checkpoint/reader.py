@@ -1,95 +1,54 @@
 """Loading a checkpoint into any layout: each rank reads exactly the slabs it now holds.
 
 The objects being loaded say what they need through the checkpoint protocol (``hpcpar.state``):
-a ``LoadPlan`` of reads (key, global shape, slab) and what to do once all are in. A load is a
-transaction over all ranks:
+a ``LoadPlan`` of reads (key, global shape, slab, dtype) and what to do once all are in. A
+load is a transaction over all ranks:
 
-1. every file is checked against the manifest (presence, size, CRC-32; the ranks share the
-   work): a missing shard would otherwise read silently as fill values;
-2. every rank checks every read of its plans against the manifest (the tensor exists, its
-   global shape matches) and, with ``strict``, that every model tensor lands on some rank;
-3. every rank reads its slabs into host memory;
-4. only when every rank got this far are the values assigned and the plans finished.
+1. every rank checks every read of its plans against the manifest: the tensor exists, with
+   that global shape and dtype, the slab lies inside it, and (``strict``) every model tensor
+   lands on some rank. A mismatch is a ``CheckpointError``;
+2. every file the load needs is checked for presence and size, and every byte it reads
+   against the CRC-32 of its MiB in the manifest (each MiB by one of the ranks reading it,
+   so replicas share the work). Damage is a ``CheckpointDamaged``, on which ``load_latest``
+   tries the previous step;
+3. only when every rank got this far (all values in host memory) are the values assigned,
+   the plans finished and the ``extra`` states restored.
 
-Any failure before step 4 raises the same ``CheckpointError`` on every rank and leaves the
-model, the optimizer and every ``extra`` exactly as they were.
+Any failure before step 3 raises the same error on every rank and leaves the model, the
+optimizer and every ``extra`` (scaler, data position, random streams) exactly as they were.
 
-Reads go through ``index.h5``'s virtual datasets, so a rank that now holds rows 0..511 of a
-tensor written as four column shards reads just that hyperslab and HDF5 stitches it; a slab
-that is exactly a written piece (the same layout again) is read from its shard directly.
+Tensors are read without HDF5: a piece is a byte range of its shard's flat dataset (offsets
+in the manifest), read straight into memory in one request per run of MiBs; a rank that now
+holds part of a piece (another layout) copies its part out. ``index.h5`` stays the global
+view for other readers. Checkpoints of format 1 (a dataset per piece) load through h5py.
 """
 from __future__ import annotations
 
 import os
+import zlib
 
 import h5py
 import numpy as np
 
 from .. import log
 from ..state import Saved, checkpointable, slab_slices
-from .manifest import INDEX, CheckpointError, list_steps, read_manifest, resolve_step_dir, step_dirname, verify_files
+from .manifest import (CHUNK_BYTES, CheckpointDamaged, CheckpointError, chunk_problems, latest_step, list_steps,
+                       read_manifest, resolve_step_dir, step_dirname, verify_files)
 
 logger = log.get_logger(__name__)
 
 
-def verify_collectively(step_dir: str, manifest: dict, comm) -> None:
-    """Each rank checks a share of the files; all ranks raise the same error if any is bad."""
-    names = sorted(manifest["files"])
-    mine = names[comm.Get_rank()::comm.Get_size()]
-    problems = sum(comm.allgather(verify_files(step_dir, manifest, mine)), [])
-    if problems:
-        raise CheckpointError("damaged checkpoint: " + "; ".join(problems))
-
-
-def agree(comm, problems: list[str], what: str) -> None:
-    """Raise on every rank when any rank found a problem (each named with its rank)."""
+def agree(comm, problems: list[str], what: str, error=CheckpointError) -> None:
+    """Raise ``error`` on every rank when any rank found a problem (each named with its rank)."""
     everyone = comm.allgather(problems)
     found = [f"rank {rank}: {p}" for rank, mine in enumerate(everyone) for p in mine]
     if found:
         shown = "; ".join(found[:6]) + (f"; ... ({len(found) - 6} more)" if len(found) > 6 else "")
-        raise CheckpointError(f"{what}: {shown}")
-
-
-class _Source:
-    """Where tensors are read from: a piece's own dataset in its shard file when this rank's
-    slab is exactly a piece that was written (loading into the layout that saved), the index's
-    virtual dataset otherwise (HDF5 stitches the slab from the pieces it overlaps)."""
-
-    def __init__(self, step_dir: str, manifest: dict, index):
-        self.step_dir, self.manifest, self.index = step_dir, manifest, index
-        self.files: dict = {}
-
-    def read(self, key: str, slab):
-        table = self.manifest["tensors"][key]
-        wanted = [list(map(int, bounds)) for bounds in slab]
-        for piece in table["pieces"]:
-            if piece["slab"] == wanted:  # the same piece: skip the virtual-dataset mapping
-                return self._read_whole(piece, table["dtype"])
-        return self.index[key][slab_slices(slab)]
-
-    def _read_whole(self, piece: dict, dtype: str):
-        """A written piece's dataset, through h5py's low-level API (a third of ``dataset[...]``'s overhead)."""
-        out = np.empty(tuple(stop - start for start, stop in piece["slab"]), dtype=dtype)
-        dataset = h5py.h5d.open(self._file(piece["file"]).id, piece["dataset"].encode())
-        if dataset.shape != out.shape:
-            raise CheckpointError(f"{os.path.join(self.step_dir, piece['file'])}: dataset {piece['dataset']} has "
-                                  f"shape {dataset.shape}, the manifest says {out.shape}")
-        if out.size:
-            dataset.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
-        return out
-
-    def _file(self, name: str):
-        if name not in self.files:
-            self.files[name] = h5py.File(os.path.join(self.step_dir, name), "r")
-        return self.files[name]
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
+        raise error(f"{what}: {shown}")
 
 
 def check_reads(reads, manifest: dict) -> list[str]:
-    """What does not fit: a tensor the checkpoint lacks, or one of another global shape."""
+    """What does not fit: a tensor the checkpoint lacks, another global shape or dtype, a slab outside it."""
     problems = []
     for read in reads:
         table = manifest["tensors"].get(read.key)
@@ -98,6 +57,12 @@ def check_reads(reads, manifest: dict) -> list[str]:
         elif tuple(table["shape"]) != tuple(read.global_shape):
             problems.append(f"{read.key} has global shape {tuple(table['shape'])} in the checkpoint but "
                             f"{tuple(read.global_shape)} here")
+        elif read.dtype is not None and np.dtype(table["dtype"]) != np.dtype(read.dtype):
+            problems.append(f"{read.key} is {table['dtype']} in the checkpoint but {np.dtype(read.dtype)} here")
+        elif len(read.slab) != len(table["shape"]) or any(
+                not 0 <= a <= b <= n for (a, b), n in zip(read.slab, table["shape"])):
+            problems.append(f"{read.key}: this rank's slab {[list(s) for s in read.slab]} is not inside its "
+                            f"global shape {tuple(table['shape'])}")
     return problems
 
 
@@ -107,15 +72,197 @@ def unused_model_tensors(reads, manifest: dict, comm) -> list[str]:
     return sorted(k for k in manifest["tensors"] if k.startswith("model/") and k not in loaded)
 
 
-def _load_extra(manifest, extra, ctx) -> dict:
-    values = {}
+def overlap(slab, piece_slab):
+    """The intersection of two slabs, or None when they do not meet."""
+    both = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(slab, piece_slab))
+    return both if all(a < b for a, b in both) or not both else None
+
+
+class RawSource:
+    """The bytes of the pieces this rank's reads overlap, read in runs of whole MiBs (so each
+    MiB can be checked against its CRC-32) and kept until the load commits."""
+
+    def __init__(self, step_dir: str, manifest: dict, reads):
+        self.step_dir, self.manifest = step_dir, manifest
+        self.needed: dict = {}  # file -> {(start byte, piece)} of raw pieces
+        self.legacy: set = set()  # files of pieces with a dataset each (format 1, collective saves)
+        for read in reads:
+            for piece in manifest["tensors"][read.key]["pieces"]:
+                if overlap(read.slab, piece["slab"]) is None:
+                    continue
+                if "start" in piece:
+                    self.needed.setdefault(piece["file"], []).append((piece, np.dtype(read_dtype(manifest, read))))
+                else:
+                    self.legacy.add(piece["file"])
+        self.buffers: dict = {}  # file -> [(first byte, bytes)]
+        self.h5files: dict = {}
+
+    def byte_range(self, piece: dict, dtype) -> tuple[int, int]:
+        """[begin, end) of the piece's bytes in its file ((0, 0) for an empty piece: not in the file)."""
+        nbytes = int(np.prod([b - a for a, b in piece["slab"]], dtype=np.int64)) * dtype.itemsize
+        if not nbytes:
+            return 0, 0
+        begin = self.manifest["files"][piece["file"]]["blobs"][piece["dataset"]] + piece["start"] * dtype.itemsize
+        return begin, begin + nbytes
+
+    def chunk_runs(self) -> dict:
+        """{file: [(first chunk, end chunk)]}: the MiBs this rank reads, merged into runs."""
+        runs = {}
+        for name, pieces in self.needed.items():
+            chunks = set()
+            for piece, dtype in pieces:
+                begin, end = self.byte_range(piece, dtype)
+                if end > begin:
+                    chunks.update(range(begin // CHUNK_BYTES, (end - 1) // CHUNK_BYTES + 1))
+            runs[name] = merge_runs(sorted(chunks))
+        return runs
+
+    def read_and_verify(self, runs: dict, mine: dict) -> list[str]:
+        """Read this rank's runs; check the CRC-32 of the chunks in ``mine`` ({file: set of chunks})."""
+        problems = []
+        for name, file_runs in runs.items():
+            path = os.path.join(self.step_dir, name)
+            facts = self.manifest["files"][name]
+            with open(path, "rb", buffering=0) as f:
+                for first, end in file_runs:
+                    begin = first * CHUNK_BYTES
+                    data = np.empty(min(end * CHUNK_BYTES, facts["bytes"]) - begin, dtype=np.uint8)
+                    f.seek(begin)
+                    if f.readinto(memoryview(data)) != data.size:
+                        problems.append(f"{path}: shorter than the manifest says (truncated?)")
+                        continue
+                    self.buffers.setdefault(name, []).append((begin, data))
+                    checked = [c for c in range(first, end) if c in mine.get(name, ())]
+                    found = [f"{zlib.crc32(data[(c - first) * CHUNK_BYTES:(c - first + 1) * CHUNK_BYTES]):08x}"
+                             for c in checked]
+                    problems += [p for c, crc in zip(checked, found) for p in
+                                 chunk_problems(path, [crc], facts["chunks"], c)]
+        return problems
+
+    def piece_values(self, piece: dict, dtype) -> np.ndarray:
+        begin, end = self.byte_range(piece, dtype)
+        shape = tuple(b - a for a, b in piece["slab"])
+        if begin == end:
+            return np.empty(shape, dtype)
+        for first, data in self.buffers.get(piece["file"], ()):
+            if first <= begin and end <= first + data.size:
+                return data[begin - first:end - first].view(dtype).reshape(shape)
+        raise CheckpointDamaged(f"{os.path.join(self.step_dir, piece['file'])}: bytes {begin}..{end} were not read")
+
+    def legacy_values(self, piece: dict, dtype) -> np.ndarray:
+        """A format-1 piece: its own dataset, through h5py."""
+        if piece["file"] not in self.h5files:
+            self.h5files[piece["file"]] = h5py.File(os.path.join(self.step_dir, piece["file"]), "r")
+        out = np.empty(tuple(b - a for a, b in piece["slab"]), dtype=dtype)
+        dataset = h5py.h5d.open(self.h5files[piece["file"]].id, piece["dataset"].encode())
+        if dataset.shape != out.shape:
+            raise CheckpointDamaged(f"{os.path.join(self.step_dir, piece['file'])}: dataset {piece['dataset']} has "
+                                    f"shape {dataset.shape}, the manifest says {out.shape}")
+        if out.size:
+            dataset.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
+        return out
+
+    def read(self, key: str, slab) -> np.ndarray:
+        """The values of ``slab`` of tensor ``key``: a view of the piece when it is exactly the
+        piece (the layout that saved), else assembled from the parts of the pieces it overlaps."""
+        table = self.manifest["tensors"][key]
+        dtype = np.dtype(table["dtype"])
+        wanted = [list(map(int, bounds)) for bounds in slab]
+        out = None
+        for piece in table["pieces"]:
+            both = overlap(slab, piece["slab"])
+            if both is None:
+                continue
+            values = self.piece_values(piece, dtype) if "start" in piece else self.legacy_values(piece, dtype)
+            if piece["slab"] == wanted:
+                return values
+            if out is None:
+                out = np.empty(tuple(b - a for a, b in slab), dtype=dtype)
+            out[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(both, slab))] = \
+                values[tuple(slice(a - p, b - p) for (a, b), (p, _) in zip(both, piece["slab"]))]
+        return out if out is not None else np.empty(tuple(b - a for a, b in slab), dtype=dtype)
+
+    def close(self) -> None:
+        for f in self.h5files.values():
+            f.close()
+
+
+def read_dtype(manifest: dict, read) -> str:
+    return manifest["tensors"][read.key]["dtype"]
+
+
+def merge_runs(chunks: list[int]) -> list[tuple[int, int]]:
+    runs = []
+    for c in chunks:
+        if runs and runs[-1][1] == c:
+            runs[-1] = (runs[-1][0], c + 1)
+        else:
+            runs.append((c, c + 1))
+    return runs
+
+
+def verifier_chunks(everyone: list[dict], rank: int) -> dict:
+    """{file: chunks this rank checks}: each chunk some rank reads is checked by one of its readers
+    (in turn, so replicas that read the same file share the CRC work)."""
+    readers: dict = {}
+    for r, runs in enumerate(everyone):
+        for name, file_runs in runs.items():
+            for first, end in file_runs:
+                for c in range(first, end):
+                    readers.setdefault((name, c), []).append(r)
+    mine: dict = {}
+    for (name, c), ranks in readers.items():
+        if ranks[c % len(ranks)] == rank:
+            mine.setdefault(name, set()).add(c)
+    return mine
+
+
+def read_all(step_dir: str, manifest: dict, reads, comm, what: str) -> list:
+    """The values of every read, each byte checked against the manifest's CRC-32; collective.
+
+    Raises ``CheckpointDamaged`` on every rank when a file is missing, short or damaged."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    source = RawSource(step_dir, manifest, reads)
+    names = sorted(manifest["files"])
+    # Presence and size of every file (a share each), and the full checksum of the files read
+    # through h5py (format 1, collective saves), which have one CRC-32 each.
+    problems = verify_files(step_dir, manifest, names[rank::size], checksums=False)
+    legacy = sorted(set().union(*comm.allgather(source.legacy)))
+    problems += verify_files(step_dir, manifest, legacy[rank::size])
+    problems += verify_files(step_dir, manifest, set(source.needed), checksums=False)
+    agree(comm, sorted(set(problems)), what, CheckpointDamaged)
+    runs = source.chunk_runs()
+    mine = verifier_chunks(comm.allgather(runs), rank)
+    values, problems = [], []
+    try:
+        problems = source.read_and_verify(runs, mine)
+        if not problems:
+            values = [source.read(read.key, read.slab) for read in reads]
+    except (OSError, ValueError, KeyError) as error:
+        problems.append(f"{type(error).__name__}: {error}")
+    finally:
+        source.close()
+    agree(comm, problems, what, CheckpointDamaged)
+    return values
+
+
+def restore_extra(manifest: dict, extra: dict | None, ctx) -> dict:
+    """Restore the ``extra`` states (all of them or, on an error, none); the plain JSON values."""
+    values, restored = {}, []
     same_layout = manifest["layout"] == ctx.layout
     mine = manifest["rank_state"].get(str(ctx.rank), {})
-    for name, saved in manifest["extra"].items():
-        if "value" in saved:
-            values[name] = saved["value"]
-        elif extra and name in extra:
-            extra[name].load_state_dict(saved["state_dict"])
+    try:
+        for name, saved in manifest["extra"].items():
+            if "value" in saved:
+                values[name] = saved["value"]
+            elif extra and name in extra:
+                before = extra[name].state_dict()
+                restored.append((extra[name], before))
+                extra[name].load_state_dict(saved["state_dict"])
+    except Exception:
+        for target, before in reversed(restored):  # back to how they were, then the error
+            target.load_state_dict(before)
+        raise
     for name, target in (extra or {}).items():
         if isinstance(target, np.random.Generator) and same_layout and name in mine:
             # Random streams belong to ranks: restored only when each rank is the same rank again.
@@ -125,19 +272,24 @@ def _load_extra(manifest, extra, ctx) -> dict:
 
 def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int | None = None,
          strict: bool = True) -> dict:
-    """Load the checkpoint at ``path`` (a root: its ``latest``, or ``step``; or a step folder).
+    """Load the checkpoint at ``path`` (a root: the step ``latest`` names, or ``step``; or a step folder).
 
     ``model`` and ``optimizer`` are Checkpointables (``hpcpar.state``: a Module, a pipeline, an
     optimizer, ZeRO-1, a parameter server) or (name, parameter) pairs; ``optimizer`` may be None.
     Returns ``{"step", "step_dir", "layout", "extra"}`` (``extra``: the plain JSON values).
-    Collective over ``ctx.world``; every rank raises the same CheckpointError, and then nothing
-    has changed.
+    Collective over ``ctx.world``; every rank raises the same error, and then nothing has
+    changed: ``CheckpointDamaged`` for damaged files, ``CheckpointError`` for a checkpoint that
+    does not fit (names, shapes, dtypes, slabs).
     """
     comm = ctx.world.mpi
     step_dir = resolve_step_dir(path, step)
-    manifest = read_manifest(step_dir)
     what = f"loading {step_dir}"
-    verify_collectively(step_dir, manifest, comm)
+    problems, manifest = [], None
+    try:
+        manifest = read_manifest(step_dir)
+    except CheckpointDamaged as error:
+        problems.append(str(error))
+    agree(comm, problems, what, CheckpointDamaged)  # the same verdict on every rank
     saved = Saved(manifest["tensors"], manifest["scalars"])
     plan = checkpointable(model).load_plan(saved)
     if optimizer is not None:
@@ -148,32 +300,39 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
         problems.append(f"tensors no rank of this model takes: {unused[:5]}{' ...' if len(unused) > 5 else ''} "
                         f"(pass strict=False to ignore)")
     agree(comm, problems, what)
-    values, problems = [], []
-    with h5py.File(os.path.join(step_dir, INDEX), "r") as index:
-        source = _Source(step_dir, manifest, index)
-        try:
-            values = [source.read(read.key, read.slab) for read in plan.reads]
-        except (OSError, ValueError, KeyError, CheckpointError) as error:
-            problems.append(f"{type(error).__name__}: {error}")
-        finally:
-            source.close()
+    values = read_all(step_dir, manifest, plan.reads, comm, what)
+    problems, extras = [], {}
+    try:  # the extras first: they can refuse a state, and are put back when they do
+        extras = restore_extra(manifest, extra, ctx)
+    except Exception as error:  # noqa: BLE001 - every rank raises below
+        problems.append(f"restoring the extra state: {type(error).__name__}: {error}")
     agree(comm, problems, what)
     for read, value in zip(plan.reads, values):  # the point of no return: every rank has every value
         read.assign(value)
     for finish in plan.finish:
         finish()
-    values = _load_extra(manifest, extra, ctx)
-    return {"step": manifest["step"], "step_dir": step_dir, "layout": manifest["layout"], "extra": values}
+    return {"step": manifest["step"], "step_dir": step_dir, "layout": manifest["layout"], "extra": extras}
 
 
 def load_latest(root: str, model, optimizer, ctx, extra: dict | None = None, strict: bool = True) -> dict | None:
-    """Load the newest checkpoint under ``root`` that verifies; None when there is none.
+    """Load the step ``latest`` names under ``root``; None when there is no committed step.
 
-    A damaged newest checkpoint is reported (a warning) and the next older one is tried.
+    ``latest`` is the source of truth: steps above it (another run's, left in the folder) are
+    never loaded. A damaged step (``CheckpointDamaged``) is reported and the next older one is
+    tried; any other error (a checkpoint that does not fit the model) is raised.
     """
-    for step in reversed(list_steps(root)):
+    newest = latest_step(root)
+    if newest is None:
+        return None
+    above = [s for s in list_steps(root) if s > newest]
+    if above:
+        logger.warning(f"{root}: ignoring steps {above} above the one 'latest' names ({newest})")
+    for step in [newest] + [s for s in reversed(list_steps(root)) if s < newest]:
+        if not os.path.isdir(os.path.join(root, step_dirname(step))):
+            logger.warning(f"skipping checkpoint step {step}: 'latest' names it but {root} has no such folder")
+            continue
         try:
             return load(os.path.join(root, step_dirname(step)), model, optimizer, ctx, extra, strict=strict)
-        except CheckpointError as error:
-            logger.warning(f"skipping checkpoint step {step}: {error}")
+        except CheckpointDamaged as error:
+            logger.warning(f"skipping damaged checkpoint step {step}: {error}")
     return None

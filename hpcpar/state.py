@@ -79,11 +79,15 @@ class Saved:
     def __init__(self, tensor_keys, scalars: dict):
         self.tensor_keys = set(tensor_keys)
         self.scalars = dict(scalars)
+        self._state = {}  # parameter name -> its optimizer state keys (one pass, not one per parameter)
+        for key in sorted(self.tensor_keys | set(self.scalars)):
+            if key.startswith("optim/"):
+                name, _, state = key[len("optim/"):].rpartition("/")
+                self._state.setdefault(name, []).append(state)
 
     def state_keys(self, name: str) -> list[str]:
         """The optimizer state saved for parameter ``name`` (``exp_avg``, ``step`` ...)."""
-        prefix = f"optim/{name}/"
-        return sorted({k[len(prefix):] for k in self.tensor_keys | set(self.scalars) if k.startswith(prefix)})
+        return list(self._state.get(name, []))
 
     def weight_decays(self) -> dict:
         """{parameter name: weight decay} saved (empty for checkpoints from before decay groups)."""

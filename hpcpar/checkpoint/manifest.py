@@ -94,15 +94,6 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def write_json_atomically(path: str, data) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, sort_keys=True))  # dumps uses the C encoder; dump(f) the Python one
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def read_manifest(step_dir: str) -> dict:
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.exists(path):

@@ -24,6 +24,8 @@ view for other readers. Checkpoints of format 1 (a dataset per piece) load throu
 """
 from __future__ import annotations
 
+import bisect
+import math
 import os
 import zlib
 
@@ -94,19 +96,20 @@ class RawSource:
                     self.needed.setdefault(piece["file"], []).append((piece, np.dtype(read_dtype(manifest, read))))
                 else:
                     self.legacy.add(piece["file"])
-        self.buffers: dict = {}  # file -> [(first byte, bytes)]
+        self.values: dict = {}  # (file, first byte) -> the piece's array
+        self.given: set = set()  # pieces handed to a read (another read of the same one gets a copy)
         self.h5files: dict = {}
 
     def byte_range(self, piece: dict, dtype) -> tuple[int, int]:
         """[begin, end) of the piece's bytes in its file ((0, 0) for an empty piece: not in the file)."""
-        nbytes = int(np.prod([b - a for a, b in piece["slab"]], dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(b - a for a, b in piece["slab"]) * dtype.itemsize
         if not nbytes:
             return 0, 0
         begin = self.manifest["files"][piece["file"]]["blobs"][piece["dataset"]] + piece["start"] * dtype.itemsize
         return begin, begin + nbytes
 
     def chunk_runs(self) -> dict:
-        """{file: [(first chunk, end chunk)]}: the MiBs this rank reads, merged into runs."""
+        """{file: [(first chunk, end chunk)]}: the MiBs holding the bytes this rank reads, merged into runs."""
         runs = {}
         for name, pieces in self.needed.items():
             chunks = set()
@@ -117,37 +120,47 @@ class RawSource:
             runs[name] = merge_runs(sorted(chunks))
         return runs
 
-    def read_and_verify(self, runs: dict, mine: dict) -> list[str]:
-        """Read this rank's runs; check the CRC-32 of the chunks in ``mine`` ({file: set of chunks})."""
+    def read_and_verify(self, mine: dict) -> list[str]:
+        """Read every needed piece into an array of its own (one request each, no copy); check the
+        CRC-32 of the chunks in ``mine`` ({file: set of chunks}) from those arrays, in file order,
+        reading only the bytes between pieces (HDF5's headers, pieces of other ranks)."""
         problems = []
-        for name, file_runs in runs.items():
+        for name, pieces in self.needed.items():
             path = os.path.join(self.step_dir, name)
-            facts = self.manifest["files"][name]
-            with open(path, "rb", buffering=0) as f:
-                for first, end in file_runs:
-                    begin = first * CHUNK_BYTES
-                    data = np.empty(min(end * CHUNK_BYTES, facts["bytes"]) - begin, dtype=np.uint8)
-                    f.seek(begin)
-                    if f.readinto(memoryview(data)) != data.size:
-                        problems.append(f"{path}: shorter than the manifest says (truncated?)")
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                segments = []
+                for piece, dtype in pieces:
+                    begin, end = self.byte_range(piece, dtype)
+                    if end == begin or (name, begin) in self.values:
                         continue
-                    self.buffers.setdefault(name, []).append((begin, data))
-                    checked = [c for c in range(first, end) if c in mine.get(name, ())]
-                    found = [f"{zlib.crc32(data[(c - first) * CHUNK_BYTES:(c - first + 1) * CHUNK_BYTES]):08x}"
-                             for c in checked]
-                    problems += [p for c, crc in zip(checked, found) for p in
-                                 chunk_problems(path, [crc], facts["chunks"], c)]
+                    values = np.empty(tuple(b - a for a, b in piece["slab"]), dtype=dtype)
+                    raw = values.reshape(-1).view(np.uint8)
+                    if os.preadv(fd, [raw], begin) != end - begin:
+                        problems.append(f"{path}: shorter than the manifest says (truncated?)")
+                        break
+                    self.values[(name, begin)] = values
+                    segments.append((begin, raw))
+                segments.sort(key=lambda segment: segment[0])
+                facts = self.manifest["files"][name]
+                for chunk in sorted(mine.get(name, ())):
+                    crc = chunk_crc(fd, segments, chunk * CHUNK_BYTES, min((chunk + 1) * CHUNK_BYTES, facts["bytes"]))
+                    problems += chunk_problems(path, [crc], facts["chunks"], chunk)
+            finally:
+                os.close(fd)
         return problems
 
     def piece_values(self, piece: dict, dtype) -> np.ndarray:
+        """The piece's array: its own the first time (the receiver may keep it), a copy after."""
         begin, end = self.byte_range(piece, dtype)
         shape = tuple(b - a for a, b in piece["slab"])
         if begin == end:
             return np.empty(shape, dtype)
-        for first, data in self.buffers.get(piece["file"], ()):
-            if first <= begin and end <= first + data.size:
-                return data[begin - first:end - first].view(dtype).reshape(shape)
-        raise CheckpointDamaged(f"{os.path.join(self.step_dir, piece['file'])}: bytes {begin}..{end} were not read")
+        values = self.values[(piece["file"], begin)]
+        if (piece["file"], begin) in self.given:
+            return values.copy()
+        self.given.add((piece["file"], begin))
+        return values
 
     def legacy_values(self, piece: dict, dtype) -> np.ndarray:
         """A format-1 piece: its own dataset, through h5py."""
@@ -189,6 +202,28 @@ class RawSource:
 
 def read_dtype(manifest: dict, read) -> str:
     return manifest["tensors"][read.key]["dtype"]
+
+
+def chunk_crc(fd: int, segments: list, begin: int, end: int) -> str:
+    """CRC-32 of the file's bytes [begin, end): from the pieces' arrays (``segments``: (first byte,
+    uint8 array), sorted) where they cover it, read from the file between them."""
+    crc, at = 0, begin
+    first = max(bisect.bisect_right([b for b, _ in segments], begin) - 1, 0)
+    for start, raw in segments[first:]:
+        if start >= end:
+            break
+        stop = start + raw.size
+        if stop <= at:
+            continue
+        if start > at:
+            crc = zlib.crc32(os.pread(fd, start - at, at), crc)
+            at = start
+        upto = min(stop, end)
+        crc = zlib.crc32(raw[at - start: upto - start], crc)
+        at = upto
+    if at < end:
+        crc = zlib.crc32(os.pread(fd, end - at, at), crc)
+    return f"{crc:08x}"
 
 
 def merge_runs(chunks: list[int]) -> list[tuple[int, int]]:
@@ -235,7 +270,7 @@ def read_all(step_dir: str, manifest: dict, reads, comm, what: str) -> list:
     mine = verifier_chunks(comm.allgather(runs), rank)
     values, problems = [], []
     try:
-        problems = source.read_and_verify(runs, mine)
+        problems = source.read_and_verify(mine)
         if not problems:
             values = [source.read(read.key, read.slab) for read in reads]
     except (OSError, ValueError, KeyError) as error:

@@ -32,8 +32,10 @@ instead of a file each (PyPI's h5py is serial: then it is a clear error).
 from __future__ import annotations
 
 import atexit
+import functools
 import io
 import json
+import math
 import os
 import shutil
 import threading
@@ -47,8 +49,7 @@ from .. import log
 from ..backend import to_host
 from ..dist.waiting import wait_politely
 from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, SHARED_FILE, VERSION, CheckpointError, chunk_checksums,
-                       fsync_path, list_steps, shard_filename, step_dirname, sync_and_checksum,
-                       write_json_atomically)
+                       fsync_path, list_steps, shard_filename, step_dirname, sync_and_checksum)
 from ..state import checkpointable, slab_slices
 
 logger = log.get_logger(__name__)
@@ -224,7 +225,10 @@ class SaveJob:
         manifest = {"format": FORMAT, "version": VERSION, "step": self.step, "layout": self.layout,
                     "created": time.time(), "tensors": self.tensors, "scalars": self.scalars,
                     "files": files, "extra": self.shared_extra, "rank_state": rank_state}
-        write_json_atomically(os.path.join(self.tmp_dir, MANIFEST), manifest)
+        with open(os.path.join(self.tmp_dir, MANIFEST), "w") as f:  # the folder's rename makes it appear atomically
+            f.write(json.dumps(manifest, sort_keys=True))  # dumps uses the C encoder; dump(f) the Python one
+            f.flush()
+            os.fsync(f.fileno())
         fsync_path(self.tmp_dir)
         latest_tmp = os.path.join(self.root, LATEST + ".tmp")
         with open(latest_tmp, "w") as f:  # written before the rename: a full disk fails here, nothing renamed
@@ -236,9 +240,8 @@ class SaveJob:
             shutil.rmtree(replaced, ignore_errors=True)
             os.rename(self.step_dir, replaced)
         os.rename(self.tmp_dir, self.step_dir)
-        fsync_path(self.root)
         os.replace(latest_tmp, os.path.join(self.root, LATEST))
-        fsync_path(self.root)
+        fsync_path(self.root)  # both renames at once (a crash between them leaves the previous latest)
         shutil.rmtree(replaced, ignore_errors=True)
         if self.keep:
             for old in retired_steps(list_steps(self.root), self.step, self.keep):
@@ -296,7 +299,7 @@ def assign_writers(everyone: list) -> dict:
         for key, slab, _, dtype in entries:
             piece = (key, tuple(map(tuple, slab)))
             holders.setdefault(piece, []).append(rank)
-            sizes[piece] = int(np.prod([b - a for a, b in piece[1]])) * np.dtype(dtype).itemsize
+            sizes[piece] = slab_size(piece[1]) * itemsize(dtype)
     load = [0] * len(everyone)
     owner = {}
     for piece in sorted(holders, key=lambda p: (-sizes[p], p[0])):
@@ -354,8 +357,18 @@ def retired_steps(steps: list[int], written: int, keep: int) -> list[int]:
     return mine[:-keep] if keep > 0 else []
 
 
+@functools.lru_cache(maxsize=None)
+def itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_name(dtype: str) -> str:
+    return np.dtype(dtype).name
+
+
 def slab_size(slab) -> int:
-    return int(np.prod([stop - start for start, stop in slab], dtype=np.int64))
+    return math.prod(stop - start for start, stop in slab)
 
 
 def dataset_name(n: int, key: str) -> str:
@@ -384,7 +397,7 @@ def tensor_table(everyone: list, owner: dict, shared_file: str | None = None) ->
                 continue
             piece = {"slab": [list(s) for s in slab], "rank": rank, "file": shared_file or shard_filename(rank)}
             if shared_file is None:
-                name = np.dtype(dtype).name
+                name = dtype_name(dtype)
                 piece |= {"dataset": name, "start": filled.get(name, 0)}
                 filled[name] = filled.get(name, 0) + slab_size(slab)
             else:
@@ -392,10 +405,10 @@ def tensor_table(everyone: list, owner: dict, shared_file: str | None = None) ->
                 written += 1
             table["pieces"].append(piece)
     for key, table in tensors.items():
-        covered = sum(int(np.prod([b - a for a, b in p["slab"]])) for p in table["pieces"])
-        if covered != int(np.prod(table["shape"])):
+        covered = sum(slab_size(p["slab"]) for p in table["pieces"])
+        if covered != math.prod(table["shape"]):
             raise CheckpointError(f"{key}: the pieces held by the ranks cover {covered} of "
-                                  f"{int(np.prod(table['shape']))} elements (overlapping or missing shards)")
+                                  f"{math.prod(table['shape'])} elements (overlapping or missing shards)")
     return tensors
 
 

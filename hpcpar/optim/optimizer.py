@@ -151,7 +151,7 @@ class Optimizer(Checkpointable):
                     continue
 
                 def assign(values, state=state, key=key, param=param):
-                    state[key] = to_device(values, param.xp).astype(param.dtype)
+                    state[key] = to_device(values, param.xp).astype(param.dtype, copy=False)  # values are its own
                 reads.append(Read(full, shape, slab, assign))
         decays = saved.weight_decays()
 

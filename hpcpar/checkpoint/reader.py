@@ -40,15 +40,6 @@ from .manifest import (CHUNK_BYTES, CheckpointDamaged, CheckpointError, chunk_pr
 logger = log.get_logger(__name__)
 
 
-def agree(comm, problems: list[str], what: str, error=CheckpointError) -> None:
-    """Raise ``error`` on every rank when any rank found a problem (each named with its rank)."""
-    everyone = comm.allgather(problems)
-    found = [f"rank {rank}: {p}" for rank, mine in enumerate(everyone) for p in mine]
-    if found:
-        shown = "; ".join(found[:6]) + (f"; ... ({len(found) - 6} more)" if len(found) > 6 else "")
-        raise error(f"{what}: {shown}")
-
-
 def check_reads(reads, manifest: dict) -> list[str]:
     """What does not fit: a tensor the checkpoint lacks, another global shape or dtype, a slab outside it."""
     problems = []
@@ -66,12 +57,6 @@ def check_reads(reads, manifest: dict) -> list[str]:
             problems.append(f"{read.key}: this rank's slab {[list(s) for s in read.slab]} is not inside its "
                             f"global shape {tuple(table['shape'])}")
     return problems
-
-
-def unused_model_tensors(reads, manifest: dict, comm) -> list[str]:
-    """Model tensors of the checkpoint that no rank reads (strict loading refuses them)."""
-    loaded = set().union(*comm.allgather({r.key for r in reads if r.key.startswith("model/")}))
-    return sorted(k for k in manifest["tensors"] if k.startswith("model/") and k not in loaded)
 
 
 def overlap(slab, piece_slab):
@@ -252,40 +237,10 @@ def verifier_chunks(everyone: list[dict], rank: int) -> dict:
     return mine
 
 
-def read_all(step_dir: str, manifest: dict, reads, comm, what: str) -> list:
-    """The values of every read, each byte checked against the manifest's CRC-32; collective.
-
-    Raises ``CheckpointDamaged`` on every rank when a file is missing, short or damaged."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    source = RawSource(step_dir, manifest, reads)
-    names = sorted(manifest["files"])
-    # Presence and size of every file (a share each), and the full checksum of the files read
-    # through h5py (format 1, collective saves), which have one CRC-32 each.
-    problems = verify_files(step_dir, manifest, names[rank::size], checksums=False)
-    legacy = sorted(set().union(*comm.allgather(source.legacy)))
-    problems += verify_files(step_dir, manifest, legacy[rank::size])
-    problems += verify_files(step_dir, manifest, set(source.needed), checksums=False)
-    agree(comm, sorted(set(problems)), what, CheckpointDamaged)
-    runs = source.chunk_runs()
-    mine = verifier_chunks(comm.allgather(runs), rank)
-    values, problems = [], []
-    try:
-        problems = source.read_and_verify(mine)
-        if not problems:
-            values = [source.read(read.key, read.slab) for read in reads]
-    except (OSError, ValueError, KeyError) as error:
-        problems.append(f"{type(error).__name__}: {error}")
-    finally:
-        source.close()
-    agree(comm, problems, what, CheckpointDamaged)
-    return values
-
-
-def restore_extra(manifest: dict, extra: dict | None, ctx) -> dict:
-    """Restore the ``extra`` states (all of them or, on an error, none); the plain JSON values."""
+def restore_extra(manifest: dict, extra: dict | None, ctx) -> tuple[dict, list]:
+    """Restore the ``extra`` states (all of them or, on an error, none): (the plain JSON values,
+    [(object, its state before)] to put back if the load fails later)."""
     values, restored = {}, []
-    same_layout = manifest["layout"] == ctx.layout
-    mine = manifest["rank_state"].get(str(ctx.rank), {})
     try:
         for name, saved in manifest["extra"].items():
             if "value" in saved:
@@ -298,11 +253,17 @@ def restore_extra(manifest: dict, extra: dict | None, ctx) -> dict:
         for target, before in reversed(restored):  # back to how they were, then the error
             target.load_state_dict(before)
         raise
+    return values, restored
+
+
+def restore_streams(manifest: dict, extra: dict | None, ctx) -> None:
+    """Random streams belong to ranks: restored only when each rank is the same rank again."""
+    mine = manifest["rank_state"].get(str(ctx.rank), {})
+    if manifest["layout"] != ctx.layout:
+        return
     for name, target in (extra or {}).items():
-        if isinstance(target, np.random.Generator) and same_layout and name in mine:
-            # Random streams belong to ranks: restored only when each rank is the same rank again.
+        if isinstance(target, np.random.Generator) and name in mine:
             target.bit_generator.state = mine[name]
-    return values
 
 
 def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int | None = None,
@@ -312,41 +273,88 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
     ``model`` and ``optimizer`` are Checkpointables (``hpcpar.state``: a Module, a pipeline, an
     optimizer, ZeRO-1, a parameter server) or (name, parameter) pairs; ``optimizer`` may be None.
     Returns ``{"step", "step_dir", "layout", "extra"}`` (``extra``: the plain JSON values).
-    Collective over ``ctx.world``; every rank raises the same error, and then nothing has
-    changed: ``CheckpointDamaged`` for damaged files, ``CheckpointError`` for a checkpoint that
-    does not fit (names, shapes, dtypes, slabs).
+    Collective over ``ctx.world`` (two all-gathers); every rank raises the same error, and then
+    nothing has changed: ``CheckpointDamaged`` for damaged files, ``CheckpointError`` for a
+    checkpoint that does not fit (names, shapes, dtypes, slabs).
     """
     comm = ctx.world.mpi
     step_dir = resolve_step_dir(path, step)
     what = f"loading {step_dir}"
-    problems, manifest = [], None
+    plan, source, found = plan_load(step_dir, model, optimizer, comm)
+    everyone = comm.allgather(found)  # 1: what each rank found before reading a byte
+    for kind, error in (("damaged", CheckpointDamaged), ("mismatch", CheckpointError)):
+        raise_if_any([mine[kind] for mine in everyone], what, error)
+    manifest = source.manifest
+    if strict:
+        loaded = set().union(*(mine["model_keys"] for mine in everyone))
+        unused = sorted(k for k in manifest["tensors"] if k.startswith("model/") and k not in loaded)
+        if unused:
+            raise CheckpointError(f"{what}: tensors no rank of this model takes: {unused[:5]}"
+                                  f"{' ...' if len(unused) > 5 else ''} (pass strict=False to ignore)")
+    damaged, values, extras, restored = [], [], {}, []
+    try:
+        damaged = source.read_and_verify(verifier_chunks([mine["runs"] for mine in everyone], comm.Get_rank()))
+        if not damaged:
+            values = [source.read(read.key, read.slab) for read in plan.reads]
+    except (OSError, ValueError, KeyError) as error:
+        damaged.append(f"{type(error).__name__}: {error}")
+    finally:
+        source.close()
+    refused = []
+    if not damaged:
+        try:  # the extras before the point of no return: they can refuse a state, and are put back
+            extras, restored = restore_extra(manifest, extra, ctx)
+        except Exception as error:  # noqa: BLE001 - every rank raises below
+            refused.append(f"restoring the extra state: {type(error).__name__}: {error}")
+    everyone = comm.allgather((damaged, refused))  # 2: every rank has every value, or none goes in
+    if any(d or r for d, r in everyone):
+        for target, before in reversed(restored):
+            target.load_state_dict(before)
+        raise_if_any([d for d, _ in everyone], what, CheckpointDamaged)
+        raise_if_any([r for _, r in everyone], what, CheckpointError)
+    for read, value in zip(plan.reads, values):  # the point of no return
+        read.assign(value)
+    for finish in plan.finish:
+        finish()
+    restore_streams(manifest, extra, ctx)
+    return {"step": manifest["step"], "step_dir": step_dir, "layout": manifest["layout"], "extra": extras}
+
+
+def plan_load(step_dir: str, model, optimizer, comm) -> tuple:
+    """(load plan, RawSource, what this rank found: damage, mismatches, the model tensors it
+    reads, the MiBs it will read) before reading any tensor."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    found = {"damaged": [], "mismatch": [], "model_keys": set(), "runs": {}}
     try:
         manifest = read_manifest(step_dir)
     except CheckpointDamaged as error:
-        problems.append(str(error))
-    agree(comm, problems, what, CheckpointDamaged)  # the same verdict on every rank
+        found["damaged"].append(str(error))
+        return None, None, found
     saved = Saved(manifest["tensors"], manifest["scalars"])
     plan = checkpointable(model).load_plan(saved)
     if optimizer is not None:
         plan.extend(checkpointable(optimizer).load_plan(saved))
-    problems = check_reads(plan.reads, manifest)
-    unused = unused_model_tensors(plan.reads, manifest, comm) if strict else []
-    if unused and comm.Get_rank() == 0:
-        problems.append(f"tensors no rank of this model takes: {unused[:5]}{' ...' if len(unused) > 5 else ''} "
-                        f"(pass strict=False to ignore)")
-    agree(comm, problems, what)
-    values = read_all(step_dir, manifest, plan.reads, comm, what)
-    problems, extras = [], {}
-    try:  # the extras first: they can refuse a state, and are put back when they do
-        extras = restore_extra(manifest, extra, ctx)
-    except Exception as error:  # noqa: BLE001 - every rank raises below
-        problems.append(f"restoring the extra state: {type(error).__name__}: {error}")
-    agree(comm, problems, what)
-    for read, value in zip(plan.reads, values):  # the point of no return: every rank has every value
-        read.assign(value)
-    for finish in plan.finish:
-        finish()
-    return {"step": manifest["step"], "step_dir": step_dir, "layout": manifest["layout"], "extra": extras}
+    found["mismatch"] = check_reads(plan.reads, manifest)
+    if found["mismatch"]:
+        return plan, None, found
+    found["model_keys"] = {r.key for r in plan.reads if r.key.startswith("model/")}
+    source = RawSource(step_dir, manifest, plan.reads)
+    names = sorted(manifest["files"])
+    # Presence and size of every file (a share each) and of those this rank reads; the full
+    # checksum of the files read through h5py (format 1, collective saves: one CRC-32 each).
+    problems = verify_files(step_dir, manifest, set(names[rank::size]) | set(source.needed), checksums=False)
+    problems += verify_files(step_dir, manifest, source.legacy)
+    found["damaged"] = problems
+    found["runs"] = source.chunk_runs()
+    return plan, source, found
+
+
+def raise_if_any(everyone: list, what: str, error) -> None:
+    """Raise ``error`` naming each rank's problems when any rank has one (the same on every rank)."""
+    found = [f"rank {rank}: {p}" for rank, mine in enumerate(everyone) for p in mine]
+    if found:
+        shown = "; ".join(found[:6]) + (f"; ... ({len(found) - 6} more)" if len(found) > 6 else "")
+        raise error(f"{what}: {shown}")
 
 
 def load_latest(root: str, model, optimizer, ctx, extra: dict | None = None, strict: bool = True) -> dict | None:

@@ -301,6 +301,9 @@ class CheckpointSection:
     keep: int = _key(2, INTEGER, "checkpoints kept (older ones are removed)", check=at_least(1))
     async_: bool = _key(False, BOOLEAN, "write checkpoints in a background thread", name="async")
     resume: bool = _key(True, BOOLEAN, "continue from the latest checkpoint in dir when there is one")
+    on_error: str = _key("stop", STRING, "when a checkpoint cannot be written (disk full, a write error): stop "
+                         "the run with the error, or warn and train on (the previous checkpoint stays the latest)",
+                         choices=("stop", "warn"))
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "parallel": ParallelSection,

@@ -51,8 +51,8 @@ class Piece:
 @dataclass(frozen=True)
 class Read:
     """One slab a rank reads at load; ``assign(values)`` gets a host array of the slab's shape
-    (which it must copy: it may be a view of the loader's buffers). ``dtype``, when given, is
-    the dtype the checkpoint must hold (another is a mismatch, not a silent cast)."""
+    (the receiver may keep it: it is its own). ``dtype``, when given, is the destination's
+    dtype: a checkpoint tensor of another kind (integers for floats) is a mismatch, not a cast."""
 
     key: str
     global_shape: tuple

@@ -132,11 +132,15 @@ def test_a_mismatch_is_an_error_never_a_fallback(tmp_path, other):
 
     ctx, run = saved_run(tmp_path)
     config = {"shape": dict(n_embd=16), "dtype": {}, "name": dict(n_layer=3)}[other]
-    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, seed=3) if not config else
-                GPTConfig(**{**dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, seed=3), **config}),
-                dtype=np.float32 if other == "dtype" else np.float64)
+    model = GPT(GPTConfig(**{**dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, seed=3), **config}),
+                dtype=np.float64)
+    if other == "dtype":  # integers where the model has floats (another precision is a cast, allowed)
+        manifest_path = os.path.join(step_dir(tmp_path, 2), "manifest.json")
+        manifest = json.load(open(manifest_path))
+        manifest["tensors"]["model/embed.wte.weight"]["dtype"] = "int64"
+        json.dump(manifest, open(manifest_path, "w"))
     before = {name: p.data.tobytes() for name, p in model.named_parameters()}
-    expected = {"shape": "global shape", "dtype": "float64 in the checkpoint but float32 here",
+    expected = {"shape": "global shape", "dtype": "embed.wte.weight is int64 in the checkpoint but float64 here",
                 "name": "no tensor 'model/blocks.2"}[other]
     with pytest.raises(CheckpointError, match=expected) as raised:
         checkpoint.load_latest(str(tmp_path), model, None, ctx)
@@ -144,6 +148,18 @@ def test_a_mismatch_is_an_error_never_a_fallback(tmp_path, other):
     assert "step-00000002" in str(raised.value)  # the latest step was refused, not skipped for step 1
     assert {name: p.data.tobytes() for name, p in model.named_parameters()} == before
     assert_nothing_lost(tmp_path, [1, 2])
+
+
+def test_a_float64_checkpoint_loads_into_a_float32_model(tmp_path):
+    """Another precision of the same kind is a cast (hpcpar generate samples any run in float32)."""
+    from hpcpar.nn.gpt import GPT, GPTConfig
+
+    ctx, run = saved_run(tmp_path, steps=(1,))
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, seed=3), dtype=np.float32)
+    checkpoint.load(str(tmp_path), model, None, ctx)
+    for name, p in model.named_parameters():
+        assert p.data.dtype == np.float32
+        np.testing.assert_array_equal(p.data, run.model.state_dict()[name].astype(np.float32))
 
 
 # ----- a failed load changes nothing ---------------------------------------------------

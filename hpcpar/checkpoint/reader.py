@@ -5,7 +5,8 @@ a ``LoadPlan`` of reads (key, global shape, slab, dtype) and what to do once all
 load is a transaction over all ranks:
 
 1. every rank checks every read of its plans against the manifest: the tensor exists, with
-   that global shape and dtype, the slab lies inside it, and (``strict``) every model tensor
+   that global shape and a dtype of the same kind (float, integer, bool: the precision may
+   change), the slab lies inside it, and (``strict``) every model tensor
    lands on some rank. A mismatch is a ``CheckpointError``;
 2. every file the load needs is checked for presence and size, and every byte it reads
    against the CRC-32 of its MiB in the manifest (each MiB by one of the ranks reading it,
@@ -50,13 +51,22 @@ def check_reads(reads, manifest: dict) -> list[str]:
         elif tuple(table["shape"]) != tuple(read.global_shape):
             problems.append(f"{read.key} has global shape {tuple(table['shape'])} in the checkpoint but "
                             f"{tuple(read.global_shape)} here")
-        elif read.dtype is not None and np.dtype(table["dtype"]) != np.dtype(read.dtype):
+        elif read.dtype is not None and number_kind(table["dtype"]) != number_kind(read.dtype):
             problems.append(f"{read.key} is {table['dtype']} in the checkpoint but {np.dtype(read.dtype)} here")
         elif len(read.slab) != len(table["shape"]) or any(
                 not 0 <= a <= b <= n for (a, b), n in zip(read.slab, table["shape"])):
             problems.append(f"{read.key}: this rank's slab {[list(s) for s in read.slab]} is not inside its "
                             f"global shape {tuple(table['shape'])}")
     return problems
+
+
+def number_kind(dtype) -> str:
+    """"float", "integer" or "bool": a load may change the precision (float32 masters into
+    bfloat16 working copies, a float64 run into a float32 model for sampling), never the kind."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "fc" or (dtype.kind == "V" and "float" in dtype.name):  # ml_dtypes' bfloat16 is kind V
+        return "float"
+    return {"i": "integer", "u": "integer", "b": "bool"}.get(dtype.kind, dtype.name)
 
 
 def overlap(slab, piece_slab):

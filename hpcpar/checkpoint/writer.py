@@ -127,6 +127,8 @@ class SaveJob:
         """Write this rank's shard, then commit on rank 0; collective over ``comm``."""
         start = time.perf_counter()
         facts = {"files": {}, "rank_state": self.rank_state, "error": None}
+        # Rank 0 prepares the new ``latest`` (a small fsync'd file) while the shards are written.
+        self.latest_ready = LatestFile(self.root, self.step) if self.rank == 0 else None
         try:
             if self.rank == self.index_writer:
                 facts["files"][INDEX] = self._write_index()
@@ -150,6 +152,7 @@ class SaveJob:
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = str(exc) if isinstance(exc, CheckpointError) else f"rank 0: {type(exc).__name__}: {exc}"
                 shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                self.latest_ready.discard()
         wait_politely(comm.Ibarrier())  # while rank 0 commits
         error = comm.bcast(error, root=0)
         if error:
@@ -230,11 +233,7 @@ class SaveJob:
             f.flush()
             os.fsync(f.fileno())
         fsync_path(self.tmp_dir)
-        latest_tmp = os.path.join(self.root, LATEST + ".tmp")
-        with open(latest_tmp, "w") as f:  # written before the rename: a full disk fails here, nothing renamed
-            f.write(step_dirname(self.step) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        latest_tmp = self.latest_ready.path()  # written before the rename: a full disk fails here, nothing renamed
         replaced = self.step_dir + ".old"
         if os.path.exists(self.step_dir):  # re-saving a step: the old copy goes once the new one is in place
             shutil.rmtree(replaced, ignore_errors=True)
@@ -246,6 +245,36 @@ class SaveJob:
         if self.keep:
             for old in retired_steps(list_steps(self.root), self.step, self.keep):
                 shutil.rmtree(os.path.join(self.root, step_dirname(old)), ignore_errors=True)
+
+
+class LatestFile:
+    """``latest.tmp`` naming the new step, written and fsynced by a thread while the shards are
+    written; ``path()`` waits for it (and raises its error), the commit renames it over ``latest``."""
+
+    def __init__(self, root: str, step: int):
+        self.file, self.error = os.path.join(root, LATEST + ".tmp"), None
+        self.thread = threading.Thread(target=self._write, args=(step_dirname(step) + "\n",))
+        self.thread.start()
+
+    def _write(self, text: str) -> None:
+        try:
+            with open(self.file, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as error:
+            self.error = error
+
+    def path(self) -> str:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.file
+
+    def discard(self) -> None:
+        self.thread.join()
+        if os.path.exists(self.file):
+            os.remove(self.file)
 
 
 _index_images: dict = {}  # plan -> the bytes of its index.h5

@@ -398,3 +398,42 @@ def test_ranks_on_one_file_system_add_up_their_bytes():
     assert writer.space_shortfalls(spaces, [400 << 20, 400 << 20, 400 << 20], everyone) == []
     short = writer.space_shortfalls(spaces, [600 << 20, 600 << 20, 600 << 20], everyone)
     assert len(short) == 1 and short[0].startswith("ranks 0, 1 on node need")
+
+
+# ----- many MiBs, pieces across MiB boundaries, loads of other slabs ----------------------
+def slab_params(values, cuts):
+    """(name, Parameter) pairs holding the row ranges ``cuts`` of the global array ``values``."""
+    from hpcpar.autograd.tensor import Parameter
+
+    pairs = []
+    for start, stop in zip(cuts[:-1], cuts[1:]):
+        param = Parameter(values[start:stop].copy())
+        param.global_shape, param.global_start = values.shape, (start, 0)
+        pairs.append(("w", param))
+    return pairs
+
+
+def test_pieces_spanning_many_mib_load_into_other_slabs_and_every_mib_is_checked(tmp_path):
+    """A 5.3 MiB tensor written as 3 uneven pieces (so pieces and MiB chunks overlap every way)
+    loads into 4 other row ranges, exactly; a flipped bit in any MiB a load reads is found."""
+    ctx = hpcpar.init(comm=MPI.COMM_SELF, device="cpu")
+    values = np.random.default_rng(5).standard_normal((1393, 499))
+    checkpoint.save(str(tmp_path), 1, slab_params(values, [0, 201, 1000, 1393]), None, ctx)
+    target = slab_params(np.zeros_like(values), [0, 97, 650, 1001, 1393])
+    checkpoint.load(str(tmp_path), target, None, ctx)
+    assert np.concatenate([p.data for _, p in target]).tobytes() == values.tobytes()
+    part = slab_params(np.zeros_like(values), [700, 900])  # reads only the MiBs holding rows 700..900
+    checkpoint.load(str(tmp_path), part, None, ctx, strict=False)
+    assert part[0][1].data.tobytes() == values[700:900].tobytes()
+    shard = os.path.join(step_dir(tmp_path, 1), "shard-00000.h5")
+    pristine = open(shard, "rb").read()
+    assert len(pristine) > 5 << 20
+    for where in (0.001, 0.19, 0.5, 0.81, 0.9999):
+        damage(shard, "flip", where)
+        fresh = slab_params(np.zeros_like(values), [0, 1393])
+        with pytest.raises(CheckpointDamaged, match=r"shard-00000.h5: checksum .* for bytes"):
+            checkpoint.load(str(tmp_path), fresh, None, ctx)
+        assert not fresh[0][1].data.any()  # nothing went in
+        open(shard, "wb").write(pristine)
+    with h5py.File(os.path.join(step_dir(tmp_path, 1), "index.h5"), "r") as index:
+        assert index["model/w"][...].tobytes() == values.tobytes()  # the global view, through HDF5

@@ -137,9 +137,11 @@ class RawSource:
                     self.values[(name, begin)] = values
                     segments.append((begin, raw))
                 segments.sort(key=lambda segment: segment[0])
+                starts = [start for start, _ in segments]
                 facts = self.manifest["files"][name]
                 for chunk in sorted(mine.get(name, ())):
-                    crc = chunk_crc(fd, segments, chunk * CHUNK_BYTES, min((chunk + 1) * CHUNK_BYTES, facts["bytes"]))
+                    crc = chunk_crc(fd, segments, starts, chunk * CHUNK_BYTES,
+                                    min((chunk + 1) * CHUNK_BYTES, facts["bytes"]))
                     problems += chunk_problems(path, [crc], facts["chunks"], chunk)
             finally:
                 os.close(fd)
@@ -199,11 +201,12 @@ def read_dtype(manifest: dict, read) -> str:
     return manifest["tensors"][read.key]["dtype"]
 
 
-def chunk_crc(fd: int, segments: list, begin: int, end: int) -> str:
+def chunk_crc(fd: int, segments: list, starts: list, begin: int, end: int) -> str:
     """CRC-32 of the file's bytes [begin, end): from the pieces' arrays (``segments``: (first byte,
-    uint8 array), sorted) where they cover it, read from the file between them."""
+    uint8 array), sorted; ``starts``: their first bytes) where they cover it, read from the file
+    between them."""
     crc, at = 0, begin
-    first = max(bisect.bisect_right([b for b, _ in segments], begin) - 1, 0)
+    first = max(bisect.bisect_right(starts, begin) - 1, 0)
     for start, raw in segments[first:]:
         if start >= end:
             break

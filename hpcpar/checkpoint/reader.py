@@ -116,27 +116,19 @@ class RawSource:
         return runs
 
     def read_and_verify(self, mine: dict) -> list[str]:
-        """Read every needed piece into an array of its own (one request each, no copy); check the
-        CRC-32 of the chunks in ``mine`` ({file: set of chunks}) from those arrays, in file order,
-        reading only the bytes between pieces (HDF5's headers, pieces of other ranks)."""
+        """Read every needed piece into an array of its own (no copy; pieces that lie end to end
+        in one request); check the CRC-32 of the chunks in ``mine`` ({file: set of chunks}) from
+        those arrays, in file order, reading only the bytes between them (HDF5's headers,
+        pieces this rank does not need)."""
         problems = []
         for name, pieces in self.needed.items():
             path = os.path.join(self.step_dir, name)
             fd = os.open(path, os.O_RDONLY)
             try:
-                segments = []
-                for piece, dtype in pieces:
-                    begin, end = self.byte_range(piece, dtype)
-                    if end == begin or (name, begin) in self.values:
-                        continue
-                    values = np.empty(tuple(b - a for a, b in piece["slab"]), dtype=dtype)
-                    raw = values.reshape(-1).view(np.uint8)
-                    if os.preadv(fd, [raw], begin) != end - begin:
-                        problems.append(f"{path}: shorter than the manifest says (truncated?)")
-                        break
-                    self.values[(name, begin)] = values
-                    segments.append((begin, raw))
-                segments.sort(key=lambda segment: segment[0])
+                segments = self._read_pieces(fd, name, pieces)
+                if segments is None:
+                    problems.append(f"{path}: shorter than the manifest says (truncated?)")
+                    continue
                 starts = [start for start, _ in segments]
                 facts = self.manifest["files"][name]
                 for chunk in sorted(mine.get(name, ())):
@@ -146,6 +138,26 @@ class RawSource:
             finally:
                 os.close(fd)
         return problems
+
+    def _read_pieces(self, fd: int, name: str, pieces: list) -> list | None:
+        """[(first byte, uint8 view of the piece's new array)] in file order; None when the file is short."""
+        segments = []
+        for piece, dtype in pieces:
+            begin, end = self.byte_range(piece, dtype)
+            if end > begin and (name, begin) not in self.values:
+                values = self.values[(name, begin)] = np.empty(tuple(b - a for a, b in piece["slab"]), dtype=dtype)
+                segments.append((begin, values.reshape(-1).view(np.uint8)))
+        segments.sort(key=lambda segment: segment[0])
+        batch: list = []  # arrays whose bytes follow each other in the file: one preadv
+        for n, (begin, raw) in enumerate(segments):
+            batch.append(raw)
+            following = segments[n + 1][0] if n + 1 < len(segments) else None
+            if following != begin + raw.size or len(batch) == 512:
+                first = begin + raw.size - sum(b.size for b in batch)
+                if os.preadv(fd, batch, first) != sum(b.size for b in batch):
+                    return None
+                batch = []
+        return segments
 
     def piece_values(self, piece: dict, dtype) -> np.ndarray:
         """The piece's array: its own the first time (the receiver may keep it), a copy after."""

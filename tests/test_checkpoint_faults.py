@@ -437,3 +437,28 @@ def test_pieces_spanning_many_mib_load_into_other_slabs_and_every_mib_is_checked
         open(shard, "wb").write(pristine)
     with h5py.File(os.path.join(step_dir(tmp_path, 1), "index.h5"), "r") as index:
         assert index["model/w"][...].tobytes() == values.tobytes()  # the global view, through HDF5
+
+
+# ----- checkpoint.on_error in a training run ------------------------------------------------
+@pytest.mark.parametrize("policy", ["warn", "stop"])
+def test_a_training_run_on_a_full_disk_warns_or_stops(small_disk, token_file, policy):
+    """The job's checkpoints do not fit the 6 MiB disk: "warn" trains to the end (exit 0) with one
+    warning per checkpoint, "stop" ends the run with the error; neither leaves anything behind."""
+    job = os.path.join(os.path.dirname(TESTS), "jobs", "gpt-dp.toml")
+    args = [venv_bin("mpiexec"), "-n", "2", sys.executable, "-m", "hpcpar", "train", job,
+            "--set", f'checkpoint.dir="{small_disk}/ckpt"', "--set", f'data.path="{token_file}"',
+            "--set", f'train.metrics="{small_disk}/metrics.jsonl"', "--set", f'checkpoint.on_error="{policy}"',
+            "--set", "train.steps=4", "--set", "checkpoint.interval=2", "--set", "train.eval_interval=0",
+            "--set", "train.sample_tokens=0", "--set", "model.n_embd=256"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    output = proc.stdout + proc.stderr
+    assert "not enough free space: ranks 0, 1 on" in output, output
+    if policy == "warn":
+        assert proc.returncode == 0, output
+        assert output.count('checkpoint.on_error = "warn"') == 2  # steps 2 and 4, once each (rank 0)
+    else:
+        assert proc.returncode != 0
+        assert "step-00000002 was not written" in output
+    assert checkpoint.list_steps(str(small_disk / "ckpt")) == []
+    assert not [n for n in os.listdir(small_disk / "ckpt") if n.endswith(".tmp")]

@@ -299,7 +299,8 @@ class CheckpointSection:
     dir: str = _key("runs/{job}/checkpoints", STRING, "checkpoint root folder")
     interval: int = _key(0, INTEGER, "steps between checkpoints; 0 = none during training", check=at_least(0))
     keep: int = _key(2, INTEGER, "checkpoints kept (older ones are removed)", check=at_least(1))
-    async_: bool = _key(False, BOOLEAN, "write checkpoints in a background thread", name="async")
+    async_: bool = _key(False, BOOLEAN, "write checkpoints in a background thread (it calls MPI: needs "
+                          "MPI.THREAD_MULTIPLE, else they are written synchronously with one warning)", name="async")
     resume: bool = _key(True, BOOLEAN, "continue from the latest checkpoint in dir when there is one")
     on_error: str = _key("stop", STRING, "when a checkpoint cannot be written (disk full, a write error): stop "
                          "the run with the error, or warn and train on (the previous checkpoint stays the latest)",

@@ -462,3 +462,21 @@ def test_a_training_run_on_a_full_disk_warns_or_stops(small_disk, token_file, po
         assert "step-00000002 was not written" in output
     assert checkpoint.list_steps(str(small_disk / "ckpt")) == []
     assert not [n for n in os.listdir(small_disk / "ckpt") if n.endswith(".tmp")]
+
+
+def test_the_native_crc_equals_zlib():
+    """build/libhpcpar_crc.so (when built: `make native`) gives zlib's CRC-32 for every length and start."""
+    import zlib
+
+    from hpcpar.checkpoint import crc
+
+    rng = np.random.default_rng(3)
+    for size in list(range(0, 200)) + [4096, (1 << 20) + 13]:
+        data = rng.integers(0, 256, size, dtype=np.uint8)
+        for start in (0, 0x12345678):
+            assert crc.crc32(data, start) == zlib.crc32(data, start)
+            assert crc.crc32(data.tobytes(), start) == zlib.crc32(data, start)
+    built = (crc.library_path().parent / crc.LIB_NAME).exists()
+    cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if built and " pclmulqdq" in cpu and " sse4_1" in cpu:
+        assert crc._blocks() is not None, "libhpcpar_crc.so is built but failed its check against zlib"

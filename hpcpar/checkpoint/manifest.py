@@ -18,7 +18,10 @@ import json
 import os
 import re
 import threading
-import zlib
+
+import numpy as np
+
+from .crc import crc32
 
 FORMAT = "hpcpar-checkpoint"
 VERSION = 2  # 2: flat datasets per dtype, pieces at byte offsets, CRC-32 per MiB of each file
@@ -54,21 +57,21 @@ def file_checksum(path: str, chunk: int = 8 << 20) -> str:
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
+            crc = crc32(block, crc)
     return f"{crc:08x}"
 
 
 def chunk_checksums(data) -> list[str]:
     """CRC-32 of each ``CHUNK_BYTES`` of ``data`` (bytes-like), the last chunk possibly shorter."""
     view = memoryview(data).cast("B")
-    return [f"{zlib.crc32(view[at: at + CHUNK_BYTES]):08x}" for at in range(0, len(view), CHUNK_BYTES)]
+    return [f"{crc32(view[at: at + CHUNK_BYTES]):08x}" for at in range(0, len(view), CHUNK_BYTES)]
 
 
 def file_chunk_checksums(path: str) -> list[str]:
-    crcs = []
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK_BYTES):
-            crcs.append(f"{zlib.crc32(block):08x}")
+    crcs, block = [], np.empty(CHUNK_BYTES, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        while size := f.readinto(block):
+            crcs.append(f"{crc32(block[:size]):08x}")
     return crcs
 
 

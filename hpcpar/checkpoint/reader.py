@@ -28,13 +28,13 @@ from __future__ import annotations
 import bisect
 import math
 import os
-import zlib
 
 import h5py
 import numpy as np
 
 from .. import log
 from ..state import Saved, checkpointable, slab_slices
+from .crc import crc32
 from .manifest import (CHUNK_BYTES, CheckpointDamaged, CheckpointError, chunk_problems, latest_step, list_steps,
                        read_manifest, resolve_step_dir, step_dirname, verify_files)
 
@@ -226,13 +226,13 @@ def chunk_crc(fd: int, segments: list, starts: list, begin: int, end: int) -> st
         if stop <= at:
             continue
         if start > at:
-            crc = zlib.crc32(os.pread(fd, start - at, at), crc)
+            crc = crc32(os.pread(fd, start - at, at), crc)
             at = start
         upto = min(stop, end)
-        crc = zlib.crc32(raw[at - start: upto - start], crc)
+        crc = crc32(raw[at - start: upto - start], crc)
         at = upto
     if at < end:
-        crc = zlib.crc32(os.pread(fd, end - at, at), crc)
+        crc = crc32(os.pread(fd, end - at, at), crc)
     return f"{crc:08x}"
 
 

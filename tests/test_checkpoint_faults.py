@@ -480,3 +480,33 @@ def test_the_native_crc_equals_zlib():
     cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     if built and " pclmulqdq" in cpu and " sse4_1" in cpu:
         assert crc._blocks() is not None, "libhpcpar_crc.so is built but failed its check against zlib"
+
+
+def test_a_format_1_checkpoint_still_loads(tmp_path):
+    """Checkpoints written before format 2 (a dataset per piece, one CRC-32 per file) load as
+    before, through h5py; one is rebuilt here in that layout from a new one."""
+    from hpcpar.checkpoint.manifest import file_checksum
+
+    ctx, run = saved_run(tmp_path, steps=(1,))
+    folder = step_dir(tmp_path, 1)
+    manifest = checkpoint.read_manifest(folder)
+    with h5py.File(os.path.join(folder, "index.h5"), "r") as index:
+        tensors = {key: index[key][...] for key in manifest["tensors"]}
+    os.remove(os.path.join(folder, "shard-00000.h5"))
+    with h5py.File(os.path.join(folder, "shard-00000.h5"), "w") as shard:
+        for n, (key, table) in enumerate(sorted(manifest["tensors"].items())):
+            (piece,) = table["pieces"]
+            piece["dataset"] = f"{n:05d}:{key.replace('/', '|')}"
+            del piece["start"]
+            shard[piece["dataset"]] = tensors[key]
+    manifest["version"] = 1
+    for name in ("shard-00000.h5", "index.h5"):
+        path = os.path.join(folder, name)
+        manifest["files"][name] = {"bytes": os.path.getsize(path), "crc32": file_checksum(path)}
+    json.dump(manifest, open(os.path.join(folder, "manifest.json"), "w"))
+    fresh = DataParallelRun(ctx)
+    checkpoint.load(str(tmp_path), fresh.model, fresh.optimizer, ctx, extra=fresh.extra())
+    assert snapshot(fresh) == snapshot(run)
+    damage(os.path.join(folder, "shard-00000.h5"), "flip", 0.6)
+    with pytest.raises(CheckpointDamaged, match="shard-00000.h5: checksum"):
+        checkpoint.load(str(tmp_path), fresh.model, fresh.optimizer, ctx)

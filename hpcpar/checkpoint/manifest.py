@@ -97,6 +97,25 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def fsync_together(*paths: str) -> None:
+    """fsync several files or folders at once (one thread each but the first); raises the first error."""
+    errors = []
+
+    def sync(path):
+        try:
+            fsync_path(path)
+        except OSError as error:
+            errors.append(error)
+    threads = [threading.Thread(target=sync, args=(path,)) for path in paths[1:]]
+    for thread in threads:
+        thread.start()
+    sync(paths[0])
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def read_manifest(step_dir: str) -> dict:
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.exists(path):

@@ -49,7 +49,7 @@ from .. import log
 from ..backend import to_host
 from ..dist.waiting import wait_politely
 from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, SHARED_FILE, VERSION, CheckpointError, chunk_checksums,
-                       fsync_path, list_steps, shard_filename, step_dirname, sync_and_checksum)
+                       fsync_path, fsync_together, list_steps, shard_filename, step_dirname, sync_and_checksum)
 from ..state import checkpointable, slab_slices
 
 logger = log.get_logger(__name__)
@@ -128,16 +128,22 @@ class SaveJob:
         start = time.perf_counter()
         facts = {"files": {}, "rank_state": self.rank_state, "error": None}
         # Rank 0 prepares the new ``latest`` (a small fsync'd file) while the shards are written.
-        self.latest_ready = LatestFile(self.root, self.step) if self.rank == 0 else None
+        self.latest_ready = (DurableFile(os.path.join(self.root, LATEST + ".tmp"), (step_dirname(self.step) + "\n").encode())
+                             if self.rank == 0 else None)
+        index = None
         try:
-            if self.rank == self.index_writer:
-                facts["files"][INDEX] = self._write_index()
+            index = self._write_index() if self.rank == self.index_writer else None  # in a thread, meanwhile:
             if self.collective:
                 self._write_shared_file(comm, facts)
             else:
                 self._write_shard(facts)
+            if index is not None:
+                index.path()
+                facts["files"][INDEX] = {"bytes": len(index.data), "chunks": chunk_checksums(index.data)}
         except (OSError, ValueError, RuntimeError) as exc:  # a full disk, a quota: every rank must hear of it
             facts["error"] = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            if index is not None:
+                index.thread.join()  # nothing may still write into the folder rank 0 removes
         # Ranks finish their shards at different times; waiting politely first keeps the early
         # ones from spinning in gather on the cores the late ones still write from.
         wait_politely(comm.Ibarrier())
@@ -205,19 +211,14 @@ class SaveJob:
             facts["files"][SHARED_FILE] = sync_and_checksum(path)
 
     # ----- the index writer and rank 0 --------------------------------------------------
-    def _write_index(self) -> dict:
-        """index.h5: one virtual dataset per tensor at its global shape, over the planned shard datasets."""
+    def _write_index(self) -> "DurableFile":
+        """index.h5 (one virtual dataset per tensor at its global shape, over the planned shard
+        datasets), written and fsynced by a thread while this rank writes its shard."""
         plan = json.dumps([self.layout, self.tensors], sort_keys=True)
         if plan not in _index_images:  # the index depends on the plan only: built once per layout
             _index_images.clear()
             _index_images[plan] = index_image(self.tensors, self.layout)
-        image = _index_images[plan]
-        index_path = os.path.join(self.tmp_dir, INDEX)
-        with open(index_path, "wb") as f:
-            f.write(image)
-            f.flush()
-            os.fsync(f.fileno())
-        return {"bytes": len(image), "chunks": chunk_checksums(image)}
+        return DurableFile(os.path.join(self.tmp_dir, INDEX), _index_images[plan])
 
     def _commit(self, gathered: list) -> None:
         files, rank_state = {}, {}
@@ -228,11 +229,11 @@ class SaveJob:
         manifest = {"format": FORMAT, "version": VERSION, "step": self.step, "layout": self.layout,
                     "created": time.time(), "tensors": self.tensors, "scalars": self.scalars,
                     "files": files, "extra": self.shared_extra, "rank_state": rank_state}
-        with open(os.path.join(self.tmp_dir, MANIFEST), "w") as f:  # the folder's rename makes it appear atomically
-            f.write(json.dumps(manifest, sort_keys=True))  # dumps uses the C encoder; dump(f) the Python one
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_path(self.tmp_dir)
+        # The folder's rename makes the manifest appear atomically; it and the folder's entries
+        # must be on disk first (the two fsyncs at once). dumps uses the C encoder, dump(f) Python's.
+        with open(os.path.join(self.tmp_dir, MANIFEST), "w") as f:
+            f.write(json.dumps(manifest, sort_keys=True))
+        fsync_together(os.path.join(self.tmp_dir, MANIFEST), self.tmp_dir)
         latest_tmp = self.latest_ready.path()  # written before the rename: a full disk fails here, nothing renamed
         replaced = self.step_dir + ".old"
         if os.path.exists(self.step_dir):  # re-saving a step: the old copy goes once the new one is in place
@@ -247,19 +248,19 @@ class SaveJob:
                 shutil.rmtree(os.path.join(self.root, step_dirname(old)), ignore_errors=True)
 
 
-class LatestFile:
-    """``latest.tmp`` naming the new step, written and fsynced by a thread while the shards are
-    written; ``path()`` waits for it (and raises its error), the commit renames it over ``latest``."""
+class DurableFile:
+    """A small file (index.h5, ``latest.tmp``) written and fsynced by a thread while the shards
+    are written; ``path()`` waits for it (and raises its error)."""
 
-    def __init__(self, root: str, step: int):
-        self.file, self.error = os.path.join(root, LATEST + ".tmp"), None
-        self.thread = threading.Thread(target=self._write, args=(step_dirname(step) + "\n",))
+    def __init__(self, path: str, data: bytes):
+        self.file, self.data, self.error = path, data, None
+        self.thread = threading.Thread(target=self._write)
         self.thread.start()
 
-    def _write(self, text: str) -> None:
+    def _write(self) -> None:
         try:
-            with open(self.file, "w") as f:
-                f.write(text)
+            with open(self.file, "wb") as f:
+                f.write(self.data)
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as error:

@@ -375,9 +375,13 @@ def plan_load(step_dir: str, model, optimizer, comm) -> tuple:
 
 
 def raise_if_any(everyone: list, what: str, error) -> None:
-    """Raise ``error`` naming each rank's problems when any rank has one (the same on every rank)."""
-    found = [f"rank {rank}: {p}" for rank, mine in enumerate(everyone) for p in mine]
-    if found:
+    """Raise ``error`` naming each problem once, with the ranks that found it, when any rank found one."""
+    ranks: dict = {}
+    for rank, mine in enumerate(everyone):
+        for problem in mine:
+            ranks.setdefault(problem, []).append(rank)
+    if ranks:
+        found = [f"{problem} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})" for problem, r in ranks.items()]
         shown = "; ".join(found[:6]) + (f"; ... ({len(found) - 6} more)" if len(found) > 6 else "")
         raise error(f"{what}: {shown}")
 

@@ -76,12 +76,12 @@ def overlap(slab, piece_slab):
 
 
 class RawSource:
-    """The bytes of the pieces this rank's reads overlap, read in runs of whole MiBs (so each
-    MiB can be checked against its CRC-32) and kept until the load commits."""
+    """The pieces this rank's reads overlap, each read into an array of its own and kept until
+    the load commits; the MiBs holding them are checked against their CRC-32 first."""
 
     def __init__(self, step_dir: str, manifest: dict, reads):
         self.step_dir, self.manifest = step_dir, manifest
-        self.needed: dict = {}  # file -> {(start byte, piece)} of raw pieces
+        self.needed: dict = {}  # file -> [(piece, dtype)] of the pieces read without HDF5
         self.legacy: set = set()  # files of pieces with a dataset each (format 1, collective saves)
         for read in reads:
             for piece in manifest["tensors"][read.key]["pieces"]:
@@ -185,8 +185,8 @@ class RawSource:
         return out
 
     def read(self, key: str, slab) -> np.ndarray:
-        """The values of ``slab`` of tensor ``key``: a view of the piece when it is exactly the
-        piece (the layout that saved), else assembled from the parts of the pieces it overlaps."""
+        """The values of ``slab`` of tensor ``key``: the piece's own array when the slab is exactly
+        a piece (the layout that saved), else assembled from the parts of the pieces it overlaps."""
         table = self.manifest["tensors"][key]
         dtype = np.dtype(table["dtype"])
         wanted = [list(map(int, bounds)) for bounds in slab]

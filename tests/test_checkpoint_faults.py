@@ -68,9 +68,10 @@ def resumes_exactly(root, ctx, expected_step):
 def snapshot(run):
     """Every byte a load could change: parameters, optimizer state, schedule, random stream."""
     state = {f"param {name}": p.data.tobytes() for name, p in run.model.named_parameters()}
-    for name, values in run.optimizer.state.items():
-        for key, value in values.items():
-            state[f"optim {name} {key}"] = np.asarray(value).tobytes()
+    pieces, scalars = run.optimizer.checkpoint_pieces()  # any optimizer, ZeRO's shards too
+    for piece in pieces:
+        state[f"optim {piece.key} {piece.slab}"] = np.asarray(piece.array).tobytes()
+    state["optim scalars"] = json.dumps(scalars, sort_keys=True)
     state["schedule"] = json.dumps(run.schedule.state_dict(), sort_keys=True)
     state["rng"] = json.dumps(run.model.rng.bit_generator.state, sort_keys=True, default=str)
     return state
@@ -510,3 +511,36 @@ def test_a_format_1_checkpoint_still_loads(tmp_path):
     damage(os.path.join(folder, "shard-00000.h5"), "flip", 0.6)
     with pytest.raises(CheckpointDamaged, match="shard-00000.h5: checksum"):
         checkpoint.load(str(tmp_path), fresh.model, fresh.optimizer, ctx)
+
+
+def test_a_folder_rank_0_cannot_make_fails_the_save_cleanly(tmp_path):
+    """Rank 0 cannot create the step folder (here: a file where the root should be): a
+    CheckpointError, not a traceback on rank 0 and the other ranks waiting for it."""
+    ctx, run = saved_run(tmp_path / "ckpt", steps=(1,))
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    with pytest.raises(CheckpointError, match="was not written: rank 0 cannot make"):
+        checkpoint.save(str(blocked / "ckpt"), 2, run.model, run.optimizer, ctx)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("zero", [False, True])
+def test_damage_seen_by_one_rank_fails_the_load_on_every_rank_unchanged(world, tmp_path_factory, zero):
+    """Each MiB is checked by one of the ranks reading it: a flip in the last shard fails every
+    rank's load (the same error), and no rank changed a byte."""
+    root = world.bcast(str(tmp_path_factory.mktemp("one-rank-damage")) if world.Get_rank() == 0 else None)
+    ctx = hpcpar.init(device="cpu")
+    run = DataParallelRun(ctx, zero=zero)
+    run.train(range(2))
+    checkpoint.save(root, 2, run.model, run.optimizer, ctx, extra=run.extra())
+    world.Barrier()
+    if ctx.rank == 0:
+        damage(os.path.join(step_dir(root, 2), f"shard-{ctx.world_size - 1:05d}.h5"), "flip", 0.99)
+    world.Barrier()
+    target = DataParallelRun(ctx, zero=zero)
+    target.train(range(3))
+    before = snapshot(target)
+    with pytest.raises(CheckpointDamaged, match=f"shard-{ctx.world_size - 1:05d}.h5: checksum"):
+        checkpoint.load(root, target.model, target.optimizer, ctx, extra=target.extra())
+    assert snapshot(target) == before
+    world.Barrier()

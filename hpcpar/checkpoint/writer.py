@@ -99,29 +99,38 @@ class SaveJob:
         self.step_dir = os.path.join(root, step_dirname(step))
         self.tmp_dir = self.step_dir + ".tmp"
 
-        if self.rank == 0:  # a folder left by a save that died is stale: start clean
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)
-            os.makedirs(self.tmp_dir)
+        made = self._make_folder() if self.rank == 0 else None
         described = [(p.key, p.slab, p.global_shape, str(p.array.dtype)) for p in pieces]
-        gathered = ctx.world.allgather_object((described, self.scalars, free_space(os.path.abspath(root))))  # also the barrier after mkdir
-        everyone = [entries for entries, _, _ in gathered]
-        for _, scalars, _ in gathered:  # ZeRO ranks each know the step counts of their own parameters
+        gathered = ctx.world.allgather_object((described, self.scalars, free_space(root), made))  # the barrier after mkdir
+        everyone = [entries for entries, _, _, _ in gathered]
+        for _, scalars, _, _ in gathered:  # ZeRO ranks each know the step counts of their own parameters
             self.scalars.update(scalars)
         owner, load = assign_writers(everyone)
-        short = space_shortfalls([space for _, _, space in gathered], load, everyone)
-        if short:  # the same verdict on every rank, from the same gathered numbers
+        short = space_shortfalls([space for _, _, space, _ in gathered], load, everyone)
+        if short or gathered[0][3]:  # the same verdict on every rank, from the same gathered numbers
             if self.rank == 0:
                 shutil.rmtree(self.tmp_dir, ignore_errors=True)
-            raise CheckpointError(f"checkpoint {self.step_dir} was not written: not enough free space: "
-                                  + "; ".join(short))
+            raise CheckpointError(f"checkpoint {self.step_dir} was not written: " +
+                                  (gathered[0][3] or "not enough free space: " + "; ".join(short)))
         # index.h5 needs only the plan, not the data: the rank with the fewest bytes to write
-        # makes it while the others write their shards.
+        # makes it (in a thread, while it writes its own shard).
         self.index_writer = min(range(len(everyone)), key=lambda r: (load[r], -r))  # ties: not rank 0, which commits
         self.tensors = (tensor_table(everyone, owner, SHARED_FILE if collective else None)
                         if collective or self.rank in (0, self.index_writer) else None)
         mine = [p for p in pieces if owner[(p.key, p.slab)] == self.rank]
         # Host arrays to write: copies when the writer runs later (async), views otherwise.
         self.pieces = [(p, np.array(to_host(p.array), copy=True) if copy else to_host(p.array)) for p in mine]
+
+    def _make_folder(self) -> str | None:
+        """Rank 0: a clean ``step-N.tmp`` (one left by a save that died is stale); the error, if any,
+        goes to every rank with the plan instead of leaving them waiting."""
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            os.makedirs(self.tmp_dir)
+        except OSError as error:
+            return f"rank 0 cannot make {self.tmp_dir}: {error}"
+        return None
 
     def run(self, comm) -> str:
         """Write this rank's shard, then commit on rank 0; collective over ``comm``."""
@@ -357,10 +366,15 @@ def write_array(file, array: np.ndarray) -> None:
 
 
 def free_space(folder: str) -> dict:
-    """Where this rank writes and how much room there is: the file system (host, fsid) and free bytes."""
+    """Where this rank writes and how much room there is: the file system (host, fsid) and free
+    bytes (None when it cannot be told: the writes will say)."""
+    folder = os.path.abspath(folder)
     while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
         folder = os.path.dirname(folder)  # rank 0 may not have made it yet: its parent tells the same
-    stat = os.statvfs(folder)
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return {"fs": (socket.gethostname(), None), "free": None}
     return {"fs": (socket.gethostname(), stat.f_fsid), "free": stat.f_bavail * stat.f_frsize}
 
 
@@ -370,6 +384,8 @@ def space_shortfalls(spaces: list, load: list, everyone: list) -> list[str]:
     pieces = sum(len(entries) for entries in everyone)
     need: dict = {}
     for rank, space in enumerate(spaces):
+        if space["free"] is None:
+            continue
         extra = MARGIN_BYTES + MARGIN_PER_PIECE * (len(everyone[rank]) + (pieces if rank == 0 else 0) * 2)
         fs = need.setdefault(tuple(space["fs"]), {"ranks": [], "bytes": 0, "free": space["free"]})
         fs["ranks"].append(rank)
@@ -500,8 +516,6 @@ def save(root: str, step: int, model, optimizer, ctx, extra: dict | None = None,
     wait()  # one save at a time: the previous asynchronous one must be committed first
     if asynchronous and not threads_may_call_mpi():
         asynchronous = False
-    if ctx.rank == 0:
-        os.makedirs(root, exist_ok=True)
     job = SaveJob(root, step, model, optimizer, ctx, extra, keep, copy=asynchronous, collective=collective)
     if not asynchronous:
         return job.run(ctx.world.mpi)

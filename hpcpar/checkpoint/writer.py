@@ -105,7 +105,8 @@ class SaveJob:
         everyone = [entries for entries, _, _, _ in gathered]
         for _, scalars, _, _ in gathered:  # ZeRO ranks each know the step counts of their own parameters
             self.scalars.update(scalars)
-        owner, load = assign_writers(everyone)
+        plan = Plan.of(everyone, SHARED_FILE if collective else None, ctx.layout)
+        owner, load = plan.owner, plan.load
         short = space_shortfalls([space for _, _, space, _ in gathered], load, everyone)
         if short or gathered[0][3]:  # the same verdict on every rank, from the same gathered numbers
             if self.rank == 0:
@@ -115,8 +116,8 @@ class SaveJob:
         # index.h5 needs only the plan, not the data: the rank with the fewest bytes to write
         # makes it (in a thread, while it writes its own shard).
         self.index_writer = min(range(len(everyone)), key=lambda r: (load[r], -r))  # ties: not rank 0, which commits
-        self.tensors = (tensor_table(everyone, owner, SHARED_FILE if collective else None)
-                        if collective or self.rank in (0, self.index_writer) else None)
+        self.tensors = plan.tensors() if collective or self.rank in (0, self.index_writer) else None
+        self.plan = plan
         mine = [p for p in pieces if owner[(p.key, p.slab)] == self.rank]
         # Host arrays to write: copies when the writer runs later (async), views otherwise.
         self.pieces = [(p, np.array(to_host(p.array), copy=True) if copy else to_host(p.array)) for p in mine]
@@ -223,11 +224,9 @@ class SaveJob:
     def _write_index(self) -> "DurableFile":
         """index.h5 (one virtual dataset per tensor at its global shape, over the planned shard
         datasets), written and fsynced by a thread while this rank writes its shard."""
-        plan = json.dumps([self.layout, self.tensors], sort_keys=True)
-        if plan not in _index_images:  # the index depends on the plan only: built once per layout
-            _index_images.clear()
-            _index_images[plan] = index_image(self.tensors, self.layout)
-        return DurableFile(os.path.join(self.tmp_dir, INDEX), _index_images[plan])
+        if self.plan.index is None:  # the index depends on the plan only: built once per layout
+            self.plan.index = index_image(self.tensors, self.layout)
+        return DurableFile(os.path.join(self.tmp_dir, INDEX), self.plan.index)
 
     def _commit(self, gathered: list) -> None:
         files, rank_state = {}, {}
@@ -287,7 +286,29 @@ class DurableFile:
             os.remove(self.file)
 
 
-_index_images: dict = {}  # plan -> the bytes of its index.h5
+class Plan:
+    """Who writes which piece, the manifest's tensor table and the index.h5 image: all follow
+    from what every rank holds, the same at every save of a run, so they are made once."""
+
+    _last = None  # the plan of the last save (a run saves the same layout again and again)
+
+    def __init__(self, everyone: list, shared_file: str | None, layout: dict):
+        self.everyone, self.shared_file, self.layout = everyone, shared_file, layout
+        self.owner, self.load = assign_writers(everyone)
+        self._tensors, self.index = None, None
+
+    @classmethod
+    def of(cls, everyone: list, shared_file: str | None, layout: dict) -> "Plan":
+        last = cls._last
+        if last is None or (last.everyone, last.shared_file, last.layout) != (everyone, shared_file, layout):
+            last = cls._last = cls(everyone, shared_file, layout)
+        return last
+
+    def tensors(self) -> dict:
+        if self._tensors is None:
+            self._tensors = tensor_table(self.everyone, self.owner, self.shared_file)
+        return self._tensors
+
 
 
 def index_image(tensors: dict, layout: dict) -> bytes:

@@ -52,13 +52,16 @@ class Piece:
 class Read:
     """One slab a rank reads at load; ``assign(values)`` gets a host array of the slab's shape
     (the receiver may keep it: it is its own). ``dtype``, when given, is the destination's
-    dtype: a checkpoint tensor of another kind (integers for floats) is a mismatch, not a cast."""
+    dtype: a checkpoint tensor of another kind (integers for floats) is a mismatch, not a cast.
+    ``target``, when given, is the array ``assign`` would fill: a loader may read the values
+    straight into it once the load can no longer fail, and then not call ``assign``."""
 
     key: str
     global_shape: tuple
     slab: Slab
     assign: Callable[[np.ndarray], None]
     dtype: object = None
+    target: object = None  # the destination array, if the loader may fill it in place instead of assign
 
 
 @dataclass
@@ -225,7 +228,7 @@ def parameter_load_plan(named_parameters) -> LoadPlan:
     reads = []
     for name, param in named_parameters:
         shape, slab = global_slab(param)
-        reads.append(Read(f"model/{name}", shape, slab, into(param), param.dtype))
+        reads.append(Read(f"model/{name}", shape, slab, into(param), param.dtype, param.data))
     return LoadPlan(reads)
 
 

@@ -19,9 +19,14 @@ Any failure before step 3 raises the same error on every rank and leaves the mod
 optimizer and every ``extra`` (scaler, data position, random streams) exactly as they were.
 
 Tensors are read without HDF5: a piece is a byte range of its shard's flat dataset (offsets
-in the manifest), read straight into memory in one request per run of MiBs; a rank that now
-holds part of a piece (another layout) copies its part out. ``index.h5`` stays the global
-view for other readers. Checkpoints of format 1 (a dataset per piece) load through h5py.
+in the manifest). A piece that is exactly what a read wants, into a destination that offers
+itself (``Read.target``: a parameter, an optimizer's current state), is read straight into
+it at step 3, after its MiBs were checked (from the page cache, into one reused buffer): no
+new memory, no copy. Any other piece is read into an array of its own at step 2 (pieces
+that lie end to end in one request) and checked from there; a rank that now holds part of
+a piece (another layout) copies its part out. ``index.h5`` stays the global view for other
+readers. Checkpoints of format 1 (a dataset per piece) load through h5py. (A file that
+changes or fails between its check and step 3 is reported as damage after the load began.)
 """
 from __future__ import annotations
 
@@ -94,6 +99,28 @@ class RawSource:
         self.values: dict = {}  # (file, first byte) -> the piece's array
         self.given: set = set()  # pieces handed to a read (another read of the same one gets a copy)
         self.h5files: dict = {}
+        self.direct = self._direct_targets(reads)  # (file, first byte) -> array filled once the load commits
+        self.scratch = np.empty(CHUNK_BYTES, dtype=np.uint8)  # bytes between pieces, for their checksums
+
+    def _direct_targets(self, reads) -> dict:
+        """The pieces read straight into their destination once the load commits (no new memory,
+        no copy): a read that is exactly one piece, the only read of it, whose ``target`` is a
+        contiguous host array of the checkpoint's dtype. Their MiBs are checked from the file first."""
+        uses: dict = {}
+        exact: dict = {}
+        for read in reads:
+            dtype = np.dtype(read_dtype(self.manifest, read))
+            for piece in self.manifest["tensors"][read.key]["pieces"]:
+                if "start" not in piece or overlap(read.slab, piece["slab"]) is None:
+                    continue
+                where = (piece["file"], self.byte_range(piece, dtype)[0])
+                uses[where] = uses.get(where, 0) + 1
+                target = read.target
+                if (piece["slab"] == [list(map(int, b)) for b in read.slab] and isinstance(target, np.ndarray)
+                        and target.dtype == dtype and target.flags.c_contiguous and target.size
+                        and target.shape == tuple(b - a for a, b in read.slab)):
+                    exact[where] = target
+        return {where: target for where, target in exact.items() if uses[where] == 1}
 
     def byte_range(self, piece: dict, dtype) -> tuple[int, int]:
         """[begin, end) of the piece's bytes in its file ((0, 0) for an empty piece: not in the file)."""
@@ -133,7 +160,7 @@ class RawSource:
                 facts = self.manifest["files"][name]
                 for chunk in sorted(mine.get(name, ())):
                     crc = chunk_crc(fd, segments, starts, chunk * CHUNK_BYTES,
-                                    min((chunk + 1) * CHUNK_BYTES, facts["bytes"]))
+                                    min((chunk + 1) * CHUNK_BYTES, facts["bytes"]), self.scratch)
                     problems += chunk_problems(path, [crc], facts["chunks"], chunk)
             finally:
                 os.close(fd)
@@ -144,20 +171,11 @@ class RawSource:
         segments = []
         for piece, dtype in pieces:
             begin, end = self.byte_range(piece, dtype)
-            if end > begin and (name, begin) not in self.values:
+            if end > begin and (name, begin) not in self.values and (name, begin) not in self.direct:
                 values = self.values[(name, begin)] = np.empty(tuple(b - a for a, b in piece["slab"]), dtype=dtype)
                 segments.append((begin, values.reshape(-1).view(np.uint8)))
         segments.sort(key=lambda segment: segment[0])
-        batch: list = []  # arrays whose bytes follow each other in the file: one preadv
-        for n, (begin, raw) in enumerate(segments):
-            batch.append(raw)
-            following = segments[n + 1][0] if n + 1 < len(segments) else None
-            if following != begin + raw.size or len(batch) == 512:
-                first = begin + raw.size - sum(b.size for b in batch)
-                if os.preadv(fd, batch, first) != sum(b.size for b in batch):
-                    return None
-                batch = []
-        return segments
+        return read_segments(fd, segments)
 
     def piece_values(self, piece: dict, dtype) -> np.ndarray:
         """The piece's array: its own the first time (the receiver may keep it), a copy after."""
@@ -165,6 +183,8 @@ class RawSource:
         shape = tuple(b - a for a, b in piece["slab"])
         if begin == end:
             return np.empty(shape, dtype)
+        if (piece["file"], begin) in self.direct:
+            return None  # read straight into its destination by fill_targets
         values = self.values[(piece["file"], begin)]
         if (piece["file"], begin) in self.given:
             return values.copy()
@@ -204,6 +224,22 @@ class RawSource:
                 values[tuple(slice(a - p, b - p) for (a, b), (p, _) in zip(both, piece["slab"]))]
         return out if out is not None else np.empty(tuple(b - a for a, b in slab), dtype=dtype)
 
+    def fill_targets(self) -> list[str]:
+        """Read the direct pieces into their destinations (after the load committed; their MiBs
+        were checked against the manifest, so this reads the same bytes again, from the page cache)."""
+        problems = []
+        by_file: dict = {}
+        for (name, begin), target in self.direct.items():
+            by_file.setdefault(name, []).append((begin, target.reshape(-1).view(np.uint8)))
+        for name, segments in by_file.items():
+            fd = os.open(os.path.join(self.step_dir, name), os.O_RDONLY)
+            try:
+                if read_segments(fd, sorted(segments, key=lambda segment: segment[0])) is None:
+                    problems.append(f"{os.path.join(self.step_dir, name)}: shorter than when it was checked")
+            finally:
+                os.close(fd)
+        return problems
+
     def close(self) -> None:
         for f in self.h5files.values():
             f.close()
@@ -213,10 +249,25 @@ def read_dtype(manifest: dict, read) -> str:
     return manifest["tensors"][read.key]["dtype"]
 
 
-def chunk_crc(fd: int, segments: list, starts: list, begin: int, end: int) -> str:
-    """CRC-32 of the file's bytes [begin, end): from the pieces' arrays (``segments``: (first byte,
-    uint8 array), sorted; ``starts``: their first bytes) where they cover it, read from the file
-    between them."""
+def read_segments(fd: int, segments: list) -> list | None:
+    """Fill each (first byte, uint8 array) of ``segments`` (sorted) from the file: one preadv for
+    arrays whose bytes follow each other. ``segments``, or None when the file is short."""
+    batch: list = []
+    for n, (begin, raw) in enumerate(segments):
+        batch.append(raw)
+        following = segments[n + 1][0] if n + 1 < len(segments) else None
+        if following != begin + raw.size or len(batch) == 512:
+            first = begin + raw.size - sum(b.size for b in batch)
+            if os.preadv(fd, batch, first) != sum(b.size for b in batch):
+                return None
+            batch = []
+    return segments
+
+
+def chunk_crc(fd: int, segments: list, starts: list, begin: int, end: int, scratch: np.ndarray) -> str:
+    """CRC-32 of the file's bytes [begin, end) (one chunk at most): from the pieces' arrays
+    (``segments``: (first byte, uint8 array), sorted; ``starts``: their first bytes) where they
+    cover it, read from the file into ``scratch`` between them."""
     crc, at = 0, begin
     first = max(bisect.bisect_right(starts, begin) - 1, 0)
     for start, raw in segments[first:]:
@@ -226,14 +277,19 @@ def chunk_crc(fd: int, segments: list, starts: list, begin: int, end: int) -> st
         if stop <= at:
             continue
         if start > at:
-            crc = crc32(os.pread(fd, start - at, at), crc)
+            crc = crc32(read_into(fd, scratch, at, start - at), crc)
             at = start
         upto = min(stop, end)
         crc = crc32(raw[at - start: upto - start], crc)
         at = upto
     if at < end:
-        crc = crc32(os.pread(fd, end - at, at), crc)
+        crc = crc32(read_into(fd, scratch, at, end - at), crc)
     return f"{crc:08x}"
+
+
+def read_into(fd: int, scratch: np.ndarray, at: int, size: int) -> np.ndarray:
+    """``size`` bytes of the file from ``at``, in the reused ``scratch`` (fewer if the file is short)."""
+    return scratch[:os.preadv(fd, [scratch[:size]], at)]
 
 
 def merge_runs(chunks: list[int]) -> list[tuple[int, int]]:
@@ -337,8 +393,12 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
             target.load_state_dict(before)
         raise_if_any([d for d, _ in everyone], what, CheckpointDamaged)
         raise_if_any([r for _, r in everyone], what, CheckpointError)
-    for read, value in zip(plan.reads, values):  # the point of no return
-        read.assign(value)
+    failed = source.fill_targets()  # the point of no return: the checked bytes, into their places
+    if failed:
+        raise CheckpointDamaged(f"{what}: {'; '.join(failed)} (the model is partly loaded: load again)")
+    for read, value in zip(plan.reads, values):
+        if value is not None:
+            read.assign(value)
     for finish in plan.finish:
         finish()
     restore_streams(manifest, extra, ctx)

@@ -544,3 +544,21 @@ def test_damage_seen_by_one_rank_fails_the_load_on_every_rank_unchanged(world, t
         checkpoint.load(root, target.model, target.optimizer, ctx, extra=target.extra())
     assert snapshot(target) == before
     world.Barrier()
+
+
+def test_a_load_into_a_trained_run_fills_its_arrays_in_place(tmp_path):
+    """Parameters and the optimizer's current state are read straight into (the same arrays,
+    no new memory), byte-exact; an optimizer without state gets new arrays, also exact."""
+    ctx, run = saved_run(tmp_path, steps=(2,))
+    trained = DataParallelRun(ctx)
+    trained.train(range(3))
+    arrays = [p.data for p in trained.model.parameters()]
+    arrays += [v for state in trained.optimizer.state.values() for v in state.values() if isinstance(v, np.ndarray)]
+    checkpoint.load(str(tmp_path), trained.model, trained.optimizer, ctx, extra=trained.extra())
+    assert snapshot(trained) == snapshot(run)
+    now = [p.data for p in trained.model.parameters()]
+    now += [v for state in trained.optimizer.state.values() for v in state.values() if isinstance(v, np.ndarray)]
+    assert all(a is b for a, b in zip(arrays, now))
+    fresh = DataParallelRun(ctx)
+    checkpoint.load(str(tmp_path), fresh.model, fresh.optimizer, ctx, extra=fresh.extra())
+    assert snapshot(fresh) == snapshot(run)

@@ -66,14 +66,14 @@ def resumes_exactly(root, ctx, expected_step):
 
 
 def snapshot(run):
-    """Every byte a load could change: parameters, optimizer state, schedule, random stream."""
+    """Every byte a load could change: parameters, optimizer state, schedule (dropout is keyed by
+    the step and the sample, so no random stream is saved)."""
     state = {f"param {name}": p.data.tobytes() for name, p in run.model.named_parameters()}
     pieces, scalars = run.optimizer.checkpoint_pieces()  # any optimizer, ZeRO's shards too
     for piece in pieces:
         state[f"optim {piece.key} {piece.slab}"] = np.asarray(piece.array).tobytes()
     state["optim scalars"] = json.dumps(scalars, sort_keys=True)
     state["schedule"] = json.dumps(run.schedule.state_dict(), sort_keys=True)
-    state["rng"] = json.dumps(run.model.rng.bit_generator.state, sort_keys=True, default=str)
     return state
 
 

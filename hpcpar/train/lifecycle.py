@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from .. import log
+from .. import checkpoint, log
 from . import identity, resume
 from .resume import Request
 

@@ -12,8 +12,8 @@ load is a transaction over all ranks:
    against the CRC-32 of its MiB in the manifest (each MiB by one of the ranks reading it,
    so replicas share the work). Damage is a ``CheckpointDamaged``, on which ``load_latest``
    tries the previous step;
-3. only when every rank got this far (all values in host memory) are the values assigned,
-   the plans finished and the ``extra`` states restored.
+3. only when every rank got this far (all values in host memory, the ``extra`` states
+   restored, and put back if any rank failed) are the values assigned and the plans finished.
 
 Any failure before step 3 raises the same error on every rank and leaves the model, the
 optimizer and every ``extra`` (scaler, data position, random streams) exactly as they were.

@@ -10,11 +10,12 @@
    byte is written.
 2. Each rank writes its pieces to ``step-N.tmp/shard-R.h5``, end to end in one flat
    dataset per dtype (one HDF5 call per dtype, the data itself by plain file writes at the
-   dataset's offset), and fsyncs it.
-3. Rank 0 gathers the file facts (names, sizes, CRC-32), writes ``index.h5`` (a virtual
-   dataset per tensor at its global shape) and ``manifest.json``, renames the folder to
-   ``step-N``, fsyncs the root, points ``latest`` at it, and keeps the last ``keep`` steps up
-   to this one (never a step above it: those belong to another run).
+   dataset's offset), and fsyncs it while reading it back for the CRC-32 of each MiB. The
+   rank with the fewest bytes also writes ``index.h5`` (a virtual dataset per tensor at its
+   global shape) from the plan alone, in a thread.
+3. Rank 0 gathers the file facts (names, sizes, CRC-32s), writes ``manifest.json``, renames
+   the folder to ``step-N``, points ``latest`` at it, fsyncs the root, and keeps the last
+   ``keep`` steps up to this one (never a step above it: those belong to another run).
 A crash at any moment leaves at worst a ``.tmp`` folder that nothing reads; a write error on
 any rank raises the same ``CheckpointError`` on every rank, removes the ``.tmp`` folder and
 leaves ``latest`` as it was.
@@ -25,9 +26,10 @@ With ``asynchronous=True`` the state is first copied to host memory, then writte
 committed by a background thread on its own communicator; call ``wait()`` before the next
 save (``save`` does) and before exit (registered with atexit). A thread may call MPI only
 where MPI gives ``MPI.THREAD_MULTIPLE``: with less, asynchronous saves are made synchronous
-with one warning (the run stays correct, training just waits for the write). With ``collective=True``, where
-h5py is built against parallel HDF5, all ranks write one ``shared.h5`` with ``driver="mpio"``
-instead of a file each (PyPI's h5py is serial: then it is a clear error).
+with one warning (the run stays correct, training just waits for the write). With
+``collective=True``, where h5py is built against parallel HDF5, all ranks write one
+``shared.h5`` with ``driver="mpio"`` instead of a file each, a dataset per piece (PyPI's
+h5py is serial: then it is a clear error).
 """
 from __future__ import annotations
 

@@ -1,0 +1,89 @@
+"""Memory per rank: parameters, gradients, optimizer state, activations in flight, buffers.
+
+Per pipeline rank (the largest is reported):
+
+- parameters: this rank's elements x the compute dtype's bytes;
+- optimizer state: Adam's two moments (SGD's momentum) over the master elements (a ZeRO-1
+  shard: 1/dp, padded), plus float32 masters under fp16/bf16;
+- communication buffers: DDP's flat buckets (the gradients' home), or ZeRO's flat gradient
+  and parameter buffers;
+- gradients as backward makes them (one array per parameter, before DDP copies them in);
+- activations: the bytes each layer keeps for backward per micro-batch (``model.Layer``)
+  times the micro-batches in flight on this rank under the schedule (``peak_activations`` of
+  the schedule itself: 1F1B holds p - r, GPipe m), less what recomputation drops; plus the
+  largest temporary of one backward, and the received activations of a pipeline.
+
+``activation_peak`` is what ``hpcpar compare`` measures with tracemalloc during one
+``train_step`` (gradients + activations + temporaries); ``param_state`` what it reports as
+parameters + optimizer state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Memory:
+    params: float
+    optimizer: float  # state and master weights
+    buffers: float  # DDP buckets / ZeRO's flat buffers
+    gradients: float
+    activations: float  # kept for backward, at the peak
+    workspace: float  # the largest backward temporary
+
+    @property
+    def param_state(self) -> float:
+        return self.params + self.optimizer
+
+    @property
+    def activation_peak(self) -> float:
+        return self.gradients + self.activations + self.workspace
+
+    @property
+    def total(self) -> float:
+        return self.params + self.optimizer + self.buffers + self.activation_peak
+
+
+def kept_bytes(plan, layer) -> float:
+    """What ``layer`` keeps per micro-batch under the job's recomputation choice."""
+    if not layer.name.startswith("blocks.") or plan.recompute == "none":
+        return layer.saved_bytes
+    block_input = plan.layers[0].output_elements * plan.dtype_bytes
+    if plan.recompute == "full":
+        return block_input  # only the block input; the rest is rebuilt in backward
+    return layer.saved_bytes - layer.selective_bytes  # selective: probabilities (and their dropout) dropped
+
+
+def rank_memory(plan, rank: int, held: int) -> Memory:
+    lay, job = plan.layout, plan.job
+    d, master = plan.dtype_bytes, plan.master_bytes
+    params = plan.rank_parameters(rank)
+    elements = sum(e for _, e, _ in params)
+    stages = list(range(rank, lay.pp * lay.chunks, lay.pp))
+    state_elements = -(-elements // lay.dp) if job.parallel.zero else elements
+    moments = {"adamw": 2, "adam": 2, "sgd": 1 if job.optimizer.momentum else 0}[job.optimizer.name]
+    optimizer = state_elements * master * moments + (elements * 4 if plan.mixed else 0)
+    if job.parallel.zero:
+        buffers = 2 * (-(-elements // lay.dp)) * lay.dp * master
+    else:
+        buffers = elements * d if (lay.pp == 1 or lay.dp > 1) else 0.0
+    per_stage = [sum(kept_bytes(plan, layer) for layer in plan.stage_layers[s]) for s in stages]
+    activations = held * max(per_stage)
+    workspace = max(layer.workspace_bytes for s in stages for layer in plan.stage_layers[s])
+    if plan.recompute == "full":  # one block's activations exist again while its backward runs
+        workspace += max((layer.saved_bytes for s in stages for layer in plan.stage_layers[s]
+                          if layer.name.startswith("blocks.")), default=0.0)
+    elif plan.recompute == "selective":
+        workspace += max((layer.selective_bytes for s in stages for layer in plan.stage_layers[s]), default=0.0)
+    if lay.pp > 1:  # receive buffers of the activations and gradients on their way
+        workspace += 2 * max(plan.boundary_bytes(s) for s in range(lay.pp * lay.chunks - 1))
+    return Memory(elements * d, optimizer, buffers, elements * d, activations, workspace)
+
+
+def memory_per_rank(plan) -> Memory:
+    """The pipeline rank with the largest total."""
+    from .predict import in_flight
+
+    held = in_flight(plan)
+    return max((rank_memory(plan, r, held[r] if plan.layout.pp > 1 else 1) for r in range(plan.layout.pp)),
+               key=lambda m: m.total)

@@ -1,0 +1,214 @@
+"""What one layer of a model costs, per micro-batch: work by op family, activations kept, messages.
+
+The planner's inventory of hpcpar's GPT (``nn/gpt.py``) and digits CNN (``nn/cnn.py``), counted
+from their code, not measured: so it extends to models one cannot build here (a 70 B GPT).
+
+Work is per op family: ``gemm`` and ``attention`` in FLOPs, the elementwise families
+(``machine.FAMILIES``) in bytes moved, ``ops`` the number of autograd ops (each pays the
+machine's fixed ``op_overhead_s``). Backward is split into ``B`` (gradients of the inputs) and
+``W`` (gradients of the weights: the part a zero-bubble schedule defers).
+
+Notation, per micro-batch: b rows of s tokens (N = b s tokens), width h, a heads, vocabulary V,
+t tensor-parallel ranks, r = N / t tokens outside the sharded regions under sequence
+parallelism (else N), d bytes per element of the compute dtype.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+FP_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+
+
+@dataclass
+class Work:
+    """Work of one pass: units per family (FLOPs for gemm/attention, bytes otherwise) and op count."""
+
+    units: Counter = field(default_factory=Counter)
+    ops: int = 0
+
+    def add(self, family: str, units: float) -> "Work":
+        self.units[family] += units
+        return self
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.units + other.units, self.ops + other.ops)
+
+    def scaled(self, k: float) -> "Work":
+        return Work(Counter({f: u * k for f, u in self.units.items()}), round(self.ops * k))
+
+
+@dataclass
+class Layer:
+    """One entry of the model's ``layers()`` (what a pipeline cuts), for one micro-batch."""
+
+    name: str
+    params: list  # [(parameter name, elements on this tp rank, on sequence slices under sp)]
+    forward: Work
+    backward_input: Work  # B
+    backward_weight: Work  # W
+    saved_bytes: float  # activations kept from forward to backward (per tp rank)
+    workspace_bytes: float  # the largest temporary of its backward, on top of what is kept
+    output_elements: float  # what the next stage receives (per tp rank)
+    tp_forward: list = field(default_factory=list)  # [(op, bytes given)] on the tp communicator
+    tp_backward: list = field(default_factory=list)
+    selective_bytes: float = 0.0  # what selective recomputation drops: attention probabilities (and dropout's)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model and micro-batch a layer inventory is for."""
+
+    kind: str  # gpt | cnn
+    rows: int  # b: rows per micro-batch on one dp replica
+    dtype_bytes: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    block_size: int = 0
+    n_layer: int = 0
+    n_head: int = 0
+    n_embd: int = 0
+    vocab_size: int = 0
+    bias: bool = True
+    tie_weights: bool = True
+    channels: tuple = (16, 32)
+    attn_dropout: float = 0.0
+
+
+def shape_of(job, rows: int, tp: int | None = None) -> Shape:
+    m, p = job.model, job.parallel
+    t = p.tp if tp is None else tp
+    return Shape(kind=m.kind, rows=rows, dtype_bytes=FP_BYTES[job.train.precision], tp=t,
+                 sequence_parallel=bool(p.sequence_parallel and t > 1), block_size=m.block_size, n_layer=m.n_layer,
+                 n_head=m.n_head, n_embd=m.n_embd, vocab_size=m.vocab_size, bias=m.bias, tie_weights=m.tie_weights,
+                 channels=tuple(m.channels), attn_dropout=m.dropout)
+
+
+def layers(shape: Shape) -> list[Layer]:
+    """The model's layers in ``layers()`` order, each costed for one micro-batch of ``shape.rows`` rows."""
+    if shape.kind == "cnn":
+        return cnn_layers(shape)
+    return [gpt_embedding(shape)] + [gpt_block(shape, i) for i in range(shape.n_layer)] + [gpt_head(shape)]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT
+def _enter(shape: Shape, elements: float) -> tuple[list, list]:
+    """Communication entering a column-parallel layer with ``elements`` = N h (forward, backward)."""
+    t, d = shape.tp, shape.dtype_bytes
+    if t == 1:
+        return [], []
+    if shape.sequence_parallel:  # all-gather the slices forward, reduce-scatter the gradient backward
+        return [("allgather", elements / t * d)], [("reduce_scatter", elements * d)]
+    return [], [("allreduce", elements * d)]
+
+
+def _leave(shape: Shape, elements: float) -> tuple[list, list]:
+    """Communication leaving a row-parallel layer (partial sums of N h): forward, backward."""
+    t, d = shape.tp, shape.dtype_bytes
+    if t == 1:
+        return [], []
+    if shape.sequence_parallel:
+        return [("reduce_scatter", elements * d)], [("allgather", elements / t * d)]
+    return [("allreduce", elements * d)], []
+
+
+def gpt_embedding(shape: Shape) -> Layer:
+    N, h, V, t, d = shape.rows * shape.block_size, shape.n_embd, shape.vocab_size, shape.tp, shape.dtype_bytes
+    r = N / t if shape.sequence_parallel else N
+    fwd = Work(ops=4).add("embedding", 2 * N * h * d).add("copy", 3 * r * h * d)
+    bwd = Work(ops=4).add("embedding", (2 * V / t * h + 3 * N * h) * d).add("copy", 2 * r * h * d)
+    tp_f, tp_b = _leave(shape, N * h)
+    return Layer("embed", [("embed.wte.weight", V // t * h, False), ("embed.wpe.weight", shape.block_size * h, True)],
+                 fwd, bwd, Work(), saved_bytes=0.0, workspace_bytes=(V / t * h + 2 * N * h) * d, output_elements=r * h,
+                 tp_forward=tp_f, tp_backward=tp_b)
+
+
+def gpt_block(shape: Shape, index: int) -> Layer:
+    b, s, h, a, t, d = shape.rows, shape.block_size, shape.n_embd, shape.n_head, shape.tp, shape.dtype_bytes
+    N = b * s
+    r = N / t if shape.sequence_parallel else N
+    scores = N * s * a / t  # attention probabilities: b (a/t) s^2
+    c = max(d, 4)  # scores and softmax are float32 at least
+    gemm = 2 * N * h * 12 * h / t  # qkv 3h, proj h, fc 4h, proj 4h
+    attention = 4 * N * s * h / t  # q k^T and p v
+    fwd = (Work(ops=21).add("gemm", gemm).add("attention", attention).add("softmax", 8 * scores * c)
+           .add("layernorm", 2 * 6 * r * h * d).add("gelu", 8 * 4 * N * h / t * d)
+           .add("copy", (18 * N * h / t + 4 * N * h + 6 * r * h) * d))
+    bwd_input = (Work(ops=21).add("gemm", gemm).add("attention", 2 * attention).add("softmax", 6 * scores * c)
+                 .add("layernorm", 2 * 8 * r * h * d).add("gelu", 14 * 4 * N * h / t * d)
+                 .add("copy", 1.5 * (18 * N * h / t + 4 * N * h + 6 * r * h) * d))
+    bwd_weight = Work(ops=4).add("gemm", gemm).add("copy", N * 9 * h / t * d)  # bias gradients: sums over tokens
+    # Kept for backward (counted from the ops' saved tensors): layer norms' normalised inputs
+    # and 1/std (2 r h + 2 r), the inputs of qkv and fc (N h each: gathered under sp), the qkv
+    # output that k and v view (3 N h / t), q scaled, attention output, its transposed copy
+    # (N h / t each), GELU's input, tanh and output (12 N h / t); probabilities b (a/t) s^2.
+    dropped = scores * d * (2 if shape.attn_dropout > 0 else 1)  # probabilities (and the dropout scale)
+    saved = (2 * r * h + 2 * r + 2 * N * h + 18 * N * h / t) * d + dropped
+    workspace = 2 * scores * c + 4 * N * h / t * 3 * d  # attention's backward (T, T) temporaries, GELU's
+    tp_f, tp_b = [], []
+    for entering in (_enter, _leave, _enter, _leave):  # attention in and out, MLP in and out
+        f, bk = entering(shape, N * h)
+        tp_f += f
+        tp_b += bk
+    names = [("ln_1.weight", h, True), ("ln_1.bias", h, True), ("attn.qkv.weight", h * 3 * h // t, False),
+             ("attn.qkv.bias", 3 * h // t, False), ("attn.proj.weight", h // t * h, False), ("attn.proj.bias", h, True),
+             ("ln_2.weight", h, True), ("ln_2.bias", h, True), ("mlp.fc.weight", h * 4 * h // t, False),
+             ("mlp.fc.bias", 4 * h // t, False), ("mlp.proj.weight", 4 * h // t * h, False), ("mlp.proj.bias", h, True)]
+    if not shape.bias:
+        names = [n for n in names if not n[0].endswith("bias")]
+    return Layer(f"blocks.{index}", [(f"blocks.{index}.{n}", e, sp) for n, e, sp in names], fwd, bwd_input, bwd_weight,
+                 saved_bytes=saved, workspace_bytes=workspace, output_elements=r * h, tp_forward=tp_f, tp_backward=tp_b,
+                 selective_bytes=dropped)
+
+
+def gpt_head(shape: Shape) -> Layer:
+    """Final LayerNorm, the lm head (tied: x @ wte^T) and the loss (vocab-parallel under tp)."""
+    b, s, h, V, t, d = shape.rows, shape.block_size, shape.n_embd, shape.vocab_size, shape.tp, shape.dtype_bytes
+    N = b * s
+    r = N / t if shape.sequence_parallel else N
+    c = max(d, 4)  # the loss is computed in float32 at least
+    gemm = 2 * N * h * V / t
+    fwd = Work(ops=6).add("gemm", gemm).add("layernorm", 6 * r * h * d).add("cross_entropy", 10 * N * V / t * c)
+    bwd_input = Work(ops=6).add("gemm", gemm).add("layernorm", 8 * r * h * d).add("cross_entropy", 4 * N * V / t * c)
+    bwd_weight = Work(ops=1).add("gemm", gemm)
+    saved = (r * h + r + N * h) * d + N * V / t * c  # norm, lm-head input, softmax of the loss
+    tp_f, tp_b = _enter(shape, N * h)
+    if t > 1:  # vocab-parallel cross entropy: all-reduce of the row maxima, then of (sum of exp, target logit)
+        tp_f = tp_f + [("allreduce", N * c), ("allreduce", 2 * N * c)]
+    params = [("head.ln_f.weight", h, True)] + ([("head.ln_f.bias", h, True)] if shape.bias else [])
+    params += [("embed.wte.weight", V // t * h, False)] if shape.tie_weights else [("head.lm_head.weight", h * V // t, False)]
+    return Layer("head", params, fwd, bwd_input, bwd_weight, saved_bytes=saved,
+                 workspace_bytes=2 * N * V / t * c + N * h * d, output_elements=0, tp_forward=tp_f, tp_backward=tp_b)
+
+
+# ---------------------------------------------------------------------------------------------
+# The digits CNN: (N, 1, 8, 8) -> conv 3x3 -> relu -> pool 2 -> conv 3x3 -> relu -> pool 2 -> linear
+def cnn_layers(shape: Shape) -> list[Layer]:
+    n, d = shape.rows, shape.dtype_bytes
+    c1, c2 = shape.channels
+    convs = [(1, c1, 8), (c1, c2, 4)]  # (in, out, side)
+    out = []
+    for i, (cin, cout, side) in enumerate(convs):
+        pixels = n * side * side
+        flops = 2 * pixels * cin * 9 * cout
+        cols = pixels * cin * 9  # im2col
+        out.append(Layer(f"net.{3 * i}", [(f"net.{3 * i}.weight", cout * cin * 9, False), (f"net.{3 * i}.bias", cout, False)],
+                         Work(ops=3).add("gemm", flops).add("copy", (3 * cols + 3 * pixels * cout) * d),
+                         Work(ops=3).add("gemm", flops).add("copy", (3 * cols + 2 * pixels * cout) * d),
+                         Work(ops=1).add("gemm", flops), saved_bytes=(cols + pixels * cin) * d,
+                         workspace_bytes=2 * cols * d, output_elements=pixels * cout))
+        out.append(Layer(f"net.{3 * i + 1}", [], Work(ops=1).add("copy", 3 * pixels * cout * d),
+                         Work(ops=1).add("copy", 4 * pixels * cout * d), Work(), saved_bytes=pixels * cout * d,
+                         workspace_bytes=pixels * cout * d, output_elements=pixels * cout))
+        out.append(Layer(f"net.{3 * i + 2}", [], Work(ops=1).add("copy", 3 * pixels * cout * d),
+                         Work(ops=1).add("copy", 3 * pixels * cout * d), Work(), saved_bytes=pixels * cout * d,
+                         workspace_bytes=pixels * cout * d, output_elements=pixels * cout / 4))
+    features = 4 * c2
+    out.append(Layer("net.6", [], Work(ops=1), Work(ops=1), Work(), 0.0, 0.0, n * features))
+    out.append(Layer("net.7", [("net.7.weight", features * 10, False), ("net.7.bias", 10, False)],
+                     Work(ops=3).add("gemm", 2 * n * features * 10).add("cross_entropy", 10 * n * 10 * max(d, 4)),
+                     Work(ops=3).add("gemm", 2 * n * features * 10).add("cross_entropy", 4 * n * 10 * max(d, 4)),
+                     Work(ops=1).add("gemm", 2 * n * features * 10), saved_bytes=(n * features + n * 10) * d,
+                     workspace_bytes=n * 10 * d, output_elements=0))
+    return out

@@ -25,6 +25,7 @@ from . import log
 COMMANDS = {
     "train": ("hpcpar.cli:add_train_arguments", "train the job of a TOML file (under mpiexec or srun)"),
     "compare": ("hpcpar.compare", "measure data, pipeline, tensor and hybrid layouts of this world on a job's model"),
+    "plan": ("hpcpar.plan.cli", "predict step time, memory and traffic of every layout (calibrate: measure this machine)"),
     "info": ("hpcpar.info", "MPI library, grid, CUDA-awareness, backends, parallel HDF5"),
     "run": ("hpcpar.cli:add_run_arguments", "run SCRIPT.py under fail-fast (an exception on any rank ends the job)"),
     "bench": ("hpcpar.bench", "benchmarks that print tables against a baseline of the same run"),

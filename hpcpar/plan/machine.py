@@ -73,7 +73,11 @@ class Machine:
     inter: Link
     overlap: float = 0.0
     collectives: dict = field(default_factory=dict)  # (op, ranks) -> Link: measured, beats intra
+    memory_shared: bool = False  # memory_bytes is the node's, shared by its ranks (CPUs), not each rank's
     source: str = ""
+
+    def memory_per_rank(self, ranks_on_node: int) -> float:
+        return self.memory_bytes / ranks_on_node if self.memory_shared else self.memory_bytes
 
     def compute_for(self, precision: str) -> Compute:
         if precision in self.compute:
@@ -84,7 +88,7 @@ class Machine:
         """The alpha-beta line of ``op`` on a communicator of ``ranks``: measured here, else the node's links."""
         if crosses_nodes:
             return self.inter
-        return self.collectives.get((op, ranks)) or self.collectives.get((op, 0)) or self.intra
+        return self.collectives.get((op, ranks)) or self.collectives.get(("allreduce", ranks)) or self.intra
 
 
 def _number(table: dict, key: str, where: str, default=None) -> float:
@@ -142,7 +146,7 @@ def load_machine(path: str) -> Machine:
                    cores=int(_number(head, "cores", f"{where}: machine", ranks)),
                    memory_bytes=_number(head, "memory_gb", f"{where}: machine") * 1e9,
                    compute=compute, intra=intra, inter=inter, overlap=min(1.0, _number(head, "overlap", f"{where}: machine", 0.0)),
-                   collectives=collectives, source=path)
+                   collectives=collectives, memory_shared=bool(head.get("memory_shared", False)), source=path)
 
 
 def format_machine(machine: Machine, comments: dict | None = None) -> str:
@@ -151,7 +155,7 @@ def format_machine(machine: Machine, comments: dict | None = None) -> str:
     note = lambda key: f"  # {notes[key]}" if key in notes else ""  # noqa: E731
     lines = ["[machine]", f'name = "{machine.name}"', f"ranks_per_node = {machine.ranks_per_node}{note('ranks_per_node')}",
              f"cores = {machine.cores}{note('cores')}", f"memory_gb = {machine.memory_bytes / 1e9:.3f}{note('memory_gb')}",
-             f"overlap = {machine.overlap}{note('overlap')}"]
+             f"overlap = {machine.overlap}{note('overlap')}"] + (["memory_shared = true"] if machine.memory_shared else [])
     for precision, c in machine.compute.items():
         lines += ["", f"[compute.{precision}]", f"gemm_flops = {c.gemm_flops:.4g}{note('gemm_flops')}",
                   f"attention_flops = {c.attention_flops:.4g}{note('attention_flops')}",

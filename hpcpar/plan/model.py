@@ -18,6 +18,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 FP_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+# Element accesses (reads + writes) per element of each elementwise family, forward and
+# backward, counted from the ops' code (autograd/ops): what a pass over memory costs.
+# ``hpcpar plan calibrate`` times the same ops and divides by these, so on a calibrated
+# machine they only need to scale right with size; on a hand-written one they meet the bandwidth.
+PASSES = {"layernorm": (6, 8), "gelu": (8, 14), "softmax": (8, 6), "cross_entropy": (10, 4),
+          "copy": (3, 2), "embedding": (2, 3), "optimizer": (14, 0)}
+
+
+def passes(family: str, elements: float, dtype_bytes: int, backward: bool = False) -> float:
+    """Bytes an elementwise family moves over ``elements`` elements in one direction."""
+    return PASSES[family][1 if backward else 0] * elements * dtype_bytes
 
 
 @dataclass
@@ -132,11 +143,11 @@ def gpt_block(shape: Shape, index: int) -> Layer:
     c = max(d, 4)  # scores and softmax are float32 at least
     gemm = 2 * N * h * 12 * h / t  # qkv 3h, proj h, fc 4h, proj 4h
     attention = 4 * N * s * h / t  # q k^T and p v
-    fwd = (Work(ops=21).add("gemm", gemm).add("attention", attention).add("softmax", 8 * scores * c)
-           .add("layernorm", 2 * 6 * r * h * d).add("gelu", 8 * 4 * N * h / t * d)
+    fwd = (Work(ops=21).add("gemm", gemm).add("attention", attention).add("softmax", passes("softmax", scores, c))
+           .add("layernorm", passes("layernorm", 2 * r * h, d)).add("gelu", passes("gelu", 4 * N * h / t, d))
            .add("copy", (18 * N * h / t + 4 * N * h + 6 * r * h) * d))
-    bwd_input = (Work(ops=21).add("gemm", gemm).add("attention", 2 * attention).add("softmax", 6 * scores * c)
-                 .add("layernorm", 2 * 8 * r * h * d).add("gelu", 14 * 4 * N * h / t * d)
+    bwd_input = (Work(ops=21).add("gemm", gemm).add("attention", 2 * attention).add("softmax", passes("softmax", scores, c, True))
+                 .add("layernorm", passes("layernorm", 2 * r * h, d, True)).add("gelu", passes("gelu", 4 * N * h / t, d, True))
                  .add("copy", 1.5 * (18 * N * h / t + 4 * N * h + 6 * r * h) * d))
     bwd_weight = Work(ops=4).add("gemm", gemm).add("copy", N * 9 * h / t * d)  # bias gradients: sums over tokens
     # Kept for backward (counted from the ops' saved tensors): layer norms' normalised inputs
@@ -169,8 +180,10 @@ def gpt_head(shape: Shape) -> Layer:
     r = N / t if shape.sequence_parallel else N
     c = max(d, 4)  # the loss is computed in float32 at least
     gemm = 2 * N * h * V / t
-    fwd = Work(ops=6).add("gemm", gemm).add("layernorm", 6 * r * h * d).add("cross_entropy", 10 * N * V / t * c)
-    bwd_input = Work(ops=6).add("gemm", gemm).add("layernorm", 8 * r * h * d).add("cross_entropy", 4 * N * V / t * c)
+    fwd = (Work(ops=6).add("gemm", gemm).add("layernorm", passes("layernorm", r * h, d))
+           .add("cross_entropy", passes("cross_entropy", N * V / t, c)))
+    bwd_input = (Work(ops=6).add("gemm", gemm).add("layernorm", passes("layernorm", r * h, d, True))
+                 .add("cross_entropy", passes("cross_entropy", N * V / t, c, True)))
     bwd_weight = Work(ops=1).add("gemm", gemm)
     saved = (r * h + r + N * h) * d + N * V / t * c  # norm, lm-head input, softmax of the loss
     tp_f, tp_b = _enter(shape, N * h)
@@ -207,8 +220,8 @@ def cnn_layers(shape: Shape) -> list[Layer]:
     features = 4 * c2
     out.append(Layer("net.6", [], Work(ops=1), Work(ops=1), Work(), 0.0, 0.0, n * features))
     out.append(Layer("net.7", [("net.7.weight", features * 10, False), ("net.7.bias", 10, False)],
-                     Work(ops=3).add("gemm", 2 * n * features * 10).add("cross_entropy", 10 * n * 10 * max(d, 4)),
-                     Work(ops=3).add("gemm", 2 * n * features * 10).add("cross_entropy", 4 * n * 10 * max(d, 4)),
+                     Work(ops=3).add("gemm", 2 * n * features * 10).add("cross_entropy", passes("cross_entropy", n * 10, max(d, 4))),
+                     Work(ops=3).add("gemm", 2 * n * features * 10).add("cross_entropy", passes("cross_entropy", n * 10, max(d, 4), True)),
                      Work(ops=1).add("gemm", 2 * n * features * 10), saved_bytes=(n * features + n * 10) * d,
                      workspace_bytes=n * 10 * d, output_elements=0))
     return out

@@ -73,6 +73,8 @@ class Prediction:
     memory: Memory
     traffic: Traffic
     stage_times: list = field(default_factory=list)  # per virtual stage (F, B, W) seconds per micro-batch
+    label: str = ""
+    job: object = None
 
     @property
     def comm_share(self) -> float:
@@ -131,8 +133,9 @@ class StepPlan:
                  "world": self.layout.world}[comm]
         if ranks == 1:
             return 0.0
-        link = self.machine.link("allreduce" if op == "iallreduce" else op, ranks, self.crosses_nodes(comm))
-        return link.seconds(ring_wire_bytes(op, int(nbytes), ranks))
+        link = self.machine.link(op, ranks, self.crosses_nodes(comm))
+        wire = int(nbytes) if op == "send" else ring_wire_bytes(op, int(nbytes), ranks)
+        return link.seconds(wire)
 
     def layer_seconds(self, layer: Layer) -> tuple[float, float, float]:
         """(F, B, W) of one micro-batch through ``layer``, tp collectives included."""
@@ -180,7 +183,7 @@ class StepPlan:
         parts["compute_s"] += optimizer - parts.pop("optimizer_comm_s")
         parts["comm_s"] += self._optimizer_comm_seconds()
         step = parts["compute_s"] + parts["comm_s"] + parts["idle_s"]
-        return Prediction(lay, step, parts, memory_per_rank(self), step_traffic(self), stage_times)
+        return Prediction(lay, step, parts, memory_per_rank(self), step_traffic(self), stage_times, lay.label(), self.job)
 
     def _data_parallel_step(self, times) -> dict:
         forward, backward, weight = times
@@ -218,7 +221,7 @@ class StepPlan:
         params = self.rank_parameters(rank)
         buckets = []
         if not job.parallel.zero and lay.dp > 1:
-            buckets = [self.collective_seconds("dp", "allreduce", n)
+            buckets = [self.collective_seconds("dp", "iallreduce", n)
                        for n in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d))]
         total = sum(buckets)
         if lay.pp > 1:

@@ -1,0 +1,94 @@
+"""Every layout of a world for a job, predicted and ranked; and why the others are excluded.
+
+A candidate is a dp x pp x tp factorisation of the world with, for pp > 1, each schedule
+hpcpar has (``gpipe``, ``1f1b``, ``interleaved`` with 2 chunks, ``zb1``) and a few micro-batch
+counts (the job's, 2 pp and 4 pp), with and without sequence parallelism when tp > 1, and
+each recomputation choice when the job schema has ``model.recompute``. The job's own checks
+(``train.validate``) decide what is valid; a valid layout whose memory per rank exceeds the
+machine's is kept but marked as not fitting and ranked after every one that fits.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from ..train.config import JobError
+from ..train.validate import validate
+from .machine import Machine
+from .predict import Prediction, StepPlan
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+
+
+@dataclass
+class Ranked:
+    predictions: list  # fitting first, each group by step time
+    excluded: list  # [(label, reason)]
+    seconds: float  # how long planning took
+    fits: dict  # id(prediction) -> bool
+
+
+def factorisations(n: int) -> list[tuple[int, int, int]]:
+    return [(dp, pp, n // (dp * pp)) for dp in range(1, n + 1) for pp in range(1, n // dp + 1) if n % (dp * pp) == 0]
+
+
+def candidates(job, world: int) -> list:
+    """(label, job) for every layout tried; labels name what changes."""
+    p = job.parallel
+    recompute = ("none", "selective", "full") if hasattr(job.model, "recompute") else (None,)
+    out = []
+    for dp, pp, tp in factorisations(world):
+        micro = sorted({m for m in (p.micro_batches, 2 * pp, 4 * pp) if m >= pp}) if pp > 1 else [p.micro_batches]
+        schedules = SCHEDULES if pp > 1 else ("1f1b",)
+        for schedule in schedules:
+            for m in micro:
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    for rc in recompute:
+                        parallel = replace(p, dp=dp, pp=pp, tp=tp, schedule=schedule, micro_batches=m,
+                                           chunks=2 if schedule == "interleaved" else 1, sequence_parallel=sp)
+                        variant = replace(job, parallel=parallel)
+                        if rc is not None:
+                            variant = replace(variant, model=replace(job.model, recompute=rc))
+                        out.append(variant)
+    return out
+
+
+def label_of(job) -> str:
+    from .predict import Layout
+
+    text = Layout.of(job).label()
+    recompute = getattr(job.model, "recompute", "none")
+    return text + (f" rc={recompute}" if recompute != "none" else "")
+
+
+def plan_layouts(job, world: int, machine: Machine) -> Ranked:
+    """Predict every valid candidate layout of ``world`` ranks; rank them."""
+    start = time.perf_counter()
+    predictions, excluded, fits = [], [], {}
+    seen = set()
+    for variant in candidates(job, world):
+        name = label_of(variant)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            valid = validate(variant, world)
+        except JobError as error:
+            excluded.append((name, "; ".join(text for _, text in error.problems)))
+            continue
+        prediction = StepPlan(valid, machine).predict()
+        prediction.label = name
+        prediction.job = valid
+        ranks_on_node = min(world, machine.ranks_per_node)
+        fits[id(prediction)] = prediction.memory.total <= machine.memory_per_rank(ranks_on_node)
+        predictions.append(prediction)
+    predictions.sort(key=lambda q: (not fits[id(q)], q.step_s))
+    return Ranked(predictions, excluded, time.perf_counter() - start, fits)
+
+
+def find(ranked: Ranked, wanted: str) -> Prediction | None:
+    """The prediction whose label is ``wanted``, or the best one whose label starts with it ("2x1x2")."""
+    for q in ranked.predictions:
+        if q.label == wanted:
+            return q
+    return next((q for q in ranked.predictions if q.label.split()[0] == wanted.split()[0]), None)

@@ -221,6 +221,28 @@ def measure_inter(world, repeats: int = 5) -> Link | None:
     return _fit_link(world.bcast(points if world.Get_rank() == 0 else None, root=0))
 
 
+def measure_concurrency(world, repeats: int = 5) -> list[float]:
+    """[1, s2, ..., sN]: how much slower a GPT block's forward and backward runs when k ranks of
+    this node run it at once (shared cores, memory bandwidth, caches; more ranks than cores)."""
+    from ..autograd import Tensor
+    from ..dist.comm import Communicator
+    from ..nn.gpt import Block, GPTConfig
+
+    waiting = Communicator(world, "world", wait_policy="yield")
+    block = Block(GPTConfig(n_layer=1, n_embd=128, n_head=4, block_size=64), np.float32, np)
+    x = Tensor(np.random.default_rng(world.Get_rank()).standard_normal((4, 64, 128)).astype(np.float32),
+               requires_grad=True)
+    work = _fwd_bwd(lambda: block(x))
+    slowdown = []
+    for k in range(1, world.Get_size() + 1):
+        waiting.barrier()
+        seconds = _timed(work, repeats) if world.Get_rank() < k else 0.0
+        waiting.barrier()
+        times = [t for t in world.allgather(seconds)[:k]]
+        slowdown.append(statistics.median(times))
+    return [t / slowdown[0] for t in slowdown]
+
+
 def calibrate(world, inter_file: str | None = None, name: str | None = None) -> tuple[Machine, dict]:
     """Measure this machine (collective over ``world``); (the machine, comments for its file) on every rank."""
     from .. import host
@@ -231,12 +253,14 @@ def calibrate(world, inter_file: str | None = None, name: str | None = None) -> 
     compute = measure_ops() if world.Get_rank() == 0 else None
     waiting.barrier()
     compute = world.bcast(compute, root=0)
+    concurrency = measure_concurrency(world)
     collectives = measure_collectives(world) if world.Get_size() > 1 else {}
     intra = collectives.get(("allreduce", 2)) or Link(latency_s=1e-6, bandwidth=10e9)
     inter = measure_inter(world)
     comments = {"cores": "CPUs the ranks may use (affinity and cgroup quota); more ranks run slower by ranks / cores",
                 "ranks_per_node": "any number of MPI ranks share this one node",
                 "memory_gb": "the node's memory, shared by its ranks (memory_shared)",
+                "concurrency": "measured: a GPT block's time with k ranks computing at once / alone, k = 1, 2, ...",
                 "overlap": "0: without a progress thread a bucket all-reduce moves only inside MPI calls",
                 "intra": "2-rank all-reduce fit; per-op and per-size lines below",
                 "collective": "measured: latency + wire bytes / bandwidth"}
@@ -251,7 +275,7 @@ def calibrate(world, inter_file: str | None = None, name: str | None = None) -> 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     machine = Machine(name=name or os.uname().nodename, ranks_per_node=256, cores=host.usable_cpus(),
                       memory_bytes=memory, compute={"fp32": compute}, intra=intra, inter=inter, overlap=0.0,
-                      collectives=collectives, memory_shared=True)
+                      collectives=collectives, memory_shared=True, concurrency=concurrency)
     comments["name"] = f"measured by hpcpar plan calibrate on {world.Get_size()} ranks in {time.perf_counter() - start:.0f} s"
     return machine, comments
 
@@ -259,3 +283,46 @@ def calibrate(world, inter_file: str | None = None, name: str | None = None) -> 
 def write_machine(machine: Machine, comments: dict, path: str) -> None:
     with open(path, "w") as f:
         f.write(f"# {comments.get('name', '')}\n" + format_machine(machine, comments))
+
+
+def measured_step_seconds(job, comm, steps: int = 5) -> float:
+    """Median seconds of ``train_step`` + ``finish_step`` of ``job`` on ``comm`` (after 2 warm-up steps)."""
+    from mpi4py import MPI
+
+    from ..dist.context import init
+    from ..train.build import build
+
+    p = job.parallel
+    ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, comm=comm, device=job.train.device)
+    run = build(job, ctx)
+    times = []
+    for step in range(steps + 2):
+        inputs, targets = run.train_data.batch_at(step)
+        ctx.world.barrier()
+        start = time.perf_counter()
+        loss = run.strategy.train_step(inputs, targets)
+        run.strategy.finish_step(job.optimizer.grad_clip, loss)
+        times.append(ctx.world.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return statistics.median(times[2:])
+
+
+def fit_model_factor(machine: Machine, job) -> float:
+    """Scale the machine's compute so that ``job`` on one rank takes what it measures (``model_factor``).
+
+    The op-family rates come from single ops; a model adds what they miss (allocation, cache
+    misses between ops, the Python around them). One model on one rank is the calibration: the
+    factor is then used unchanged for every other model and layout."""
+    from dataclasses import replace
+
+    from mpi4py import MPI
+
+    from ..train.validate import validate
+    from .predict import StepPlan
+
+    one = validate(replace(job, parallel=replace(job.parallel, dp=1, pp=1, tp=1, micro_batches=1,
+                                                 sequence_parallel=False)), 1)
+    compute = machine.compute_for(one.train.precision)
+    compute.model_factor = 1.0
+    predicted = StepPlan(one, machine).predict().step_s
+    compute.model_factor = measured_step_seconds(one, MPI.COMM_SELF) / predicted
+    return compute.model_factor

@@ -23,12 +23,12 @@ def add_arguments(parser) -> None:
                              f"(default: {DEFAULT_MACHINE}, written by hpcpar plan calibrate)")
     parser.add_argument("--top", type=int, default=10, help="layouts shown, best first (0: all)")
     parser.add_argument("--explain", metavar="LAYOUT", default=None,
-                        help="the breakdown of one layout, as labelled in the table (\"2x1x2\" picks its best variant)")
+                        help="the breakdown of one layout, as labelled in the table (\"2x1x2\" picks its best variant) (default: none)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a job key, TOML syntax (repeatable) (default: none)")
     parser.add_argument("--out", default=DEFAULT_MACHINE, help="calibrate: the machine file written")
     parser.add_argument("--inter", default=None, metavar="FILE",
-                        help="calibrate on one node: take the inter-node link from this machine file")
+                        help="calibrate on one node: take the inter-node link from this machine file (default: equal to intra-node)")
     parser.set_defaults(func=run)
 
 

@@ -48,6 +48,7 @@ class Compute:
     bandwidth: float
     op_overhead_s: float = 0.0
     family_bandwidth: dict = field(default_factory=dict)
+    model_factor: float = 1.0  # measured / op-sum time of a calibration model (calibrate.fit_model_factor)
 
     def rate_of(self, family: str) -> float:
         return self.family_bandwidth.get(family, self.bandwidth)
@@ -74,6 +75,15 @@ class Machine:
     overlap: float = 0.0
     collectives: dict = field(default_factory=dict)  # (op, ranks) -> Link: measured, beats intra
     memory_shared: bool = False  # memory_bytes is the node's, shared by its ranks (CPUs), not each rank's
+    concurrency: list = field(default_factory=list)  # measured slowdown with k ranks computing at once, k = 1..
+
+    def slowdown(self, ranks_on_node: int) -> float:
+        """How much slower compute runs with this many ranks on a node: measured, else ranks / cores."""
+        if self.concurrency:
+            if ranks_on_node <= len(self.concurrency):
+                return max(1.0, self.concurrency[ranks_on_node - 1])
+            return max(1.0, self.concurrency[-1] * ranks_on_node / len(self.concurrency))
+        return max(1.0, ranks_on_node / max(self.cores, 1))
     source: str = ""
 
     def memory_per_rank(self, ranks_on_node: int) -> float:
@@ -111,7 +121,8 @@ def _compute(table: dict, where: str) -> Compute:
         raise MachineError(f"{where}.family_bandwidth: unknown family {sorted(unknown)[0]!r}; known: {', '.join(FAMILIES)}")
     return Compute(gemm_flops=gemm, attention_flops=_number(table, "attention_flops", where, gemm / efficiency) * efficiency,
                    bandwidth=_number(table, "bandwidth", where) * mem_efficiency,
-                   op_overhead_s=_number(table, "op_overhead_s", where, 0.0), family_bandwidth=families)
+                   op_overhead_s=_number(table, "op_overhead_s", where, 0.0), family_bandwidth=families,
+                   model_factor=_number(table, "model_factor", where, 1.0))
 
 
 def _link(table: dict, where: str) -> Link:
@@ -146,7 +157,8 @@ def load_machine(path: str) -> Machine:
                    cores=int(_number(head, "cores", f"{where}: machine", ranks)),
                    memory_bytes=_number(head, "memory_gb", f"{where}: machine") * 1e9,
                    compute=compute, intra=intra, inter=inter, overlap=min(1.0, _number(head, "overlap", f"{where}: machine", 0.0)),
-                   collectives=collectives, memory_shared=bool(head.get("memory_shared", False)), source=path)
+                   collectives=collectives, memory_shared=bool(head.get("memory_shared", False)),
+                   concurrency=[float(x) for x in head.get("concurrency", [])], source=path)
 
 
 def format_machine(machine: Machine, comments: dict | None = None) -> str:
@@ -156,10 +168,13 @@ def format_machine(machine: Machine, comments: dict | None = None) -> str:
     lines = ["[machine]", f'name = "{machine.name}"', f"ranks_per_node = {machine.ranks_per_node}{note('ranks_per_node')}",
              f"cores = {machine.cores}{note('cores')}", f"memory_gb = {machine.memory_bytes / 1e9:.3f}{note('memory_gb')}",
              f"overlap = {machine.overlap}{note('overlap')}"] + (["memory_shared = true"] if machine.memory_shared else [])
+    if machine.concurrency:
+        lines.append(f"concurrency = [{', '.join(f'{x:.3f}' for x in machine.concurrency)}]{note('concurrency')}")
     for precision, c in machine.compute.items():
         lines += ["", f"[compute.{precision}]", f"gemm_flops = {c.gemm_flops:.4g}{note('gemm_flops')}",
                   f"attention_flops = {c.attention_flops:.4g}{note('attention_flops')}",
-                  f"bandwidth = {c.bandwidth:.4g}{note('bandwidth')}", f"op_overhead_s = {c.op_overhead_s:.4g}{note('op_overhead_s')}"]
+                  f"bandwidth = {c.bandwidth:.4g}{note('bandwidth')}", f"op_overhead_s = {c.op_overhead_s:.4g}{note('op_overhead_s')}",
+                  f"model_factor = {c.model_factor:.4g}{note('model_factor')}"]
         if c.family_bandwidth:
             lines += ["", f"[compute.{precision}.family_bandwidth]{note('family_bandwidth')}"]
             lines += [f"{name} = {rate:.4g}" for name, rate in c.family_bandwidth.items()]

@@ -131,7 +131,8 @@ def gpt_embedding(shape: Shape) -> Layer:
     bwd = Work(ops=4).add("embedding", (2 * V / t * h + 3 * N * h) * d).add("copy", 2 * r * h * d)
     tp_f, tp_b = _leave(shape, N * h)
     return Layer("embed", [("embed.wte.weight", V // t * h, False), ("embed.wpe.weight", shape.block_size * h, True)],
-                 fwd, bwd, Work(), saved_bytes=0.0, workspace_bytes=(V / t * h + 2 * N * h) * d, output_elements=r * h,
+                 fwd, bwd, Work(), saved_bytes=(2 + (2 if t > 1 else 0)) * N * h * d, workspace_bytes=N * h * d,
+                 output_elements=r * h,
                  tp_forward=tp_f, tp_backward=tp_b)
 
 
@@ -150,13 +151,18 @@ def gpt_block(shape: Shape, index: int) -> Layer:
                  .add("layernorm", passes("layernorm", 2 * r * h, d, True)).add("gelu", passes("gelu", 4 * N * h / t, d, True))
                  .add("copy", 1.5 * (18 * N * h / t + 4 * N * h + 6 * r * h) * d))
     bwd_weight = Work(ops=4).add("gemm", gemm).add("copy", N * 9 * h / t * d)  # bias gradients: sums over tokens
-    # Kept for backward (counted from the ops' saved tensors): layer norms' normalised inputs
-    # and 1/std (2 r h + 2 r), the inputs of qkv and fc (N h each: gathered under sp), the qkv
-    # output that k and v view (3 N h / t), q scaled, attention output, its transposed copy
-    # (N h / t each), GELU's input, tanh and output (12 N h / t); probabilities b (a/t) s^2.
+    # Kept for backward: every op's output (a graph node holds its inputs) and what ops save
+    # besides (layer norms' normalised input and 1/std, q scaled, GELU's tanh, attention's
+    # probabilities). Full-width N h: the row-parallel products (2), their all-reduced sums
+    # (2, tp without sp) or the gathered inputs (2, sp); residual width r h: bias adds,
+    # residual adds, norms' outputs and normalised inputs (8), the reduce-scattered sums (2, sp);
+    # sharded 19 N h / t: qkv (3), attention output, q scaled, its transposed copy, a copy the
+    # head reshapes make (4), fc, GELU's output and tanh (12).
+    full = 2 + (2 if t > 1 else 0)
+    residual = 8 + (2 if shape.sequence_parallel else 0)
     dropped = scores * d * (2 if shape.attn_dropout > 0 else 1)  # probabilities (and the dropout scale)
-    saved = (2 * r * h + 2 * r + 2 * N * h + 18 * N * h / t) * d + dropped
-    workspace = 2 * scores * c + 4 * N * h / t * 3 * d  # attention's backward (T, T) temporaries, GELU's
+    saved = (full * N * h + residual * r * h + 19 * N * h / t + 2 * r) * d + dropped
+    workspace = 2 * scores * c + 2 * N * h * d  # attention's (T, T) temporaries, the gradient in flight
     tp_f, tp_b = [], []
     for entering in (_enter, _leave, _enter, _leave):  # attention in and out, MLP in and out
         f, bk = entering(shape, N * h)
@@ -185,14 +191,15 @@ def gpt_head(shape: Shape) -> Layer:
     bwd_input = (Work(ops=6).add("gemm", gemm).add("layernorm", passes("layernorm", r * h, d, True))
                  .add("cross_entropy", passes("cross_entropy", N * V / t, c, True)))
     bwd_weight = Work(ops=1).add("gemm", gemm)
-    saved = (r * h + r + N * h) * d + N * V / t * c  # norm, lm-head input, softmax of the loss
+    # the norm's output, normalised input and 1/std, the gathered input (sp), the logits, the loss's softmax
+    saved = (2 * r * h + r + (N * h if shape.sequence_parallel else 0) + N * V / t) * d + N * V / t * c
     tp_f, tp_b = _enter(shape, N * h)
     if t > 1:  # vocab-parallel cross entropy: all-reduce of the row maxima, then of (sum of exp, target logit)
         tp_f = tp_f + [("allreduce", N * c), ("allreduce", 2 * N * c)]
     params = [("head.ln_f.weight", h, True)] + ([("head.ln_f.bias", h, True)] if shape.bias else [])
     params += [("embed.wte.weight", V // t * h, False)] if shape.tie_weights else [("head.lm_head.weight", h * V // t, False)]
     return Layer("head", params, fwd, bwd_input, bwd_weight, saved_bytes=saved,
-                 workspace_bytes=2 * N * V / t * c + N * h * d, output_elements=0, tp_forward=tp_f, tp_backward=tp_b)
+                 workspace_bytes=N * V / t * c + N * h * d, output_elements=0, tp_forward=tp_f, tp_backward=tp_b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ Step time (docs/planner.md has the equations):
 - a collective costs latency + wire bytes / bandwidth, the line of its op and group size when
   the machine file has one, else the intra- or inter-node link by where the group's ranks sit
   (rank order: tp fastest, then dp, then pp; ``ranks_per_node`` ranks per node);
-- more ranks on a node than cores: compute runs ``ranks / cores`` times slower.
+- k ranks computing at once on a node: compute runs slower by the machine's measured
+  ``concurrency[k]`` (shared cores, memory bandwidth; more ranks than cores), or ``k / cores``.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def work_seconds(work: Work, machine: Machine, precision: str) -> float:
     for family, units in work.units.items():
         rate = getattr(c, ELEMENTWISE_RATE[family]) if family in ELEMENTWISE_RATE else c.rate_of(family)
         seconds += units / rate
-    return seconds
+    return seconds * c.model_factor
 
 
 class StepPlan:
@@ -110,7 +111,7 @@ class StepPlan:
         self.bounds = self._bounds(job.parallel.partition)
         self.stage_layers = [self.layers[self.bounds[s]: self.bounds[s + 1]] for s in range(lay.pp * lay.chunks)]
         self.node_ranks = min(lay.world, machine.ranks_per_node)
-        self.slowdown = max(1.0, self.node_ranks / max(machine.cores, 1))
+        self.slowdown = machine.slowdown(self.node_ranks)
 
     def _bounds(self, method) -> list[int]:
         stages = self.layout.pp * self.layout.chunks

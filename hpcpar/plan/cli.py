@@ -97,7 +97,8 @@ def run_calibrate(args) -> int:
 
 
 def _mb(x: float) -> str:
-    return f"{x / 2**20:,.1f}" if x < 2**30 * 10 else f"{x / 2**30:,.1f} Gi"
+    """Bytes in MiB, or GiB from 10 GiB up."""
+    return f"{x / 2**20:,.1f} MiB" if x < 2**30 * 10 else f"{x / 2**30:,.1f} GiB"
 
 
 def table(job, world: int, machine, ranked, top: int) -> str:
@@ -112,7 +113,7 @@ def table(job, world: int, machine, ranked, top: int) -> str:
              f"{parameter_count(job) / 1e6:,.1f} M parameters" if m.kind == "gpt" else "digits CNN")
     title = (f"hpcpar plan: {model}, global batch {job.data.batch_size}, {job.train.precision}, {world} ranks on "
              f"{machine.name} ({len(ranked.predictions)} valid layouts, planned in {ranked.seconds:.1f} s)")
-    text = format_table(["#", "layout dp x pp x tp", "step ms", unit, "MB/rank", "fits", "comm", "bubble",
+    text = format_table(["#", "layout dp x pp x tp", "step ms", unit, "memory/rank", "fits", "comm", "bubble",
                          "MB sent/step"], rows, title)
     if top and len(ranked.predictions) > top:
         text += f"\n... {len(ranked.predictions) - top} more (--top 0 shows all)"
@@ -135,13 +136,15 @@ def parameter_count(job) -> int:
 def explain(q, machine) -> str:
     """Where one layout's predicted step goes: parts, per-stage times, memory, messages."""
     lines = [f"{q.label} on {machine.name}: predicted step {q.step_s * 1e3:,.3f} ms"]
+    names = {"compute_s": "compute", "comm_s": "comm (exposed)", "idle_s": "idle (bubble)",
+             "optimizer_s": "of compute: optimizer"}
     for key, value in q.parts.items():
-        if key.endswith("_s"):
-            lines.append(f"  {key[:-2]:<10} {value * 1e3:10.3f} ms")
+        if key in names:
+            lines.append(f"  {names[key]:<22} {value * 1e3:10.3f} ms")
     lines.append("  per virtual stage and micro-batch (F / B / W ms): " + "; ".join(
         f"s{s}: {f * 1e3:.3f} / {b * 1e3:.3f} / {w * 1e3:.3f}" for s, (f, b, w) in enumerate(q.stage_times)))
     mem = q.memory
-    lines.append(f"  memory per rank {_mb(mem.total)} MB: parameters {_mb(mem.params)}, optimizer state {_mb(mem.optimizer)}, "
+    lines.append(f"  memory per rank {_mb(mem.total)}: parameters {_mb(mem.params)}, optimizer state {_mb(mem.optimizer)}, "
                  f"buffers {_mb(mem.buffers)}, gradients {_mb(mem.gradients)}, activations {_mb(mem.activations)}, "
                  f"workspace {_mb(mem.workspace)}")
     for comm, ops in q.traffic.by_comm().items():
@@ -149,3 +152,43 @@ def explain(q, machine) -> str:
                          for op, (calls, nbytes, wire) in ops.items())
         lines.append(f"  {comm:<8} (all ranks, one step): {text}")
     return "\n".join(lines)
+
+
+def dry_run(job_path: str, overrides: list, mpi_world: int, machine_path: str | None) -> int:
+    """``hpcpar train JOB --dry-run``: validate, predict this layout, print on rank 0, train nothing.
+
+    The world is the launch's (``mpiexec -n N``); launched alone, the job's own dp x pp x tp."""
+    from .. import log
+    from ..dist.failfast import UsageError
+    from ..train.config import JobError, load_job
+    from ..train.validate import validate
+    from .predict import StepPlan
+
+    try:
+        job = load_job(job_path, overrides)
+        p = job.parallel
+        world = mpi_world if mpi_world > 1 or not p.dp else p.dp * p.pp * p.tp
+        job = validate(job, world)
+    except JobError as error:
+        raise UsageError(f"hpcpar train: error: {error}") from None
+    path = machine_path or (DEFAULT_MACHINE if os.path.exists(DEFAULT_MACHINE) else None)
+    machine = machine_from(path) if path else None
+    if log.world_rank() != 0:
+        return 0
+    plan = StepPlan(job, machine or load_machine("dgx-a100"))  # memory and bytes do not depend on the machine
+    q = plan.predict()
+    tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
+    print(f"{job.source}: valid for {world} ranks, layout {q.label}; nothing trained (--dry-run)")
+    lines = explain(q, plan.machine).splitlines()[1:]
+    if machine is None:
+        print("step time: no machine file (run `hpcpar plan calibrate` or pass --machine)")
+        lines = [line for line in lines if not line.endswith(" ms") and "F / B / W" not in line]
+    else:
+        ranks_on_node = min(world, machine.ranks_per_node)
+        fits = q.memory.total <= machine.memory_per_rank(ranks_on_node)
+        print(f"predicted on {machine.name}: step {q.step_s * 1e3:,.2f} ms, {tokens / q.step_s:,.0f} "
+              f"{'tok' if job.model.kind == 'gpt' else 'img'}/s, comm {100 * q.comm_share:.0f}%, bubble "
+              f"{100 * q.bubble_share:.0f}%; memory per rank {_mb(q.memory.total)} "
+              f"({'fits' if fits else 'does NOT fit'} in {_mb(machine.memory_per_rank(ranks_on_node))})")
+    print("\n".join(lines))
+    return 0

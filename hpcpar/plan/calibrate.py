@@ -171,7 +171,7 @@ def measure_collectives(world, sizes=SIZES, repeats: int = 5) -> dict:
                     seconds = _timed(call, repeats)
                     seconds = ctx.world.mpi.allreduce(seconds, op=MPI.MAX)
                     samples.setdefault(op, []).append((wire, seconds))
-            group.Free()
+            # not freed: its context lives on in the grid's communicators and shared windows
         waiting.barrier()
         samples = world.bcast(samples, root=0)
         for op, points in samples.items():
@@ -217,7 +217,6 @@ def measure_inter(world, repeats: int = 5) -> Link | None:
                     comm.irecv(buf, 0, tag=7).wait()
                     comm.isend(buf, 0, tag=8).wait()
             points.append((buf.nbytes, _timed(ping, repeats) / 2))  # one way
-        sub.Free()
     return _fit_link(world.bcast(points if world.Get_rank() == 0 else None, root=0))
 
 

@@ -38,7 +38,8 @@ def candidates(job, world: int) -> list:
     recompute = ("none", "selective", "full") if hasattr(job.model, "recompute") else (None,)
     out = []
     for dp, pp, tp in factorisations(world):
-        micro = sorted({m for m in (p.micro_batches, 2 * pp, 4 * pp) if m >= pp}) if pp > 1 else [p.micro_batches]
+        # the job's micro-batches (at least pp), and 2 pp and 4 pp: enough to see the bubble shrink
+        micro = sorted({max(p.micro_batches, pp), 2 * pp, 4 * pp}) if pp > 1 else [p.micro_batches]
         schedules = SCHEDULES if pp > 1 else ("1f1b",)
         for schedule in schedules:
             for m in micro:

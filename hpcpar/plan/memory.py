@@ -63,8 +63,8 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
     state_elements = -(-elements // lay.dp) if job.parallel.zero else elements
     moments = {"adamw": 2, "adam": 2, "sgd": 1 if job.optimizer.momentum else 0}[job.optimizer.name]
     optimizer = state_elements * master * moments + (elements * 4 if plan.mixed else 0)
-    if job.parallel.zero:
-        buffers = 2 * (-(-elements // lay.dp)) * lay.dp * master
+    if job.parallel.zero:  # the flat parameters are the masters (or the parameters); the flat gradient is extra
+        buffers = (-(-elements // lay.dp)) * lay.dp * master
     else:
         buffers = elements * d if (lay.pp == 1 or lay.dp > 1) else 0.0
     per_stage = [sum(kept_bytes(plan, layer) for layer in plan.stage_layers[s]) for s in stages]

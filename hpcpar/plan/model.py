@@ -159,7 +159,7 @@ def gpt_block(shape: Shape, index: int) -> Layer:
     # sharded 19 N h / t: qkv (3), attention output, q scaled, its transposed copy, a copy the
     # head reshapes make (4), fc, GELU's output and tanh (12).
     full = 2 + (2 if t > 1 else 0)
-    residual = 8 + (2 if shape.sequence_parallel else 0)
+    residual = 8 + (2 if shape.sequence_parallel else 0) + (4 if shape.attn_dropout > 0 else 0)  # dropouts: scale, output
     dropped = scores * d * (2 if shape.attn_dropout > 0 else 1)  # probabilities (and the dropout scale)
     saved = (full * N * h + residual * r * h + 19 * N * h / t + 2 * r) * d + dropped
     workspace = 2 * scores * c + 2 * N * h * d  # attention's (T, T) temporaries, the gradient in flight
@@ -232,3 +232,20 @@ def cnn_layers(shape: Shape) -> list[Layer]:
                      Work(ops=1).add("gemm", 2 * n * features * 10), saved_bytes=(n * features + n * 10) * d,
                      workspace_bytes=n * 10 * d, output_elements=0))
     return out
+
+
+def korthikanti_bytes(shape: Shape) -> float:
+    """Activation bytes per transformer layer by Korthikanti et al. (2022), 16-bit values and 1-byte
+    dropout masks: s b h (34 + 5 a s / h) without tensor parallelism; (10 + 24 / t + 5 a s / (h t))
+    with it; everything / t with sequence parallelism as well."""
+    s, b, h, a, t = shape.block_size, shape.rows, shape.n_embd, shape.n_head, shape.tp
+    if t == 1:
+        return s * b * h * (34 + 5 * a * s / h)
+    if shape.sequence_parallel:
+        return s * b * h * (34 + 5 * a * s / h) / t
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def activation_ratio(shape: Shape) -> float:
+    """hpcpar's kept bytes per block over Korthikanti's formula (docs/planner.md states it)."""
+    return gpt_block(shape, 0).saved_bytes / korthikanti_bytes(shape)

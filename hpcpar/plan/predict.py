@@ -23,6 +23,7 @@ Step time (docs/planner.md has the equations):
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -35,6 +36,17 @@ from .model import FP_BYTES, Layer, Work, layers, shape_of
 from .traffic import Traffic, bucket_bytes, stage_parameters, step_traffic
 
 ELEMENTWISE_RATE = {"gemm": "gemm_flops", "attention": "attention_flops"}
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_of(name: str, p: int, m: int, v: int) -> tuple:
+    """The schedule's action lists (built once per (name, p, m, v): planning tries many layouts)."""
+    return tuple(tuple(actions) for actions in make_schedule(name, p, m, v))
+
+
+@functools.lru_cache(maxsize=256)
+def _peaks(name: str, p: int, m: int, v: int) -> tuple:
+    return tuple(peak_activations([list(a) for a in schedule_of(name, p, m, v)], held_until="W"))
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,7 @@ class StepPlan:
         self.stage_layers = [self.layers[self.bounds[s]: self.bounds[s + 1]] for s in range(lay.pp * lay.chunks)]
         self.node_ranks = min(lay.world, machine.ranks_per_node)
         self.slowdown = machine.slowdown(self.node_ranks)
+        self._collective_cache: dict = {}
 
     def _bounds(self, method) -> list[int]:
         stages = self.layout.pp * self.layout.chunks
@@ -130,6 +143,12 @@ class StepPlan:
         return span > per_node
 
     def collective_seconds(self, comm: str, op: str, nbytes: float) -> float:
+        key = (comm, op, nbytes)
+        if key not in self._collective_cache:
+            self._collective_cache[key] = self._collective_seconds(comm, op, nbytes)
+        return self._collective_cache[key]
+
+    def _collective_seconds(self, comm: str, op: str, nbytes: float) -> float:
         ranks = {"tp": self.layout.tp, "dp": self.layout.dp, "pp": self.layout.pp, "pp-tied": 2,
                  "world": self.layout.world}[comm]
         if ranks == 1:
@@ -206,7 +225,7 @@ class StepPlan:
             times[("B", s)] = b if lay.schedule == "zb1" else b + w
             times[("W", s)] = w
         p2p = max(self.collective_seconds("pp", "send", self.boundary_bytes(s)) for s in range(len(stage_times) - 1))
-        result = simulate(make_schedule(lay.schedule, lay.pp, lay.micro_batches, lay.chunks), comm_time=p2p,
+        result = simulate([list(a) for a in schedule_of(lay.schedule, lay.pp, lay.micro_batches, lay.chunks)], comm_time=p2p,
                           stage_times=times)
         busy = max(result.busy)
         tp_comm = lay.micro_batches * max(sum(self.collective_seconds("tp", op, n) for s in range(r, len(stage_times), lay.pp)
@@ -265,4 +284,4 @@ def in_flight(plan: StepPlan) -> list[int]:
     lay = plan.layout
     if lay.pp == 1:
         return [1]
-    return peak_activations(make_schedule(lay.schedule, lay.pp, lay.micro_batches, lay.chunks), held_until="W")
+    return list(_peaks(lay.schedule, lay.pp, lay.micro_batches, lay.chunks))

@@ -24,6 +24,7 @@ ctx = hpcpar.init(pp=2, tp=2)                  # dp fills the rest: 8 ranks -> d
 config = GPTConfig(n_layer=4, n_embd=64, block_size=64)
 model = GPT(config, device=ctx.device, tp=ctx.tp)   # tensor parallel inside the layers
 model.sequence_parallel = True                 # optional: norms and residuals split along the sequence too
+model.recompute = "selective"                  # optional: attention's (T, T) arrays redone in backward ("full": whole blocks)
 pipe = PipelineParallel(model, ctx, schedule="1f1b", micro_batches=4)   # or "gpipe", "interleaved", "zb1"
 optimizer = AdamW(pipe.named_parameters(), lr=1e-3)
 

@@ -246,3 +246,23 @@ def test_2x2x2_bf16_with_zero_and_sequence_parallelism_trains_and_resumes_bitwis
         for (name, a), (_, b) in zip(straight[1].named_master_parameters(), resumed[1].named_master_parameters()):
             np.testing.assert_array_equal(a.data, b.data, err_msg=name)
     world.Barrier()
+
+
+def build_recomputing(ctx, mode):
+    """ZeRO-1, sequence parallelism and the zero-bubble schedule, with activation recomputation."""
+    model = GPT(CONFIG, np.float64, tp=ctx.tp)
+    model.sequence_parallel = True
+    model.recompute = mode
+    pipe = PipelineParallel(model, ctx, schedule="zb1", micro_batches=MICRO, dp_average=False)
+    return pipe, ZeroRedundancyOptimizer(pipe.named_parameters(), ctx.dp, AdamW, lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_2x2x2_with_recomputation_equals_one_process(world, mode):
+    ctx = layout_context(world, 2, 2, 2)
+    if ctx is not None:
+        params, ref_losses = reference()
+        pipe, losses = train(ctx, built=build_recomputing(ctx, mode))
+        assert_matches(pipe, losses, params, ref_losses, f"2x2x2 zb1 zero sequence-parallel recompute={mode}")
+    world.Barrier()

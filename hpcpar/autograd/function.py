@@ -10,7 +10,7 @@ import contextlib
 from abc import ABC, abstractmethod
 
 from ..backend import get_array_module
-from . import precision
+from . import memory, precision
 
 _grad_enabled = True
 
@@ -20,6 +20,17 @@ def no_grad():
     """Inside this block ops record no graph (evaluation, optimizer updates)."""
     global _grad_enabled
     previous, _grad_enabled = _grad_enabled, False
+    try:
+        yield
+    finally:
+        _grad_enabled = previous
+
+
+@contextlib.contextmanager
+def enable_grad():
+    """Inside this block ops record a graph again (a recomputed forward run during backward)."""
+    global _grad_enabled
+    previous, _grad_enabled = _grad_enabled, True
     try:
         yield
     finally:
@@ -92,6 +103,7 @@ class Function(ABC):
             fn.parents = tensors
             out.requires_grad = True
             out._fn = fn
+            memory.note(fn)  # activation-memory accounting, when a tally is open
         return out
 
     def xp(self, array):

@@ -13,11 +13,14 @@ import numpy as np
 
 from ..autograd import Tensor, no_grad
 from ..autograd import ops
+from ..autograd.recompute import recompute
 from ..autograd.ops import mappings
 from ..backend import array_module, resolve_device, to_device, to_host
 from . import init, tensor_parallel
 from .layers import Dropout, Embedding, HeadDropout, LayerNorm, Linear
 from .module import Module, ModuleList
+
+RECOMPUTE = ("none", "selective", "full")  # activation recomputation (GPT.recompute)
 
 
 @dataclass
@@ -90,6 +93,7 @@ class CausalSelfAttention(Module):
         self.qkv = tensor_parallel.ColumnParallelLinear(config.n_embd, 3 * config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
         self.proj = tensor_parallel.RowParallelLinear(config.n_embd, config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
         self.drop = Dropout(config.dropout)
+        self.recompute_core = False  # selective recomputation (GPT.recompute)
 
     def forward(self, x):
         nh, hs = self.local_heads, self.head_size
@@ -97,11 +101,21 @@ class CausalSelfAttention(Module):
         B, T = qkv.shape[:2]
         qkv = ops.reshape(qkv, (B, T, nh, 3, hs))  # (B, T, 3 nh hs) -> (B, T, nh, 3, hs)
         qkv = ops.transpose(qkv, (3, 0, 2, 1, 4))  # -> (3, B, nh, T, hs)
-        q, k, v = ops.split(qkv, 3, axis=0)  # each (1, B, nh, T, hs)
-        keep = self.attn_drop(B, T, x.dtype, x.xp)  # None unless training with attn_dropout > 0
-        y = ops.attention(*(ops.reshape(t, (B, nh, T, hs)) for t in (q, k, v)), causal=True, keep=keep)  # (B, nh, T, hs)
+        q, k, v = (ops.reshape(t, (B, nh, T, hs)) for t in ops.split(qkv, 3, axis=0))  # each (B, nh, T, hs)
+        if self.recompute_core:  # keep q, k, v only: probabilities and dropout masks are redone in backward
+            y = recompute(self.core, q, k, v, random=random_sources(self.attn_drop))
+        else:
+            y = self.core(q, k, v)  # (B, nh, T, hs)
         y = ops.reshape(ops.transpose(y, (0, 2, 1, 3)), (B, T, nh * hs))  # -> (B, T, nh, hs) -> (B, T, nh hs)
         return self.drop(self.proj(y))
+
+    def core(self, q, k, v):
+        """Attention's dropout masks, softmax and products: what selective recomputation reruns. It
+        has no communication (the heads are local), and its (B, nh, T, T) arrays are most of a
+        block's activation memory at long sequences (Korthikanti et al. 2022)."""
+        B, _, T, _ = q.shape
+        keep = self.attn_drop(B, T, q.dtype, q.xp)  # None unless training with attn_dropout > 0
+        return ops.attention(q, k, v, causal=True, keep=keep)
 
 
 class MLP(Module):
@@ -126,10 +140,27 @@ class Block(Module):
         self.attn = CausalSelfAttention(config, dtype, xp, tp)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype, xp=xp)
         self.mlp = MLP(config, dtype, xp, tp)
+        self.recompute_block = False  # full recomputation (GPT.recompute)
 
     def forward(self, x):
+        if self.recompute_block:  # keep the block's input only; the whole block reruns in backward
+            return recompute(self.residual, x, params=self.parameters(), random=random_sources(self))
+        return self.residual(x)
+
+    def residual(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+def random_sources(module) -> list:
+    """The generators the dropouts inside ``module`` draw from in a training forward: a recomputed
+    region restores them, so its rerun draws the masks of its first run."""
+    sources = {}
+    for _, layer in module.named_modules():
+        rng = getattr(layer, "rng", None)
+        if isinstance(layer, (Dropout, HeadDropout)) and layer.training and layer.p > 0 and rng is not None:
+            sources.setdefault(id(rng), rng)
+    return list(sources.values())
 
 
 class GPTHead(Module):
@@ -189,6 +220,7 @@ class GPT(Module):
         init.initialize(self, config.seed)
         self.rng = xp.random.default_rng(config.seed)
         self.sequence_parallel = False
+        self.recompute = "none"
 
     @property
     def rng(self):
@@ -231,6 +263,24 @@ class GPT(Module):
             for param in on_slices:
                 if param is not None:
                     param.sequence_parallel = on
+
+    @property
+    def recompute(self) -> str:
+        """Activation recomputation: ``"none"``; ``"selective"``: attention's probabilities and dropout
+        masks are not kept but recomputed from q and k in backward; ``"full"``: of each block only its
+        input is kept and the whole block reruns in backward (re-issuing its tensor-parallel
+        communication). Gradients are the same numbers in every mode (``hpcpar.autograd.recompute``);
+        it can be switched at any time."""
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, mode: str) -> None:
+        if mode not in RECOMPUTE:
+            raise ValueError(f"GPT.recompute must be one of {', '.join(RECOMPUTE)}, got {mode!r}")
+        object.__setattr__(self, "_recompute", mode)
+        for block in self.blocks:
+            block.recompute_block = mode == "full"
+            block.attn.recompute_core = mode == "selective"
 
     def layers(self) -> list:
         """[embedding stage, block 0, ..., block n-1, head]: applied in turn they are ``forward``.

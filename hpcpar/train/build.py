@@ -59,6 +59,7 @@ def build_model(job: Job, ctx, dtype):
     if job.model.kind == "gpt":
         model = GPT(job.gpt_config(), dtype=dtype, device=ctx.device, tp=ctx.tp)
         model.sequence_parallel = job.parallel.sequence_parallel
+        model.recompute = job.model.recompute
         return model
     from ..nn.cnn import DigitsCNN
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 from .. import defaults
+from ..nn.gpt import RECOMPUTE
 from ..parallel.compression import COMPRESSORS
 from ..parallel.pipeline.partition import PARTITION_METHODS
 from ..parallel.pipeline.schedules import SCHEDULES
@@ -189,6 +190,9 @@ class ModelSection:
                           check=in_range(0.0, 1.0), applies=GPT_ONLY)
     bias: bool = _key(True, BOOLEAN, "biases in Linear and LayerNorm", applies=GPT_ONLY)
     tie_weights: bool = _key(True, BOOLEAN, "the lm head reuses the token embedding", applies=GPT_ONLY)
+    recompute: str = _key("none", STRING, "activation recomputation: none; selective (attention's probabilities "
+                          "and dropout masks redone in backward); full (a block keeps only its input and reruns "
+                          "in backward, its tp communication too)", choices=RECOMPUTE, applies=GPT_ONLY)
     channels: tuple = _key((16, 32), INTEGER_PAIR, "channels of the two convolutions", check=each(at_least(1)),
                            applies=("model.kind", ("cnn",)))
     seed: int = _key(0, INTEGER, "parameter initialisation (and the dropout stream)", check=at_least(0))

@@ -1,0 +1,89 @@
+"""What a graph keeps alive for its backward, counted in bytes (activation memory).
+
+    with kept_for_backward(exclude=model.parameters()) as kept:
+        loss = model.loss(ids, targets)
+    kept.bytes      # the distinct buffers the graph holds, parameters excluded
+    kept.by_op      # the same bytes, each buffer under the first op that held it
+
+A node of the graph holds two kinds of arrays until its backward has run: what its Function
+saved on itself for backward, and the arrays of its input tensors (``parents``), which stay alive
+through the graph whether backward reads them or not. Both are counted. A view counts as the
+whole buffer it views (that buffer stays alive), and each buffer once. Counting happens when a
+node joins the graph (``Function.apply`` calls ``note``), so only nodes made inside the block are
+seen; the tally holds references to what it counted until the block ends, and after that only
+the totals.
+"""
+from __future__ import annotations
+
+import contextlib
+
+_active: "KeptForBackward | None" = None
+
+
+def note(fn) -> None:
+    """Count what the graph node ``fn`` keeps, when a tally is open (called as it joins the graph)."""
+    if _active is not None:
+        _active.add(fn)
+
+
+def owner(array):
+    """The array that owns ``array``'s memory (itself, or the base at the end of its chain of views)."""
+    while _is_array(getattr(array, "base", None)):
+        array = array.base
+    return array
+
+
+def _is_array(value) -> bool:
+    return hasattr(value, "nbytes") and hasattr(value, "base") and hasattr(value, "dtype")
+
+
+def _arrays_of(fn):
+    """The arrays node ``fn`` keeps: its inputs' and those saved on it (one level of tuples and lists)."""
+    for parent in getattr(fn, "parents", ()):
+        yield parent.data
+    for value in vars(fn).values():
+        if _is_array(value):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            yield from (v for v in value if _is_array(v))
+
+
+class KeptForBackward:
+    """The running tally of one ``kept_for_backward`` block."""
+
+    def __init__(self, exclude=()):
+        self._excluded = {id(owner(getattr(t, "data", t))) for t in exclude}
+        self._owners: dict[int, object] = {}  # id -> the owning array, held so that ids stay unique
+        self.by_op: dict[str, int] = {}
+
+    def add(self, fn) -> None:
+        op = getattr(fn, "op", None) or type(fn).__name__
+        for array in _arrays_of(fn):
+            base = owner(array)
+            key = id(base)
+            if key in self._excluded or key in self._owners:
+                continue
+            self._owners[key] = base
+            self.by_op[op] = self.by_op.get(op, 0) + int(base.nbytes)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.by_op.values())
+
+    def close(self) -> None:
+        self._owners = {}
+
+
+@contextlib.contextmanager
+def kept_for_backward(exclude=()):
+    """Count the bytes the graph built inside this block keeps for backward (``exclude``: tensors or
+    arrays not to count, e.g. the parameters). Blocks do not nest."""
+    global _active
+    if _active is not None:
+        raise RuntimeError("kept_for_backward() blocks do not nest")
+    _active = KeptForBackward(exclude)
+    try:
+        yield _active
+    finally:
+        _active.close()
+        _active = None

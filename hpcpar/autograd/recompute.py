@@ -1,0 +1,103 @@
+"""Activation recomputation (checkpointing): keep a region's inputs, not its graph; rerun it in backward.
+
+    y = recompute(block, x, params=block.parameters(), random=[model.rng])
+
+runs ``block(x)`` without recording a graph, so none of the activations inside it stay alive;
+the node it leaves in the graph keeps ``x`` only. Its backward restores the random generators
+listed in ``random`` to their state before the first run (so dropout draws the same masks), runs
+``block`` again on ``x`` with the graph on, restores the generators to where they were, and runs
+that graph's backward with the gradient of ``y``: the parameters inside get their gradients as
+without recomputation (the same ops on the same values, so the same numbers), ``x`` its gradient.
+This is ``torch.utils.checkpoint`` (the reentrant variant) and Megatron-LM's ``CheckpointFunction``.
+
+What the rerun repeats, it repeats in full: a tensor-parallel region re-issues its forward
+communication (Megatron does the same). Inside a zero-bubble pipeline's first backward pass
+(``autograd.deferred``) the rerun graph's weight gradients are deferred like any others: the
+recomputation happens in B, the W action runs the deferred GEMMs of the rerun graph.
+
+``params`` matters only when no input needs a gradient: the output still does if a parameter
+inside the region does. ``random`` lists NumPy Generators, or objects with ``get_state()`` and
+``set_state(state)`` (NumPy's RandomState). ``context`` is for state the region reads that is
+gone by backward without being random: a context manager, made when the forward runs, that the
+rerun runs inside (e.g. one that re-enters a context variable's value at forward time).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from . import memory
+from .function import Function, enable_grad, is_grad_enabled, no_grad
+
+
+def recompute(function, *inputs, params=(), random=(), context=None):
+    """``function(*inputs)`` (one Tensor out), keeping only ``inputs`` for backward; see the module."""
+    if not is_grad_enabled():
+        return function(*inputs)
+    return Recompute.run(function, inputs, params, random, context)
+
+
+def _state(source):
+    if isinstance(source, np.random.Generator):
+        return source.bit_generator.state
+    if callable(getattr(source, "get_state", None)) and callable(getattr(source, "set_state", None)):
+        return source.get_state()
+    raise TypeError(f"recompute: cannot save the state of the random source {source!r}: dropout inside a "
+                    "recomputed region needs a NumPy Generator or an object with get_state() and set_state()")
+
+
+def _restore(states) -> None:
+    for source, state in states:
+        if isinstance(source, np.random.Generator):
+            source.bit_generator.state = state
+        else:
+            source.set_state(state)
+
+
+class Recompute(Function):
+    """The graph node of a recomputed region: its parents are the region's inputs."""
+
+    op = "recompute"
+
+    @classmethod
+    def run(cls, function, inputs, params, random, context=None):
+        from .tensor import Tensor
+
+        if not all(isinstance(x, Tensor) for x in inputs):
+            raise TypeError("recompute: the inputs of a recomputed region must be Tensors")
+        fn = cls()
+        fn.function, fn.random = function, tuple(random)
+        fn.context = context if context is not None else contextlib.nullcontext()
+        fn.states = [(source, _state(source)) for source in fn.random]  # before the region draws
+        data = fn.forward(*inputs)
+        out = Tensor(data)
+        if any(x.requires_grad for x in inputs) or any(p.requires_grad for p in params):
+            fn.parents = tuple(inputs)
+            out.requires_grad = True
+            out._fn = fn
+            memory.note(fn)
+        return out
+
+    def forward(self, *inputs):
+        """The region without a graph; returns the output's array."""
+        with no_grad():
+            out = self.function(*inputs)
+        if not hasattr(out, "data") or not hasattr(out, "requires_grad"):
+            raise TypeError(f"recompute: the region must return one Tensor, got {type(out).__name__}")
+        return out.data
+
+    def backward(self, grad):
+        from .tensor import Tensor
+
+        leaves = [Tensor(x.data, requires_grad=x.requires_grad) for x in self.parents]
+        now = [(source, _state(source)) for source, _ in self.states]
+        _restore(self.states)
+        try:
+            with self.context, enable_grad():
+                out = self.function(*leaves)
+        finally:
+            _restore(now)  # the stream goes on from where the forward passes left it
+        if out.requires_grad:
+            out.backward(grad)  # parameters inside accumulate (or defer) their gradients here
+        return tuple(leaf.grad if leaf.requires_grad else None for leaf in leaves)

@@ -2,16 +2,18 @@
 
 A candidate is a dp x pp x tp factorisation of the world with, for pp > 1, each schedule
 hpcpar has (``gpipe``, ``1f1b``, ``interleaved`` with 2 chunks, ``zb1``) and a few micro-batch
-counts (the job's, 2 pp and 4 pp), with and without sequence parallelism when tp > 1, and
-each recomputation choice when the job schema has ``model.recompute``. The job's own checks
-(``train.validate``) decide what is valid; a valid layout whose memory per rank exceeds the
-machine's is kept but marked as not fitting and ranked after every one that fits.
+counts (the job's, 2 pp and 4 pp), with and without sequence parallelism when tp > 1. The job's
+own checks (``train.validate``) decide what is valid. Recomputation only buys memory, so a
+layout that does not fit with the job's ``model.recompute`` is tried with ``selective`` and then
+``full`` (the first that fits is kept, labelled ``rc=...``); a valid layout that fits in none is
+kept but marked as not fitting and ranked after every one that fits.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
 
+from ..nn.gpt import RECOMPUTE
 from ..train.config import JobError
 from ..train.validate import validate
 from .machine import Machine
@@ -35,7 +37,6 @@ def factorisations(n: int) -> list[tuple[int, int, int]]:
 def candidates(job, world: int) -> list:
     """(label, job) for every layout tried; labels name what changes."""
     p = job.parallel
-    recompute = ("none", "selective", "full") if hasattr(job.model, "recompute") else (None,)
     out = []
     for dp, pp, tp in factorisations(world):
         # the job's micro-batches (at least pp), and 2 pp and 4 pp: enough to see the bubble shrink
@@ -44,13 +45,9 @@ def candidates(job, world: int) -> list:
         for schedule in schedules:
             for m in micro:
                 for sp in ((False, True) if tp > 1 else (False,)):
-                    for rc in recompute:
-                        parallel = replace(p, dp=dp, pp=pp, tp=tp, schedule=schedule, micro_batches=m,
-                                           chunks=2 if schedule == "interleaved" else 1, sequence_parallel=sp)
-                        variant = replace(job, parallel=parallel)
-                        if rc is not None:
-                            variant = replace(variant, model=replace(job.model, recompute=rc))
-                        out.append(variant)
+                    parallel = replace(p, dp=dp, pp=pp, tp=tp, schedule=schedule, micro_batches=m,
+                                       chunks=2 if schedule == "interleaved" else 1, sequence_parallel=sp)
+                    out.append(replace(job, parallel=parallel))
     return out
 
 
@@ -77,14 +74,26 @@ def plan_layouts(job, world: int, machine: Machine) -> Ranked:
         except JobError as error:
             excluded.append((name, "; ".join(text for _, text in error.problems)))
             continue
-        prediction = StepPlan(valid, machine).predict()
-        prediction.label = name
-        prediction.job = valid
-        ranks_on_node = min(world, machine.ranks_per_node)
-        fits[id(prediction)] = prediction.memory.total <= machine.memory_per_rank(ranks_on_node)
+        prediction, fit = _fitting(valid, machine, world)
+        fits[id(prediction)] = fit
         predictions.append(prediction)
     predictions.sort(key=lambda q: (not fits[id(q)], q.step_s))
     return Ranked(predictions, excluded, time.perf_counter() - start, fits)
+
+
+def _fitting(job, machine: Machine, world: int) -> tuple[Prediction, bool]:
+    """The prediction with the job's recomputation, or the first of selective, full that fits."""
+    limit = machine.memory_per_rank(min(world, machine.ranks_per_node))
+    mode = job.model.recompute
+    modes = RECOMPUTE[RECOMPUTE.index(mode):] if job.model.kind == "gpt" else (mode,)  # none, selective, full
+    for mode in modes:  # memory first: it needs no simulation
+        variant = replace(job, model=replace(job.model, recompute=mode))
+        plan = StepPlan(variant, machine)
+        if plan.memory().total <= limit:
+            break
+    prediction = plan.predict()
+    prediction.label = label_of(variant)
+    return prediction, prediction.memory.total <= limit
 
 
 def find(ranked: Ranked, wanted: str) -> Prediction | None:

@@ -46,12 +46,7 @@ class Memory:
 
 def kept_bytes(plan, layer) -> float:
     """What ``layer`` keeps per micro-batch under the job's recomputation choice."""
-    if not layer.name.startswith("blocks.") or plan.recompute == "none":
-        return layer.saved_bytes
-    block_input = plan.layers[0].output_elements * plan.dtype_bytes
-    if plan.recompute == "full":
-        return block_input  # only the block input; the rest is rebuilt in backward
-    return layer.saved_bytes - layer.selective_bytes  # selective: probabilities (and their dropout) dropped
+    return layer.kept_by_recompute.get(plan.recompute, layer.saved_bytes)
 
 
 def rank_memory(plan, rank: int, held: int) -> Memory:
@@ -70,11 +65,9 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
     per_stage = [sum(kept_bytes(plan, layer) for layer in plan.stage_layers[s]) for s in stages]
     activations = held * max(per_stage)
     workspace = max(layer.workspace_bytes for s in stages for layer in plan.stage_layers[s])
-    if plan.recompute == "full":  # one block's activations exist again while its backward runs
-        workspace += max((layer.saved_bytes for s in stages for layer in plan.stage_layers[s]
-                          if layer.name.startswith("blocks.")), default=0.0)
-    elif plan.recompute == "selective":
-        workspace += max((layer.selective_bytes for s in stages for layer in plan.stage_layers[s]), default=0.0)
+    blocks = [layer for s in stages for layer in plan.stage_layers[s] if layer.kept_by_recompute]
+    if blocks and plan.recompute != "none":  # what one block rebuilds while its backward runs
+        workspace += max(layer.saved_bytes - kept_bytes(plan, layer) for layer in blocks)
     if lay.pp > 1:  # receive buffers of the activations and gradients on their way
         workspace += 2 * max(plan.boundary_bytes(s) for s in range(lay.pp * lay.chunks - 1))
     return Memory(elements * d, optimizer, buffers, elements * d, activations, workspace)

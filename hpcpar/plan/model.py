@@ -15,7 +15,10 @@ parallelism (else N), d bytes per element of the compute dtype.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from ..nn.activation_memory import block_kept_bytes, embedding_kept_bytes, head_kept_bytes
+from ..nn.gpt import RECOMPUTE
 
 FP_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 # Element accesses (reads + writes) per element of each elementwise family, forward and
@@ -63,7 +66,7 @@ class Layer:
     output_elements: float  # what the next stage receives (per tp rank)
     tp_forward: list = field(default_factory=list)  # [(op, bytes given)] on the tp communicator
     tp_backward: list = field(default_factory=list)
-    selective_bytes: float = 0.0  # what selective recomputation drops: attention probabilities (and dropout's)
+    kept_by_recompute: dict = field(default_factory=dict)  # recomputation mode -> saved bytes (blocks)
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class Shape:
 
     kind: str  # gpt | cnn
     rows: int  # b: rows per micro-batch on one dp replica
-    dtype_bytes: int
+    precision: str  # fp32 | bf16 | fp16 | fp64
     tp: int = 1
     sequence_parallel: bool = False
     block_size: int = 0
@@ -85,11 +88,22 @@ class Shape:
     channels: tuple = (16, 32)
     attn_dropout: float = 0.0
 
+    @property
+    def dtype_bytes(self) -> int:
+        return FP_BYTES[self.precision]
+
+    @property
+    def dtype(self):
+        """The compute dtype (NumPy's, ml_dtypes' bfloat16): the activation formulas are per dtype."""
+        from ..optim import precision_dtype
+
+        return precision_dtype(self.precision)
+
 
 def shape_of(job, rows: int, tp: int | None = None) -> Shape:
     m, p = job.model, job.parallel
     t = p.tp if tp is None else tp
-    return Shape(kind=m.kind, rows=rows, dtype_bytes=FP_BYTES[job.train.precision], tp=t,
+    return Shape(kind=m.kind, rows=rows, precision=job.train.precision, tp=t,
                  sequence_parallel=bool(p.sequence_parallel and t > 1), block_size=m.block_size, n_layer=m.n_layer,
                  n_head=m.n_head, n_embd=m.n_embd, vocab_size=m.vocab_size, bias=m.bias, tie_weights=m.tie_weights,
                  channels=tuple(m.channels), attn_dropout=m.dropout)
@@ -99,7 +113,10 @@ def layers(shape: Shape) -> list[Layer]:
     """The model's layers in ``layers()`` order, each costed for one micro-batch of ``shape.rows`` rows."""
     if shape.kind == "cnn":
         return cnn_layers(shape)
-    return [gpt_embedding(shape)] + [gpt_block(shape, i) for i in range(shape.n_layer)] + [gpt_head(shape)]
+    first = gpt_block(shape, 0)  # every block costs the same: copies under their own names
+    blocks = [replace(first, name=f"blocks.{i}", params=[(n.replace("blocks.0.", f"blocks.{i}.", 1), e, sp)
+                                                         for n, e, sp in first.params]) for i in range(shape.n_layer)]
+    return [gpt_embedding(shape)] + blocks + [gpt_head(shape)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +148,10 @@ def gpt_embedding(shape: Shape) -> Layer:
     bwd = Work(ops=4).add("embedding", (2 * V / t * h + 3 * N * h) * d).add("copy", 2 * r * h * d)
     tp_f, tp_b = _leave(shape, N * h)
     return Layer("embed", [("embed.wte.weight", V // t * h, False), ("embed.wpe.weight", shape.block_size * h, True)],
-                 fwd, bwd, Work(), saved_bytes=(2 + (2 if t > 1 else 0)) * N * h * d, workspace_bytes=N * h * d,
+                 fwd, bwd, Work(), saved_bytes=embedding_kept_bytes(shape.rows, shape.block_size, h, dtype=shape.dtype, tp=t,
+                                                            sequence_parallel=shape.sequence_parallel,
+                                                            dropout=shape.attn_dropout),
+                 workspace_bytes=N * h * d,
                  output_elements=r * h,
                  tp_forward=tp_f, tp_backward=tp_b)
 
@@ -151,17 +171,9 @@ def gpt_block(shape: Shape, index: int) -> Layer:
                  .add("layernorm", passes("layernorm", 2 * r * h, d, True)).add("gelu", passes("gelu", 4 * N * h / t, d, True))
                  .add("copy", 1.5 * (18 * N * h / t + 4 * N * h + 6 * r * h) * d))
     bwd_weight = Work(ops=4).add("gemm", gemm).add("copy", N * 9 * h / t * d)  # bias gradients: sums over tokens
-    # Kept for backward: every op's output (a graph node holds its inputs) and what ops save
-    # besides (layer norms' normalised input and 1/std, q scaled, GELU's tanh, attention's
-    # probabilities). Full-width N h: the row-parallel products (2), their all-reduced sums
-    # (2, tp without sp) or the gathered inputs (2, sp); residual width r h: bias adds,
-    # residual adds, norms' outputs and normalised inputs (8), the reduce-scattered sums (2, sp);
-    # sharded 19 N h / t: qkv (3), attention output, q scaled, its transposed copy, a copy the
-    # head reshapes make (4), fc, GELU's output and tanh (12).
-    full = 2 + (2 if t > 1 else 0)
-    residual = 8 + (2 if shape.sequence_parallel else 0) + (4 if shape.attn_dropout > 0 else 0)  # dropouts: scale, output
-    dropped = scores * d * (2 if shape.attn_dropout > 0 else 1)  # probabilities (and the dropout scale)
-    saved = (full * N * h + residual * r * h + 19 * N * h / t + 2 * r) * d + dropped
+    # Kept for backward: the exact count of what the graph holds (nn.activation_memory), per mode
+    kept = {mode: block_kept_bytes(b, s, h, a, dtype=shape.dtype, tp=t, sequence_parallel=shape.sequence_parallel,
+                                   recompute=mode, dropout=shape.attn_dropout) for mode in RECOMPUTE}
     workspace = 2 * scores * c + 2 * N * h * d  # attention's (T, T) temporaries, the gradient in flight
     tp_f, tp_b = [], []
     for entering in (_enter, _leave, _enter, _leave):  # attention in and out, MLP in and out
@@ -175,8 +187,8 @@ def gpt_block(shape: Shape, index: int) -> Layer:
     if not shape.bias:
         names = [n for n in names if not n[0].endswith("bias")]
     return Layer(f"blocks.{index}", [(f"blocks.{index}.{n}", e, sp) for n, e, sp in names], fwd, bwd_input, bwd_weight,
-                 saved_bytes=saved, workspace_bytes=workspace, output_elements=r * h, tp_forward=tp_f, tp_backward=tp_b,
-                 selective_bytes=dropped)
+                 saved_bytes=kept["none"], workspace_bytes=workspace, output_elements=r * h, tp_forward=tp_f,
+                 tp_backward=tp_b, kept_by_recompute=kept)
 
 
 def gpt_head(shape: Shape) -> Layer:
@@ -191,8 +203,7 @@ def gpt_head(shape: Shape) -> Layer:
     bwd_input = (Work(ops=6).add("gemm", gemm).add("layernorm", passes("layernorm", r * h, d, True))
                  .add("cross_entropy", passes("cross_entropy", N * V / t, c, True)))
     bwd_weight = Work(ops=1).add("gemm", gemm)
-    # the norm's output, normalised input and 1/std, the gathered input (sp), the logits, the loss's softmax
-    saved = (2 * r * h + r + (N * h if shape.sequence_parallel else 0) + N * V / t) * d + N * V / t * c
+    saved = head_kept_bytes(b, s, h, V, dtype=shape.dtype, tp=t, sequence_parallel=shape.sequence_parallel)
     tp_f, tp_b = _enter(shape, N * h)
     if t > 1:  # vocab-parallel cross entropy: all-reduce of the row maxima, then of (sum of exp, target logit)
         tp_f = tp_f + [("allreduce", N * c), ("allreduce", 2 * N * c)]

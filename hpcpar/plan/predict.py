@@ -125,6 +125,7 @@ class StepPlan:
         self.node_ranks = min(lay.world, machine.ranks_per_node)
         self.slowdown = machine.slowdown(self.node_ranks)
         self._collective_cache: dict = {}
+        self._holders, self._parameters = None, {}
 
     def _bounds(self, method) -> list[int]:
         stages = self.layout.pp * self.layout.chunks
@@ -163,14 +164,20 @@ class StepPlan:
         forward = work_seconds(layer.forward, self.machine, p) * self.slowdown
         backward = work_seconds(layer.backward_input, self.machine, p) * self.slowdown
         weight = work_seconds(layer.backward_weight, self.machine, p) * self.slowdown
-        if self.recompute == "full" and layer.name.startswith("blocks."):
-            backward += forward  # the block's forward runs again before its backward
-        elif self.recompute == "selective" and layer.name.startswith("blocks."):
+        rerun = self.tp_calls(layer)[len(layer.tp_forward) + len(layer.tp_backward):]
+        if self.recompute == "full" and layer.kept_by_recompute:
+            backward += forward  # the block's forward (and its communication, below) runs again before its backward
+        elif self.recompute == "selective" and layer.kept_by_recompute:
             attention = Counter({f: u for f, u in layer.forward.units.items() if f in ("attention", "softmax")})
             backward += work_seconds(Work(attention), self.machine, p) * self.slowdown  # the softmax again
         forward += sum(self.collective_seconds("tp", op, n) for op, n in layer.tp_forward)
-        backward += sum(self.collective_seconds("tp", op, n) for op, n in layer.tp_backward)
+        backward += sum(self.collective_seconds("tp", op, n) for op, n in layer.tp_backward + rerun)
         return forward, backward, weight
+
+    def tp_calls(self, layer: Layer) -> list:
+        """[(op, bytes)] of ``layer`` on tp per micro-batch: forward, backward, and forward again under full recompute."""
+        rerun = layer.tp_forward if self.recompute == "full" and layer.kept_by_recompute else []
+        return layer.tp_forward + layer.tp_backward + rerun
 
     def stage_seconds(self, stage: int) -> tuple[float, float, float]:
         times = [self.layer_seconds(layer) for layer in self.stage_layers[stage]]
@@ -182,13 +189,20 @@ class StepPlan:
 
     def tied_across_stages(self, rank: int) -> bool:
         """Whether pipeline rank ``rank`` holds the tied embedding with another rank."""
-        holders = {s % self.layout.pp for s, stage in enumerate(self.stage_layers)
-                   for layer in stage if any(n == "embed.wte.weight" for n, _, _ in layer.params)}
-        return len(holders) > 1 and rank in holders
+        if self._holders is None:
+            self._holders = {s % self.layout.pp for s, stage in enumerate(self.stage_layers)
+                             for layer in stage[:1] + stage[-1:] if any(n == "embed.wte.weight" for n, _, _ in layer.params)}
+        return len(self._holders) > 1 and rank in self._holders
 
     def rank_parameters(self, rank: int) -> list:
-        lay = self.layout
-        return stage_parameters([self.stage_layers[s] for s in range(rank, lay.pp * lay.chunks, lay.pp)])
+        """This pipeline rank's parameters in the engine's order (computed once per rank)."""
+        if rank not in self._parameters:
+            lay = self.layout
+            self._parameters[rank] = stage_parameters([self.stage_layers[s] for s in range(rank, lay.pp * lay.chunks, lay.pp)])
+        return self._parameters[rank]
+
+    def memory(self) -> Memory:
+        return memory_per_rank(self)
 
     # ----- the prediction -------------------------------------------------------------------
     def predict(self) -> Prediction:
@@ -209,8 +223,7 @@ class StepPlan:
         forward, backward, weight = times
         m = self.layout.micro_batches
         compute = m * (forward + backward + weight)
-        tp_comm = m * sum(self.collective_seconds("tp", op, n) for layer in self.layers
-                          for op, n in layer.tp_forward + layer.tp_backward)
+        tp_comm = m * sum(self.collective_seconds("tp", op, n) for layer in self.layers for op, n in self.tp_calls(layer))
         sync = self._gradient_sync_seconds(0)
         buckets = sync["buckets"]
         hidden = min(sum(buckets[:-1]), self.machine.overlap * (backward + weight)) if buckets else 0.0
@@ -229,7 +242,7 @@ class StepPlan:
                           stage_times=times)
         busy = max(result.busy)
         tp_comm = lay.micro_batches * max(sum(self.collective_seconds("tp", op, n) for s in range(r, len(stage_times), lay.pp)
-                                              for layer in self.stage_layers[s] for op, n in layer.tp_forward + layer.tp_backward)
+                                              for layer in self.stage_layers[s] for op, n in self.tp_calls(layer))
                                           for r in range(lay.pp))
         sync = max(self._gradient_sync_seconds(r)["total"] for r in range(lay.pp))
         return {"compute_s": busy - tp_comm, "comm_s": tp_comm + sync,

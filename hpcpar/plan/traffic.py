@@ -78,7 +78,7 @@ def step_traffic(plan) -> Traffic:
         group = dp * tp  # world ranks with this pipeline rank
         for layers in mine:
             for layer in layers:
-                for op, nbytes in layer.tp_forward + layer.tp_backward:
+                for op, nbytes in plan.tp_calls(layer):  # full recompute: the forward's again
                     traffic.add("tp", op, nbytes, group, calls=lay.micro_batches)
         params = stage_parameters(mine)
         if pp > 1:

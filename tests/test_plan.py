@@ -76,17 +76,22 @@ def test_the_parameter_inventory_is_the_gpt_s(tp, bias, tie):
         assert listed[name] == param.size // (tp if sharded else 1), name
 
 
-@pytest.mark.parametrize("n_layer, width, heads, rows", [(2, 64, 4, 8), (1, 128, 8, 4)])
-def test_activations_kept_match_tracemalloc_within_10_percent(n_layer, width, heads, rows):
-    config = GPTConfig(n_layer=n_layer, n_embd=width, n_head=heads, block_size=32)
-    model = GPT(config)
-    ids = np.random.default_rng(0).integers(0, 256, (rows, 33))
-    model.loss(ids[:, :-1], ids[:, 1:]).backward()  # warm-up
+def kept_by_forward(model, rows: int) -> int:
+    """Bytes a forward's graph holds until backward (tracemalloc, after a warm-up step)."""
+    ids = np.random.default_rng(0).integers(0, 256, (rows, model.config.block_size + 1))
+    model.loss(ids[:, :-1], ids[:, 1:]).backward()
     tracemalloc.start()
     loss = model.loss(ids[:, :-1], ids[:, 1:])
     held = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     del loss
+    return held
+
+
+@pytest.mark.parametrize("n_layer, width, heads, rows", [(2, 64, 4, 8), (1, 128, 8, 4)])
+def test_activations_kept_match_tracemalloc_within_10_percent(n_layer, width, heads, rows):
+    config = GPTConfig(n_layer=n_layer, n_embd=width, n_head=heads, block_size=32)
+    held = kept_by_forward(GPT(config), rows)
     shape = Shape("gpt", rows, "fp32", 1, False, 32, n_layer, heads, width, 256)
     predicted = sum(layer.saved_bytes for layer in layers(shape))
     assert abs(predicted - held) / held < 0.10
@@ -97,13 +102,7 @@ def test_the_recomputation_memory_term_matches_tracemalloc_within_10_percent(mod
     config = GPTConfig(n_layer=3, n_embd=64, n_head=4, block_size=32, dropout=0.1)
     model = GPT(config)
     model.recompute = mode
-    ids = np.random.default_rng(0).integers(0, 256, (8, 33))
-    model.loss(ids[:, :-1], ids[:, 1:]).backward()  # warm-up
-    tracemalloc.start()
-    loss = model.loss(ids[:, :-1], ids[:, 1:])
-    held = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    del loss
+    held = kept_by_forward(model, 8)
     shape = Shape("gpt", 8, "fp32", 1, False, 32, 3, 4, 64, 256, attn_dropout=0.1)
     predicted = sum(layer.kept_by_recompute.get(mode, layer.saved_bytes) for layer in layers(shape))
     assert abs(predicted - held) / held < 0.10
@@ -145,7 +144,7 @@ def test_a_20b_gpt_on_two_dgx_h100_nodes_keeps_tensor_parallelism_inside_a_node(
     ranked = plan_layouts(load_job(str(path)), 16, machines.load_machine("dgx-h100"))
     best = ranked.predictions[0]
     assert ranked.fits[id(best)] and best.layout.tp <= 8  # tensor parallelism stays inside a node
-    pure_data = next(q for q in ranked.predictions if q.label == "16x1x1 m4")
+    pure_data = next(q for q in ranked.predictions if q.label.startswith("16x1x1 m4"))  # even with recomputation
     assert not ranked.fits[id(pure_data)]  # 20 B parameters with their gradients and Adam: not on one GPU
 
 

@@ -65,6 +65,7 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
     per_stage = [sum(kept_bytes(plan, layer) for layer in plan.stage_layers[s]) for s in stages]
     activations = held * max(per_stage)
     workspace = max(layer.workspace_bytes for s in stages for layer in plan.stage_layers[s])
+    workspace += max((e for _, e, _ in params), default=0) * d  # a weight gradient before it is summed in
     blocks = [layer for s in stages for layer in plan.stage_layers[s] if layer.kept_by_recompute]
     if blocks and plan.recompute != "none":  # what one block rebuilds while its backward runs
         workspace += max(layer.saved_bytes - kept_bytes(plan, layer) for layer in blocks)

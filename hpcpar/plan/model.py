@@ -151,7 +151,7 @@ def gpt_embedding(shape: Shape) -> Layer:
                  fwd, bwd, Work(), saved_bytes=embedding_kept_bytes(shape.rows, shape.block_size, h, dtype=shape.dtype, tp=t,
                                                             sequence_parallel=shape.sequence_parallel,
                                                             dropout=shape.attn_dropout),
-                 workspace_bytes=N * h * d,
+                 workspace_bytes=(V / t * h + 2 * N * h) * d,  # the table's gradient, the rows' gradients
                  output_elements=r * h,
                  tp_forward=tp_f, tp_backward=tp_b)
 
@@ -174,7 +174,9 @@ def gpt_block(shape: Shape, index: int) -> Layer:
     # Kept for backward: the exact count of what the graph holds (nn.activation_memory), per mode
     kept = {mode: block_kept_bytes(b, s, h, a, dtype=shape.dtype, tp=t, sequence_parallel=shape.sequence_parallel,
                                    recompute=mode, dropout=shape.attn_dropout) for mode in RECOMPUTE}
-    workspace = 2 * scores * c + 2 * N * h * d  # attention's (T, T) temporaries, the gradient in flight
+    # backward temporaries on top of what is kept: attention's two (T, T) arrays, GELU's three
+    # 4 N h / t ones, the gradient in flight (2 N h)
+    workspace = 2 * scores * c + 12 * N * h / t * c + 2 * N * h * d
     tp_f, tp_b = [], []
     for entering in (_enter, _leave, _enter, _leave):  # attention in and out, MLP in and out
         f, bk = entering(shape, N * h)

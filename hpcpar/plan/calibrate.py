@@ -79,10 +79,15 @@ def measure_ops(dtype=np.float32) -> Compute:
         attention.append((12 * scores * hs, passes("softmax", scores, 4) + passes("softmax", scores, 4, True),
                           seconds - 2 * overhead))
     softmax_rate, attention_rate = _fit_two(attention)
+    conv = []
+    for n, c, side, c_out in ((64, 8, 16, 16), (128, 16, 8, 32), (64, 32, 8, 64)):
+        x, w = t(n, c, side, side), t(c_out, c, 3, 3)
+        conv.append((2, 3 * 2 * n * side * side * c * 9 * c_out, _timed(_fwd_bwd(lambda: ops.conv2d(x, w, padding=1)))))
     families = {"softmax": softmax_rate}
     for family, op, shape in (("layernorm", lambda x: ops.layer_norm(x, None, None), (64, 256)),
                               ("gelu", ops.gelu, (64, 256)), ("copy", lambda x: ops.add(x, x), (64, 256)),
-                              ("cross_entropy", None, (256, 256)), ("optimizer", None, (64, 256))):
+                              ("cross_entropy", None, (256, 256)), ("optimizer", None, (64, 256)),
+                              ("pool", None, (64, 256))):
         samples = []
         for scale in (4, 16, 64):
             shape2 = (shape[0] * scale, shape[1])
@@ -92,7 +97,7 @@ def measure_ops(dtype=np.float32) -> Compute:
         families[family] = _fit_rate(samples, overhead)
     families["embedding"] = families["copy"]
     bandwidth = families["copy"]
-    return Compute(gemm_flops=gemm_rate, attention_flops=attention_rate, bandwidth=bandwidth,
+    return Compute(gemm_flops=gemm_rate, attention_flops=attention_rate, conv_flops=_fit_rate(conv, overhead), bandwidth=bandwidth,
                    op_overhead_s=overhead, family_bandwidth=families)
 
 
@@ -110,6 +115,9 @@ def _family_seconds(family, op, shape, tensor, dtype) -> tuple[float, int]:
         param.grad = np.ones_like(param.data)
         adam = AdamW([("p", param)], lr=1e-3)
         return _timed(adam.step), 8
+    if family == "pool":  # 2 x 2 max pooling of (rows, channels, 4, 4) images: the same elements
+        images = tensor(shape[0], shape[1] // 16, 4, 4)
+        return _timed(_fwd_bwd(lambda: ops.max_pool2d(images, 2))), 2
     x = tensor(*shape)
     return _timed(_fwd_bwd(lambda: op(x))), 2
 

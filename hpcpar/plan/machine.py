@@ -33,7 +33,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 # Elementwise op families; each moves the modelled bytes at its own rate (default: bandwidth).
-FAMILIES = ("layernorm", "gelu", "softmax", "copy", "embedding", "cross_entropy", "optimizer")
+FAMILIES = ("layernorm", "gelu", "softmax", "copy", "embedding", "cross_entropy", "optimizer", "pool")
 MACHINES_DIR = os.path.join(os.path.dirname(__file__), "machines")
 
 
@@ -46,6 +46,7 @@ class Compute:
     gemm_flops: float
     attention_flops: float
     bandwidth: float
+    conv_flops: float = 0.0  # convolutions with their im2col and folds (FLOP/s); 0: gemm_flops
     op_overhead_s: float = 0.0
     family_bandwidth: dict = field(default_factory=dict)
     model_factor: float = 1.0  # measured / op-sum time of a calibration model (calibrate.fit_model_factor)
@@ -120,6 +121,7 @@ def _compute(table: dict, where: str) -> Compute:
     if unknown:
         raise MachineError(f"{where}.family_bandwidth: unknown family {sorted(unknown)[0]!r}; known: {', '.join(FAMILIES)}")
     return Compute(gemm_flops=gemm, attention_flops=_number(table, "attention_flops", where, gemm / efficiency) * efficiency,
+                   conv_flops=_number(table, "conv_flops", where, gemm / efficiency) * efficiency,
                    bandwidth=_number(table, "bandwidth", where) * mem_efficiency,
                    op_overhead_s=_number(table, "op_overhead_s", where, 0.0), family_bandwidth=families,
                    model_factor=_number(table, "model_factor", where, 1.0))
@@ -173,6 +175,7 @@ def format_machine(machine: Machine, comments: dict | None = None) -> str:
     for precision, c in machine.compute.items():
         lines += ["", f"[compute.{precision}]", f"gemm_flops = {c.gemm_flops:.4g}{note('gemm_flops')}",
                   f"attention_flops = {c.attention_flops:.4g}{note('attention_flops')}",
+                  f"conv_flops = {c.conv_flops or c.gemm_flops:.4g}{note('conv_flops')}",
                   f"bandwidth = {c.bandwidth:.4g}{note('bandwidth')}", f"op_overhead_s = {c.op_overhead_s:.4g}{note('op_overhead_s')}",
                   f"model_factor = {c.model_factor:.4g}{note('model_factor')}"]
         if c.family_bandwidth:

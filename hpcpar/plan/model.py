@@ -26,7 +26,7 @@ FP_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 # ``hpcpar plan calibrate`` times the same ops and divides by these, so on a calibrated
 # machine they only need to scale right with size; on a hand-written one they meet the bandwidth.
 PASSES = {"layernorm": (6, 8), "gelu": (8, 14), "softmax": (8, 6), "cross_entropy": (10, 4),
-          "copy": (3, 2), "embedding": (2, 3), "optimizer": (14, 0)}
+          "copy": (3, 2), "embedding": (2, 3), "optimizer": (14, 0), "pool": (3, 3)}
 
 
 def passes(family: str, elements: float, dtype_bytes: int, backward: bool = False) -> float:
@@ -224,19 +224,17 @@ def cnn_layers(shape: Shape) -> list[Layer]:
     out = []
     for i, (cin, cout, side) in enumerate(convs):
         pixels = n * side * side
-        flops = 2 * pixels * cin * 9 * cout
+        flops = 2 * pixels * cin * 9 * cout  # one product each way; im2col, folds and copies ride on the conv rate
         cols = pixels * cin * 9  # im2col
         out.append(Layer(f"net.{3 * i}", [(f"net.{3 * i}.weight", cout * cin * 9, False), (f"net.{3 * i}.bias", cout, False)],
-                         Work(ops=3).add("gemm", flops).add("copy", (3 * cols + 3 * pixels * cout) * d),
-                         Work(ops=3).add("gemm", flops).add("copy", (3 * cols + 2 * pixels * cout) * d),
-                         Work(ops=1).add("gemm", flops), saved_bytes=(cols + pixels * cin) * d,
-                         workspace_bytes=2 * cols * d, output_elements=pixels * cout))
+                         Work(ops=1).add("conv", flops), Work(ops=1).add("conv", flops), Work().add("conv", flops),
+                         saved_bytes=(cols + pixels * cin) * d, workspace_bytes=2 * cols * d, output_elements=pixels * cout))
         out.append(Layer(f"net.{3 * i + 1}", [], Work(ops=1).add("copy", 3 * pixels * cout * d),
                          Work(ops=1).add("copy", 4 * pixels * cout * d), Work(), saved_bytes=pixels * cout * d,
                          workspace_bytes=pixels * cout * d, output_elements=pixels * cout))
-        out.append(Layer(f"net.{3 * i + 2}", [], Work(ops=1).add("copy", 3 * pixels * cout * d),
-                         Work(ops=1).add("copy", 3 * pixels * cout * d), Work(), saved_bytes=pixels * cout * d,
-                         workspace_bytes=pixels * cout * d, output_elements=pixels * cout / 4))
+        out.append(Layer(f"net.{3 * i + 2}", [], Work(ops=1).add("pool", passes("pool", pixels * cout, d)),
+                         Work(ops=1).add("pool", passes("pool", pixels * cout, d, True)), Work(),
+                         saved_bytes=pixels * cout * d, workspace_bytes=pixels * cout * d, output_elements=pixels * cout / 4))
     features = 4 * c2
     out.append(Layer("net.6", [], Work(ops=1), Work(ops=1), Work(), 0.0, 0.0, n * features))
     out.append(Layer("net.7", [("net.7.weight", features * 10, False), ("net.7.bias", 10, False)],

@@ -35,7 +35,7 @@ from .memory import Memory, memory_per_rank
 from .model import FP_BYTES, Layer, Work, layers, shape_of
 from .traffic import Traffic, bucket_bytes, stage_parameters, step_traffic
 
-ELEMENTWISE_RATE = {"gemm": "gemm_flops", "attention": "attention_flops"}
+ELEMENTWISE_RATE = {"gemm": "gemm_flops", "attention": "attention_flops", "conv": "conv_flops"}
 
 
 @functools.lru_cache(maxsize=256)
@@ -102,7 +102,7 @@ def work_seconds(work: Work, machine: Machine, precision: str) -> float:
     c = machine.compute_for(precision)
     seconds = work.ops * c.op_overhead_s
     for family, units in work.units.items():
-        rate = getattr(c, ELEMENTWISE_RATE[family]) if family in ELEMENTWISE_RATE else c.rate_of(family)
+        rate = (getattr(c, ELEMENTWISE_RATE[family]) or c.gemm_flops) if family in ELEMENTWISE_RATE else c.rate_of(family)
         seconds += units / rate
     return seconds * c.model_factor
 

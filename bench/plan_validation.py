@@ -2,9 +2,9 @@
 
     mpiexec -n 4 hpcpar run bench/plan_validation.py [--steps 5] [--out runs/plan-validation]
 
-1. ``hpcpar plan calibrate`` on all ranks (op families, collectives per group size); then one
-   calibration model (a GPT of 4 layers, width 128: the only model the planner sees) sets the
-   machine's ``model_factor`` (``hpcpar.plan.calibrate.fit_model_factor``).
+1. ``hpcpar plan calibrate`` on all ranks: op families, concurrency, collectives per group size,
+   and the machine's ``model_factor`` from the calibration GPT (4 layers, width 128, on one rank:
+   the only model the planner sees; ``hpcpar.plan.calibrate.fit_model_factor``).
 2. For three held-out models (a deeper-narrower GPT, a shallower-wider GPT, the digits CNN)
    at 2 and 4 ranks: every layout ``hpcpar compare`` runs (its own ``layout_job`` and
    ``measure``, the same steps and medians), predicted first, then measured.
@@ -31,7 +31,7 @@ from mpi4py import MPI  # noqa: E402
 from hpcpar import host  # noqa: E402
 from hpcpar.compare import factorisations, layout_job, measure  # noqa: E402
 from hpcpar.dist.comm import Communicator  # noqa: E402
-from hpcpar.plan.calibrate import calibrate, fit_model_factor, write_machine  # noqa: E402
+from hpcpar.plan.calibrate import calibrate, write_machine  # noqa: E402
 from hpcpar.plan.predict import StepPlan  # noqa: E402
 from hpcpar.tables import format_table  # noqa: E402
 from hpcpar.train.config import JobError, load_job  # noqa: E402
@@ -40,7 +40,6 @@ GPT = """[model]\nkind = "gpt"\nblock_size = {s}\nn_layer = {L}\nn_head = {a}\nn
 [data]\nbatch_size = {b}\n[parallel]\nmicro_batches = 4\n[optimizer]\ngrad_clip = 1.0\n[train]\nsteps = 10\ndevice = "cpu"\n"""
 CNN = """[model]\nkind = "cnn"\nchannels = [32, 64]\n[data]\nkind = "digits"\nbatch_size = 256\n
 [parallel]\nmicro_batches = 4\n[optimizer]\nname = "adamw"\n[train]\nsteps = 10\ndevice = "cpu"\n"""
-CALIBRATION = ("calibration GPT 4x128", GPT.format(s=64, L=4, a=4, h=128, b=16))
 HELD_OUT = [("deep-narrow GPT 8x64", GPT.format(s=64, L=8, a=4, h=64, b=16)),
             ("shallow-wide GPT 2x256", GPT.format(s=64, L=2, a=8, h=256, b=16)),
             ("digits CNN 32/64", CNN)]
@@ -105,26 +104,45 @@ def tables(model: str, ranks: int, rows, cores: int) -> tuple[str, dict]:
                   "memory_errors": [float(r[-1].rstrip("%")) / 100 for r in memory]}
 
 
+def against_compare(job_path: str, compare_json: str, machine_path: str) -> str:
+    """Predictions beside a ``hpcpar compare`` run made elsewhere (the two-node cluster, say): serial."""
+    from hpcpar.plan.machine import load_machine
+
+    with open(compare_json) as f:
+        measured = json.load(f)
+    job, machine, rows = load_job(job_path), load_machine(machine_path), []
+    for m in measured["results"]:
+        q = StepPlan(layout_job(job, tuple(m["layout"]), measured["steps"]), machine).predict()
+        wire = q.traffic.wire() - q.traffic.wire("pp-tied")
+        rows.append([q.label, f"{q.step_s * 1e3:,.1f}", f"{m['step_s'] * 1e3:,.1f}",
+                     f"{100 * (q.step_s - m['step_s']) / m['step_s']:+.0f}%", f"{100 * q.comm_share:.0f}%",
+                     f"{100 * m['comm_share']:.0f}%", "exact" if abs(wire - m["bytes_per_step"]) < 0.5 else "DIFF"])
+    return format_table(["layout", "predicted ms", "measured ms", "error", "comm pred", "comm measured", "bytes"], rows,
+                        f"{job_path} on {machine.name} ({machine.ranks_per_node} ranks per node) against {compare_json}")
+
+
 def main(argv) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=os.path.join("runs", "plan-validation"))
     parser.add_argument("--models", default="0,1,2", help="which held-out models (indices)")
+    parser.add_argument("--against", nargs=3, metavar=("JOB", "COMPARE_JSON", "MACHINE"),
+                        help="only print predictions beside an earlier hpcpar compare run (serial)")
     args = parser.parse_args(argv)
+    if args.against:
+        print(against_compare(*args.against))
+        return 0
     world = MPI.COMM_WORLD
     waiting = Communicator(world, "world", wait_policy="yield")
     folder = tempfile.mkdtemp(prefix="plan-validation-") if world.Get_rank() == 0 else None
     folder = world.bcast(folder, root=0)
-    machine, comments = calibrate(world)
-    calibration = job_from(CALIBRATION[1], folder, CALIBRATION[0]) if world.Get_rank() == 0 else None
+    machine, comments = calibrate(world)  # its model_factor: the calibration GPT, 4 layers of width 128, one rank
     if world.Get_rank() == 0:
-        factor = fit_model_factor(machine, calibration)
-        comments["model_factor"] = f"fitted on {CALIBRATION[0]} (one rank)"
         os.makedirs(args.out, exist_ok=True)
         write_machine(machine, comments, os.path.join(args.out, "machine.toml"))
-        print(f"calibrated in {comments['name']}; model factor {factor:.3f} from {CALIBRATION[0]}", flush=True)
+        print(f"calibrated: {comments['name']}; model factor {machine.compute['fp32'].model_factor:.3f} from the "
+              f"calibration GPT (4 layers, width 128)", flush=True)
     waiting.barrier()
-    machine = world.bcast(machine, root=0)
     cores = host.usable_cpus()
     summaries, texts = [], []
     for name, text in [HELD_OUT[int(i)] for i in args.models.split(",")]:

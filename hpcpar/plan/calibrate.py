@@ -197,6 +197,16 @@ def _fit_link(points) -> Link:
     return Link(latency_s=max(float(latency), float(min(y)) / 2, 1e-7), bandwidth=1.0 / float(inverse))
 
 
+def node_size(world) -> int:
+    """Ranks on world rank 0's node (collective)."""
+    from mpi4py import MPI
+
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    size = world.bcast(node.Get_size(), root=0)
+    node.Free()
+    return size
+
+
 def measure_inter(world, repeats: int = 5) -> Link | None:
     """The link between the first two nodes (ranks 0 and the lowest rank of node 1), or None on one node."""
     from mpi4py import MPI
@@ -258,15 +268,21 @@ def calibrate(world, inter_file: str | None = None, name: str | None = None) -> 
     waiting = Communicator(world, "world", wait_policy="yield")  # ranks waiting for rank 0 give it the cores
     start = time.perf_counter()
     compute = measure_ops() if world.Get_rank() == 0 else None
+    if world.Get_rank() == 0:  # the calibration model, while the others wait without spinning
+        fit_model_factor(Machine("probe", 256, 1, 1e12, {"fp32": compute}, Link(0, 1e12), Link(0, 1e12)))
     waiting.barrier()
     compute = world.bcast(compute, root=0)
     concurrency = measure_concurrency(world)
     collectives = measure_collectives(world) if world.Get_size() > 1 else {}
     intra = collectives.get(("allreduce", 2)) or Link(latency_s=1e-6, bandwidth=10e9)
     inter = measure_inter(world)
+    per_node = node_size(world) if inter is not None else 256
+    # groups of the first k ranks lie on node 0 while k <= its ranks; larger ones crossed nodes
+    collectives = {key: link for key, link in collectives.items() if key[1] <= per_node}
     comments = {"cores": "CPUs the ranks may use (affinity and cgroup quota); more ranks run slower by ranks / cores",
-                "ranks_per_node": "any number of MPI ranks share this one node",
+                "ranks_per_node": "ranks of node 0 (256 on one node: any number of ranks share it)",
                 "memory_gb": "the node's memory, shared by its ranks (memory_shared)",
+                "model_factor": "measured / predicted step of the calibration GPT (4 layers, width 128) on one rank",
                 "concurrency": "measured: a GPT block's time with k ranks computing at once / alone, k = 1, 2, ...",
                 "overlap": "0: without a progress thread a bucket all-reduce moves only inside MPI calls",
                 "intra": "2-rank all-reduce fit; per-op and per-size lines below",
@@ -280,7 +296,7 @@ def calibrate(world, inter_file: str | None = None, name: str | None = None) -> 
     else:
         comments["inter"] = "measured: point-to-point between node 0 and node 1"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    machine = Machine(name=name or os.uname().nodename, ranks_per_node=256, cores=host.usable_cpus(),
+    machine = Machine(name=name or os.uname().nodename, ranks_per_node=per_node, cores=host.usable_cpus(),
                       memory_bytes=memory, compute={"fp32": compute}, intra=intra, inter=inter, overlap=0.0,
                       collectives=collectives, memory_shared=True, concurrency=concurrency)
     comments["name"] = f"measured by hpcpar plan calibrate on {world.Get_size()} ranks in {time.perf_counter() - start:.0f} s"
@@ -292,44 +308,59 @@ def write_machine(machine: Machine, comments: dict, path: str) -> None:
         f.write(f"# {comments.get('name', '')}\n" + format_machine(machine, comments))
 
 
-def measured_step_seconds(job, comm, steps: int = 5) -> float:
-    """Median seconds of ``train_step`` + ``finish_step`` of ``job`` on ``comm`` (after 2 warm-up steps)."""
+# The calibration model: the one model the planner is fitted on (bench/plan_validation.py predicts others).
+CALIBRATION_GPT = {"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 64, "batch_size": 16}
+
+
+def calibration_job():
+    """The calibration GPT as a one-rank job (token ids are drawn at random: no data file is read)."""
+    from dataclasses import replace
+
+    from ..train.config import Job
+    from ..train.validate import validate
+
+    g = CALIBRATION_GPT
+    job = Job()
+    job = replace(job, model=replace(job.model, kind="gpt", n_layer=g["n_layer"], n_embd=g["n_embd"], n_head=g["n_head"],
+                                     block_size=g["block_size"]),
+                  data=replace(job.data, batch_size=g["batch_size"]),
+                  parallel=replace(job.parallel, dp=1, pp=1, tp=1, micro_batches=1),
+                  optimizer=replace(job.optimizer, grad_clip=1.0), train=replace(job.train, device="cpu"))
+    return validate(job, 1)
+
+
+def measured_step_seconds(job, steps: int = 5) -> float:
+    """Median seconds of ``train_step`` + ``finish_step`` of a one-rank GPT ``job`` on random ids (after 2 warm-up steps)."""
     from mpi4py import MPI
 
     from ..dist.context import init
-    from ..train.build import build
+    from ..train.build import build_model, compute_dtype
+    from ..train.strategies import make_strategy
 
-    p = job.parallel
-    ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, comm=comm, device=job.train.device)
-    run = build(job, ctx)
+    ctx = init(dp=1, pp=1, tp=1, comm=MPI.COMM_SELF, device=job.train.device)
+    strategy = make_strategy(job, ctx, build_model(job, ctx, compute_dtype(job)), None)
+    rng = np.random.default_rng(0)
     times = []
-    for step in range(steps + 2):
-        inputs, targets = run.train_data.batch_at(step)
-        ctx.world.barrier()
+    for _ in range(steps + 2):
+        ids = rng.integers(0, job.model.vocab_size, (job.data.batch_size, job.model.block_size + 1))
         start = time.perf_counter()
-        loss = run.strategy.train_step(inputs, targets)
-        run.strategy.finish_step(job.optimizer.grad_clip, loss)
-        times.append(ctx.world.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        loss = strategy.train_step(ids[:, :-1], ids[:, 1:])
+        strategy.finish_step(job.optimizer.grad_clip, loss)
+        times.append(time.perf_counter() - start)
     return statistics.median(times[2:])
 
 
-def fit_model_factor(machine: Machine, job) -> float:
-    """Scale the machine's compute so that ``job`` on one rank takes what it measures (``model_factor``).
+def fit_model_factor(machine: Machine, job=None) -> float:
+    """Scale the machine's compute so that the calibration GPT (``job``) on one rank takes what it measures.
 
     The op-family rates come from single ops; a model adds what they miss (allocation, cache
     misses between ops, the Python around them). One model on one rank is the calibration: the
-    factor is then used unchanged for every other model and layout."""
-    from dataclasses import replace
-
-    from mpi4py import MPI
-
-    from ..train.validate import validate
+    factor (``model_factor``) is then used unchanged for every other model and layout."""
     from .predict import StepPlan
 
-    one = validate(replace(job, parallel=replace(job.parallel, dp=1, pp=1, tp=1, micro_batches=1,
-                                                 sequence_parallel=False)), 1)
-    compute = machine.compute_for(one.train.precision)
+    job = job or calibration_job()
+    compute = machine.compute_for(job.train.precision)
     compute.model_factor = 1.0
-    predicted = StepPlan(one, machine).predict().step_s
-    compute.model_factor = measured_step_seconds(one, MPI.COMM_SELF) / predicted
+    predicted = StepPlan(job, machine).predict().step_s
+    compute.model_factor = measured_step_seconds(job) / predicted
     return compute.model_factor

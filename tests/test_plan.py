@@ -175,3 +175,15 @@ def test_train_dry_run_predicts_and_trains_nothing(job_file, tmp_path):
     assert not os.path.exists(tmp_path / "m.jsonl")
     bad = run_hpcpar("train", job_file, "--dry-run", "--set", "parallel.pp=3")
     assert bad.returncode == 2 and "parallel.pp" in bad.stderr
+
+
+def test_calibrate_writes_a_machine_file_the_planner_reads(tmp_path, job_file):
+    out = tmp_path / "machine.toml"
+    result = run_hpcpar("plan", "calibrate", "--out", str(out), "--inter", "dgx-a100")
+    assert result.returncode == 0, result.stderr
+    machine = machines.load_machine(str(out))
+    compute = machine.compute["fp32"]
+    assert compute.gemm_flops > 0 and compute.model_factor > 0 and set(compute.family_bandwidth) == set(machines.FAMILIES)
+    assert machine.inter == machines.load_machine("dgx-a100").inter and machine.concurrency[0] == 1.0
+    planned = run_hpcpar("plan", job_file, "--world", "2", "--machine", str(out))
+    assert planned.returncode == 0 and "2x1x1" in planned.stdout

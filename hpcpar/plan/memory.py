@@ -49,6 +49,16 @@ def kept_bytes(plan, layer) -> float:
     return layer.kept_by_recompute.get(plan.recompute, layer.saved_bytes)
 
 
+def _backward_temporaries(plan, layers) -> float:
+    """The largest temporary of a backward through ``layers`` beyond what it has freed by then:
+    backward runs from the last layer down, releasing each layer's kept bytes when it is done."""
+    freed, worst = 0.0, 0.0
+    for layer in reversed(layers):
+        worst = max(worst, layer.workspace_bytes - freed)
+        freed += kept_bytes(plan, layer)
+    return worst
+
+
 def rank_memory(plan, rank: int, held: int) -> Memory:
     lay, job = plan.layout, plan.job
     d, master = plan.dtype_bytes, plan.master_bytes
@@ -64,8 +74,9 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
         buffers = elements * d if (lay.pp == 1 or lay.dp > 1) else 0.0
     per_stage = [sum(kept_bytes(plan, layer) for layer in plan.stage_layers[s]) for s in stages]
     activations = held * max(per_stage)
-    workspace = max(layer.workspace_bytes for s in stages for layer in plan.stage_layers[s])
-    workspace += max((e for _, e, _ in params), default=0) * d  # a weight gradient before it is summed in
+    workspace = max(_backward_temporaries(plan, plan.stage_layers[s]) for s in stages)
+    # a weight gradient before it is summed in, and with several micro-batches the sum beside the old total
+    workspace += max((e for _, e, _ in params), default=0) * d * (2 if lay.micro_batches > 1 else 1)
     blocks = [layer for s in stages for layer in plan.stage_layers[s] if layer.kept_by_recompute]
     if blocks and plan.recompute != "none":  # what one block rebuilds while its backward runs
         workspace += max(layer.saved_bytes - kept_bytes(plan, layer) for layer in blocks)

@@ -482,3 +482,16 @@ def test_bench_recompute_prints_each_mode_with_counted_and_formula_bytes():
     assert all(row[6] == row[7] for row in rows)  # per block: counted = formula
     kept = [float(row[5]) for row in rows]
     assert kept[0] > kept[1] > kept[2]
+
+
+def test_recomputation_is_no_part_of_the_run_identity_and_may_change_on_resume():
+    """The same numbers: a checkpoint written with another mode (or before the key existed) continues the run."""
+    from hpcpar.train import identity
+    from hpcpar.train.config import load_job
+
+    none, full = (load_job(None, [f'model.recompute="{mode}"']) for mode in ("none", "full"))
+    assert identity.fingerprint(none, None) == identity.fingerprint(full, None)
+    assert "recompute" not in identity.fingerprint(full, None)["model"]
+    saved_job = none.to_dict()
+    lines = identity.changes(saved_job, full, None, {}, {}, {})
+    assert lines == ["model.recompute: none in the checkpoint, full now (allowed: the job's value is used)"]

@@ -32,12 +32,15 @@ IDENTITY = ("model", "data", "optimizer", "precision")  # what may not change wi
 WEIGHTS_ONLY = ("model",)  # what --load-weights-only compares
 # May change between segments, said in a line each (lr, warm-up, min_lr and train.steps: by the
 # LR schedule's line, lifecycle.adopt_job_schedule; weight decay: refused by the strategy).
-ADJUSTABLE = ("optimizer.betas", "optimizer.momentum", "optimizer.grad_clip")
+ADJUSTABLE = ("optimizer.betas", "optimizer.momentum", "optimizer.grad_clip", "model.recompute")
+# Model keys that change how a step runs but not a number it computes (activation recomputation gives
+# the same gradients): like the layout, they are no part of the identity and may change on resume.
+NOT_IDENTITY = ("recompute",)
 
 
 def fingerprint(job, data_identity: dict | None) -> dict:
     """The run's identity: model config, data file, optimizer kind, precision (and the hpcpar version)."""
-    model = {k: v for k, v in job.to_dict()["model"].items() if job.applies(f"model.{k}")}
+    model = {k: v for k, v in job.to_dict()["model"].items() if job.applies(f"model.{k}") and k not in NOT_IDENTITY}
     return {"model": model, "data": data_identity or {"kind": job.data.kind},
             "optimizer": job.optimizer.name, "precision": job.train.precision, "hpcpar": version()}
 

@@ -228,7 +228,9 @@ def cnn_layers(shape: Shape) -> list[Layer]:
         cols = pixels * cin * 9  # im2col
         out.append(Layer(f"net.{3 * i}", [(f"net.{3 * i}.weight", cout * cin * 9, False), (f"net.{3 * i}.bias", cout, False)],
                          Work(ops=1).add("conv", flops), Work(ops=1).add("conv", flops), Work().add("conv", flops),
-                         saved_bytes=(cols + pixels * cin) * d, workspace_bytes=2 * cols * d, output_elements=pixels * cout))
+                         saved_bytes=(cols + pixels * cin) * d, output_elements=pixels * cout,
+                         # backward: the columns' gradient, the output gradient's copy, the folded input gradient
+                         workspace_bytes=(cols + pixels * cout + 2 * pixels * cin) * d + cols * d))
         out.append(Layer(f"net.{3 * i + 1}", [], Work(ops=1).add("copy", 3 * pixels * cout * d),
                          Work(ops=1).add("copy", 4 * pixels * cout * d), Work(), saved_bytes=pixels * cout * d,
                          workspace_bytes=pixels * cout * d, output_elements=pixels * cout))

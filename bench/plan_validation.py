@@ -12,6 +12,12 @@
    (parameters + optimizer state; the tracemalloc peak of a step); bytes per step predicted vs
    counted; whether the measured best layout is in the predicted top 2.
 
+``--models 0,1,2`` picks the held-out models (one per run: ``for m in 0 1 2; do mpiexec -n 4
+hpcpar run bench/plan_validation.py --models $m --out runs/plan-validation-$m; done`` — twice in
+seven runs here, MPICH failed an Ibcast ("Other MPI error") at the first layout of the third model
+after some twenty layouts in one process; one model per run has not failed).
+``--against JOB COMPARE_JSON MACHINE`` prints predictions beside an earlier ``hpcpar compare`` run.
+
 Runs with more ranks than cores are oversubscribed: the planner slows compute by ranks / cores
 and the summary reports those rows apart (the targets are for ranks <= cores).
 """
@@ -63,9 +69,9 @@ def run_layouts(job, machine, world, ranks: int, steps: int, waiting) -> list:
         size = layout[0] * layout[1] * layout[2]
         group = world.Split(0 if world.Get_rank() < size else MPI.UNDEFINED, world.Get_rank())
         figures = None
-        if group != MPI.COMM_NULL:
-            figures = measure(layout_run, group, steps)
-            group.Free()
+        if group != MPI.COMM_NULL:  # not freed: a freed context's id came back under a later layout
+            figures = measure(layout_run, group, steps)  # while a peer still progressed the old one
+
         waiting.barrier()
         if world.Get_rank() == 0:
             prediction = StepPlan(layout_run, machine).predict()

@@ -214,7 +214,7 @@ class StepPlan:
             parts = self._pipeline_step(stage_times)
         optimizer = max(self._optimizer_seconds(rank) for rank in range(lay.pp))
         parts["optimizer_s"] = optimizer
-        parts["compute_s"] += optimizer - parts.pop("optimizer_comm_s")
+        parts["compute_s"] += optimizer
         parts["comm_s"] += self._optimizer_comm_seconds()
         step = parts["compute_s"] + parts["comm_s"] + parts["idle_s"]
         return Prediction(lay, step, parts, memory_per_rank(self), step_traffic(self), stage_times, lay.label(), self.job)
@@ -228,7 +228,7 @@ class StepPlan:
         buckets = sync["buckets"]
         hidden = min(sum(buckets[:-1]), self.machine.overlap * (backward + weight)) if buckets else 0.0
         exposed = sync["total"] - hidden
-        return {"compute_s": compute - tp_comm, "comm_s": tp_comm + exposed, "idle_s": 0.0, "optimizer_comm_s": 0.0}
+        return {"compute_s": compute - tp_comm, "comm_s": tp_comm + exposed, "idle_s": 0.0}
 
     def _pipeline_step(self, stage_times) -> dict:
         lay = self.layout
@@ -246,7 +246,7 @@ class StepPlan:
                                           for r in range(lay.pp))
         sync = max(self._gradient_sync_seconds(r)["total"] for r in range(lay.pp))
         return {"compute_s": busy - tp_comm, "comm_s": tp_comm + sync,
-                "idle_s": result.makespan - busy, "optimizer_comm_s": 0.0, "bubble": result.bubble}
+                "idle_s": result.makespan - busy, "bubble": result.bubble}
 
     def _gradient_sync_seconds(self, rank: int) -> dict:
         """After backward: the tied embedding's sum, DDP's buckets, sequence-parallel gradients, the loss."""

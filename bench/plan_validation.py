@@ -14,8 +14,8 @@
 
 ``--models 0,1,2`` picks the held-out models (one per run: ``for m in 0 1 2; do mpiexec -n 4
 hpcpar run bench/plan_validation.py --models $m --out runs/plan-validation-$m; done`` — twice in
-seven runs here, MPICH failed an Ibcast ("Other MPI error") at the first layout of the third model
-after some twenty layouts in one process; one model per run has not failed).
+seven runs here, with the stall watchdog on, MPICH failed an Ibcast ("Other MPI error") at the first
+layout of the third model after some twenty layouts in one process; one model per run never failed).
 ``--against JOB COMPARE_JSON MACHINE`` prints predictions beside an earlier ``hpcpar compare`` run.
 
 Runs with more ranks than cores are oversubscribed: the planner slows compute by ranks / cores

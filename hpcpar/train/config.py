@@ -203,7 +203,7 @@ class ModelSection:
                           "in backward, its tp communication too)", choices=RECOMPUTE, applies=GPT_ONLY)
     channels: tuple = _key((16, 32), INTEGER_PAIR, "channels of the two convolutions", check=each(at_least(1)),
                            applies=("model.kind", ("cnn",)))
-    seed: int = _key(0, INTEGER, "parameter initialisation (and the dropout stream)", check=at_least(0))
+    seed: int = _key(0, INTEGER, "parameter initialisation (and the dropout masks)", check=at_least(0))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import time
 from abc import ABC, abstractmethod
 
 from ... import checkpoint
+from ...nn.dropout_keys import offset_dropout_key
 from ..config import JobError
 from ...dist.trace import NO_TRACE
 
@@ -45,7 +46,7 @@ def accumulate_gradients(model, inputs, targets, micro_batches: int, backward, n
     total = 0.0
     pieces = list(zip(split_rows(inputs, micro_batches), split_rows(targets, micro_batches)))
     for k, (x, y) in enumerate(pieces):
-        with trace.span("forward", "forward", micro=k):
+        with trace.span("forward", "forward", micro=k), offset_dropout_key(k * x.shape[0]):  # the slice's own masks
             loss = model.loss(x, y) * (1.0 / micro_batches)
         with trace.span("backward", "backward", micro=k):
             if no_sync is not None and k < len(pieces) - 1:

@@ -15,6 +15,7 @@ from hpcpar.autograd.deferred import deferred_weight_grads
 from hpcpar.autograd.memory import kept_for_backward
 from hpcpar.autograd.recompute import recompute
 from hpcpar.nn.activation_memory import block_kept_bytes, embedding_kept_bytes, head_kept_bytes
+from hpcpar.nn.dropout_keys import DropoutKey, dropout_key
 from hpcpar.nn.gpt import GPT, RECOMPUTE, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=4, n_embd=16, dropout=0.1, seed=5)
@@ -263,7 +264,8 @@ def pipeline_steps(ctx, mode, schedule="1f1b", sequence_parallel=False, chunks=1
     out = []
     for step in range(steps):
         ids, targets = batch(step)
-        loss = pipe.train_step(ids[rows], targets[rows])
+        with dropout_key(DropoutKey(step, rows.start)):  # this replica's rows of the step's batch
+            loss = pipe.train_step(ids[rows], targets[rows])
         out.append((loss, gradients(pipe.named_parameters())))
         for _, p in pipe.named_parameters():
             p.grad = None
@@ -321,7 +323,8 @@ def ddp_step(ctx, mode):
     ddp = DistributedDataParallel(model, ctx, bucket_mb=0.001, overlap=True)  # several buckets
     ids, targets = batch(0)
     rows = slice(ctx.dp_rank * 4, ctx.dp_rank * 4 + 4)
-    loss = model.loss(ids[rows], targets[rows])
+    with dropout_key(DropoutKey(0, rows.start)):
+        loss = model.loss(ids[rows], targets[rows])
     loss.backward()
     ddp.finish_grad_sync()
     return loss.item(), gradients(model.named_parameters())
@@ -341,7 +344,8 @@ def zero_training(ctx, mode, steps=2):
     losses = []
     for step in range(steps):
         ids, targets = batch(step)
-        losses.append(pipe.train_step(ids[rows], targets[rows]))
+        with dropout_key(DropoutKey(step, rows.start)):
+            losses.append(pipe.train_step(ids[rows], targets[rows]))
         optimizer.step()
         optimizer.zero_grad()
     return losses, {name: p.data.copy() for name, p in pipe.named_parameters()}
@@ -371,8 +375,8 @@ def bf16_pipeline_gradients(ctx, mode, schedule, sequence_parallel):
     model.recompute = mode
     amp = MixedPrecision(model, None)
     pipe = PipelineParallel(model, ctx, schedule=schedule, micro_batches=2, backward_loss=amp.backward)
-    ids, targets = batch(0)
-    loss = pipe.train_step(ids, targets)
+    with dropout_key(DropoutKey(0)):
+        loss = pipe.train_step(*batch(0))
     return loss, {name: p.grad.astype(np.float32) for name, p in pipe.named_parameters()}
 
 
@@ -400,7 +404,8 @@ def tp_calls(ctx, mode, sequence_parallel):
     pipe = PipelineParallel(model, ctx, schedule="1f1b", micro_batches=2)
     stats = ctx.tp.stats
     stats.reset()
-    pipe.train_step(*batch(0))
+    with dropout_key(DropoutKey(0)):
+        pipe.train_step(*batch(0))
     return {op: (stats.calls(op), stats.bytes(op)) for op in ("allreduce", "allgather", "reduce_scatter")}
 
 

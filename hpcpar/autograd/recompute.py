@@ -1,12 +1,13 @@
 """Activation recomputation (checkpointing): keep a region's inputs, not its graph; rerun it in backward.
 
-    y = recompute(block, x, params=block.parameters(), random=[model.rng])
+    y = recompute(block, x, params=block.parameters(), context=replay_dropout_key())
 
 runs ``block(x)`` without recording a graph, so none of the activations inside it stay alive;
-the node it leaves in the graph keeps ``x`` only. Its backward restores the random generators
-listed in ``random`` to their state before the first run (so dropout draws the same masks), runs
-``block`` again on ``x`` with the graph on, restores the generators to where they were, and runs
-that graph's backward with the gradient of ``y``: the parameters inside get their gradients as
+the node it leaves in the graph keeps ``x`` only. Its backward puts back what the first run's
+randomness depended on (the state of the generators listed in ``random``; ``context``, made at
+the forward: the GPT's is ``nn.dropout_keys.replay_dropout_key()``, the dropout key then in
+force), runs ``block`` again on ``x`` with the graph on, restores the generators to where they
+were, and runs that graph's backward with the gradient of ``y``: the parameters inside get their gradients as
 without recomputation (the same ops on the same values, so the same numbers), ``x`` its gradient.
 This is ``torch.utils.checkpoint`` (the reentrant variant) and Megatron-LM's ``CheckpointFunction``.
 

@@ -17,7 +17,7 @@ from ..autograd.recompute import recompute
 from ..autograd.ops import mappings
 from ..backend import array_module, resolve_device, to_device, to_host
 from . import init, tensor_parallel
-from .dropout_keys import DropoutKey, active_dropout_key, dropout_key
+from .dropout_keys import DropoutKey, active_dropout_key, dropout_key, replay_dropout_key
 from .layers import Dropout, Embedding, HeadDropout, LayerNorm, Linear
 from .module import Module, ModuleList
 
@@ -104,7 +104,7 @@ class CausalSelfAttention(Module):
         qkv = ops.transpose(qkv, (3, 0, 2, 1, 4))  # -> (3, B, nh, T, hs)
         q, k, v = (ops.reshape(t, (B, nh, T, hs)) for t in ops.split(qkv, 3, axis=0))  # each (B, nh, T, hs)
         if self.recompute_core:  # keep q, k, v only: probabilities and dropout masks are redone in backward
-            y = recompute(self.core, q, k, v, random=random_sources(self.attn_drop))
+            y = recompute(self.core, q, k, v, context=replay_dropout_key())
         else:
             y = self.core(q, k, v)  # (B, nh, T, hs)
         y = ops.reshape(ops.transpose(y, (0, 2, 1, 3)), (B, T, nh * hs))  # -> (B, T, nh, hs) -> (B, T, nh hs)
@@ -145,23 +145,12 @@ class Block(Module):
 
     def forward(self, x):
         if self.recompute_block:  # keep the block's input only; the whole block reruns in backward
-            return recompute(self.residual, x, params=self.parameters(), random=random_sources(self))
+            return recompute(self.residual, x, params=self.parameters(), context=replay_dropout_key())
         return self.residual(x)
 
     def residual(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
-
-
-def random_sources(module) -> list:
-    """The generators the dropouts inside ``module`` draw from in a training forward: a recomputed
-    region restores them, so its rerun draws the masks of its first run."""
-    sources = {}
-    for _, layer in module.named_modules():
-        rng = getattr(layer, "rng", None)
-        if isinstance(layer, (Dropout, HeadDropout)) and layer.training and layer.p > 0 and rng is not None:
-            sources.setdefault(id(rng), rng)
-    return list(sources.values())
 
 
 class GPTHead(Module):

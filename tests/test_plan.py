@@ -187,3 +187,12 @@ def test_calibrate_writes_a_machine_file_the_planner_reads(tmp_path, job_file):
     assert machine.inter == machines.load_machine("dgx-a100").inter and machine.concurrency[0] == 1.0
     planned = run_hpcpar("plan", job_file, "--world", "2", "--machine", str(out))
     assert planned.returncode == 0 and "2x1x1" in planned.stdout
+
+
+def test_oversubscription_slows_compute_by_the_measured_concurrency_else_ranks_per_core():
+    machine = machines.load_machine("dgx-a100")
+    machine.cores = 2
+    assert machine.slowdown(1) == 1.0 and machine.slowdown(4) == 2.0  # no measurement: ranks / cores
+    machine.concurrency = [1.0, 1.1, 1.6, 2.1]
+    assert machine.slowdown(2) == 1.1 and machine.slowdown(4) == 2.1
+    assert machine.slowdown(8) == pytest.approx(4.2)  # beyond the measured: scaled from the last

@@ -25,6 +25,7 @@ from . import log
 COMMANDS = {
     "train": ("hpcpar.cli:add_train_arguments", "train the job of a TOML file (under mpiexec or srun)"),
     "compare": ("hpcpar.compare", "measure data, pipeline, tensor and hybrid layouts of this world on a job's model"),
+    "plan": ("hpcpar.plan.cli", "predict step time, memory and traffic of every layout (calibrate: measure this machine)"),
     "info": ("hpcpar.info", "MPI library, grid, CUDA-awareness, backends, parallel HDF5"),
     "run": ("hpcpar.cli:add_run_arguments", "run SCRIPT.py under fail-fast (an exception on any rank ends the job)"),
     "bench": ("hpcpar.bench", "benchmarks that print tables against a baseline of the same run"),
@@ -132,6 +133,10 @@ def _train(args) -> int:
     from .train.resume import Request
     from .train.validate import validate
 
+    if args.dry_run:
+        from .plan.cli import dry_run
+
+        return dry_run(args.job, args.set, MPI.COMM_WORLD.Get_size(), args.machine)
     stop = StopRequest()  # first: until the handlers are in, SLURM's USR1 would kill the rank
     overrides = args.set + ([f"train.trace={json.dumps(args.trace)}"] if args.trace else [])
     try:  # the same verdict on every rank, before any rank waits on another
@@ -178,6 +183,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", metavar="FILE", default=None,
                         help="write one Chrome/Perfetto trace of every rank's steps to FILE, as train.trace does "
                              "(default: train.trace of the job)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the job, print the planner's step time and memory per rank for its layout "
+                             "(hpcpar plan), and exit without training")
+    parser.add_argument("--machine", default=None, metavar="FILE",
+                        help="--dry-run: the machine file for the step time (default: runs/plan/machine.toml when "
+                             "there is one; without one, memory and traffic only)")
     parser.add_argument("--list-keys", action="store_true",
                         help="print every job key with its type, default and meaning (docs/jobs.md), and exit")
     parser.set_defaults(func=_train)

@@ -98,7 +98,9 @@ class StallWatchdog:
             warn = abort  # the census must have run when the abort comes
         key = MPI._handleof(comm.mpi)
         watchdog = _by_handle.get(key)
-        if watchdog is None or (watchdog.warn_seconds, watchdog.abort_seconds) != (warn, abort):
+        # A freed communicator's handle is reused by MPI for a new one: its watchdog is stale.
+        stale = watchdog is not None and watchdog.comm.mpi == MPI.COMM_NULL
+        if watchdog is None or stale or (watchdog.warn_seconds, watchdog.abort_seconds) != (warn, abort):
             watchdog = _by_handle[key] = cls(comm, warn, abort)
         return watchdog
 

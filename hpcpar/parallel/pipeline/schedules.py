@@ -305,7 +305,7 @@ class SimResult:
 
 
 def simulate(schedule: list[list[Action]], forward_time: float = 1.0, backward_time: float = 2.0,
-             weight_time: float | None = None, comm_time: float = 0.0) -> SimResult:
+             weight_time: float | None = None, comm_time: float = 0.0, stage_times: dict | None = None) -> SimResult:
     """Execute all ranks' lists together under the module's execution contract.
 
     Times are for one micro-batch through a whole rank's share of the model; an action of one of
@@ -313,19 +313,21 @@ def simulate(schedule: list[list[Action]], forward_time: float = 1.0, backward_t
     actions, B takes ``backward_time - weight_time`` and W ``weight_time`` (default half), so
     split and unsplit schedules are compared at equal work. Sends cost the sender nothing and
     arrive ``comm_time`` later; a RECV blocks its rank until its message has arrived.
+    ``stage_times`` ({(kind, virtual stage): seconds}, optional) gives an action its own duration
+    instead (stages of unequal cost: the planner's predicted times, ``hpcpar.plan``).
 
     Raises ScheduleError when a receive gets a different micro-batch than it expects (channels
     are FIFO), a compute runs twice or on the wrong rank, or something is left unreceived or
     uncomputed; DeadlockError when no rank can move, with the grid and every stuck action.
     """
-    return _Simulation(schedule, forward_time, backward_time, weight_time, comm_time).run()
+    return _Simulation(schedule, forward_time, backward_time, weight_time, comm_time, stage_times).run()
 
 
 class _Simulation:
     """The state of ``simulate``: each rank's clock and position, what is done, what is in flight."""
 
-    def __init__(self, schedule, forward_time, backward_time, weight_time, comm_time):
-        self.schedule, self.comm_time = schedule, comm_time
+    def __init__(self, schedule, forward_time, backward_time, weight_time, comm_time, stage_times=None):
+        self.schedule, self.comm_time, self.stage_times = schedule, comm_time, stage_times or {}
         p = self.p = len(schedule)
         self.stages = 1 + max((a.stage for actions in schedule for a in actions), default=0)
         v = max(1, self.stages // p)
@@ -395,7 +397,7 @@ class _Simulation:
         if (a.kind, a.microbatch, a.stage) in self.done:
             self.fail(ScheduleError, f"rank {r}: {a} runs a second time")
         start = max(self.clock[r], ready)
-        self.clock[r] = start + self.duration[a.kind]
+        self.clock[r] = start + self.stage_times.get((a.kind, a.stage), self.duration[a.kind])
         self.done[(a.kind, a.microbatch, a.stage)] = self.clock[r]
         self.timelines[r].append((start, self.clock[r], a))
         return True

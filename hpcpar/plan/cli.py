@@ -1,0 +1,194 @@
+"""``hpcpar plan``: predicted step time, memory and traffic of every layout; ``hpcpar plan calibrate``.
+
+    hpcpar plan JOB --world N [--machine FILE] [--top K] [--explain LAYOUT]
+    mpiexec -n 4 hpcpar plan calibrate [--out FILE] [--inter FILE]
+
+Serial except ``calibrate``; docs/planner.md describes the model and its validation.
+"""
+from __future__ import annotations
+
+import os
+
+from ..tables import format_table
+from .machine import MACHINES_DIR, MachineError, load_machine
+
+DEFAULT_MACHINE = os.path.join("runs", "plan", "machine.toml")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("job", help="the job file to plan, or the word 'calibrate' to measure this machine")
+    parser.add_argument("--world", type=int, default=None, help="ranks to plan for (default: the job's dp x pp x tp)")
+    parser.add_argument("--machine", default=None,
+                        help=f"machine file, or a shipped one by name ({', '.join(shipped())}) "
+                             f"(default: {DEFAULT_MACHINE}, written by hpcpar plan calibrate)")
+    parser.add_argument("--top", type=int, default=10, help="layouts shown, best first (0: all)")
+    parser.add_argument("--explain", metavar="LAYOUT", default=None,
+                        help="the breakdown of one layout, as labelled in the table (\"2x1x2\" picks its best variant) (default: none)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a job key, TOML syntax (repeatable) (default: none)")
+    parser.add_argument("--out", default=DEFAULT_MACHINE, help="calibrate: the machine file written")
+    parser.add_argument("--inter", default=None, metavar="FILE",
+                        help="calibrate on one node: take the inter-node link from this machine file (default: equal to intra-node)")
+    parser.set_defaults(func=run)
+
+
+def shipped() -> list[str]:
+    return sorted(name[:-5] for name in os.listdir(MACHINES_DIR) if name.endswith(".toml"))
+
+
+def _usage(message: str):
+    from ..dist.failfast import UsageError
+
+    return UsageError(f"hpcpar plan: error: {message}")
+
+
+def machine_from(path: str | None):
+    path = path or DEFAULT_MACHINE
+    if path == DEFAULT_MACHINE and not os.path.exists(path):
+        raise _usage(f"no machine file {path}: run `hpcpar plan calibrate` first, or pass --machine "
+                     f"({', '.join(shipped())} or a file)")
+    try:
+        return load_machine(path)
+    except MachineError as error:
+        raise _usage(str(error)) from None
+
+
+def run(args) -> int:
+    if args.job == "calibrate":
+        return run_calibrate(args)
+    from ..train.config import JobError, load_job
+
+    try:
+        job = load_job(args.job, args.set)
+    except JobError as error:
+        raise _usage(str(error)) from None
+    world = args.world or (job.parallel.dp * job.parallel.pp * job.parallel.tp if job.parallel.dp else None)
+    if not world or world < 1:
+        raise _usage("--world N is needed (the job does not set parallel.dp)")
+    machine = machine_from(args.machine)
+    from .layouts import find, plan_layouts
+
+    ranked = plan_layouts(job, world, machine)
+    if args.explain:
+        chosen = find(ranked, args.explain)
+        if chosen is None:
+            raise _usage(f"no valid layout {args.explain!r} for {world} ranks; the table lists them")
+        print(explain(chosen, machine))
+        return 0
+    print(table(job, world, machine, ranked, args.top))
+    return 0
+
+
+def run_calibrate(args) -> int:
+    from mpi4py import MPI
+
+    from .calibrate import calibrate, write_machine
+
+    world = MPI.COMM_WORLD
+    machine, comments = calibrate(world, inter_file=args.inter)
+    if world.Get_rank() == 0:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        write_machine(machine, comments, args.out)
+        c = machine.compute["fp32"]
+        print(f"wrote {args.out}: {comments['name']}; gemm {c.gemm_flops / 1e9:.1f} GFLOP/s, elementwise "
+              f"{c.bandwidth / 1e9:.1f} GB/s, op {c.op_overhead_s * 1e6:.1f} us, "
+              f"2-rank all-reduce {machine.intra.latency_s * 1e6:.0f} us + {machine.intra.bandwidth / 1e9:.2f} GB/s")
+    return 0
+
+
+def _mb(x: float) -> str:
+    """Bytes in MiB, or GiB from 10 GiB up."""
+    return f"{x / 2**20:,.1f} MiB" if x < 2**30 * 10 else f"{x / 2**30:,.1f} GiB"
+
+
+def table(job, world: int, machine, ranked, top: int) -> str:
+    unit = "tok/s" if job.model.kind == "gpt" else "img/s"
+    tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
+    shown = ranked.predictions if top == 0 else ranked.predictions[:top]
+    rows = [[str(i + 1), q.label, f"{q.step_s * 1e3:,.2f}", f"{tokens / q.step_s:,.0f}", _mb(q.memory.total),
+             "yes" if ranked.fits[id(q)] else "NO", f"{100 * q.comm_share:.0f}%", f"{100 * q.bubble_share:.0f}%",
+             f"{q.traffic.wire() / 2**20:,.2f}"] for i, q in enumerate(shown)]
+    m = job.model
+    model = (f"GPT {m.n_layer} layers, width {m.n_embd}, {m.n_head} heads, context {m.block_size}, "
+             f"{parameter_count(job) / 1e6:,.1f} M parameters" if m.kind == "gpt" else "digits CNN")
+    title = (f"hpcpar plan: {model}, global batch {job.data.batch_size}, {job.train.precision}, {world} ranks on "
+             f"{machine.name} ({len(ranked.predictions)} valid layouts, planned in {ranked.seconds:.1f} s)")
+    text = format_table(["#", "layout dp x pp x tp", "step ms", unit, "memory/rank", "fits", "comm", "bubble",
+                         "MB sent/step"], rows, title)
+    if top and len(ranked.predictions) > top:
+        text += f"\n... {len(ranked.predictions) - top} more (--top 0 shows all)"
+    reasons: dict = {}
+    for name, why in ranked.excluded:
+        reasons.setdefault(why, []).append(name)
+    for why, names in reasons.items():
+        listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        text += f"\nexcluded {listed}: {why}"
+    return text
+
+
+def parameter_count(job) -> int:
+    from .model import layers, shape_of
+
+    return sum(e for layer in layers(shape_of(job, 1, tp=1)) for name, e, _ in layer.params
+               if not (name == "embed.wte.weight" and layer.name == "head"))
+
+
+def explain(q, machine) -> str:
+    """Where one layout's predicted step goes: parts, per-stage times, memory, messages."""
+    lines = [f"{q.label} on {machine.name}: predicted step {q.step_s * 1e3:,.3f} ms"]
+    names = {"compute_s": "compute", "comm_s": "comm (exposed)", "idle_s": "idle (bubble)",
+             "optimizer_s": "of compute: optimizer"}
+    for key, value in q.parts.items():
+        if key in names:
+            lines.append(f"  {names[key]:<22} {value * 1e3:10.3f} ms")
+    lines.append("  per virtual stage and micro-batch (F / B / W ms): " + "; ".join(
+        f"s{s}: {f * 1e3:.3f} / {b * 1e3:.3f} / {w * 1e3:.3f}" for s, (f, b, w) in enumerate(q.stage_times)))
+    mem = q.memory
+    lines.append(f"  memory per rank {_mb(mem.total)}: parameters {_mb(mem.params)}, optimizer state {_mb(mem.optimizer)}, "
+                 f"buffers {_mb(mem.buffers)}, gradients {_mb(mem.gradients)}, activations {_mb(mem.activations)}, "
+                 f"workspace {_mb(mem.workspace)}")
+    for comm, ops in q.traffic.by_comm().items():
+        text = ", ".join(f"{op} {calls} calls {nbytes / 2**20:,.2f} MB given, {wire / 2**20:,.2f} MB on the wire"
+                         for op, (calls, nbytes, wire) in ops.items())
+        lines.append(f"  {comm:<8} (all ranks, one step): {text}")
+    return "\n".join(lines)
+
+
+def dry_run(job_path: str, overrides: list, mpi_world: int, machine_path: str | None) -> int:
+    """``hpcpar train JOB --dry-run``: validate, predict this layout, print on rank 0, train nothing.
+
+    The world is the launch's (``mpiexec -n N``); launched alone, the job's own dp x pp x tp."""
+    from .. import log
+    from ..dist.failfast import UsageError
+    from ..train.config import JobError, load_job
+    from ..train.validate import validate
+    from .predict import StepPlan
+
+    try:
+        job = load_job(job_path, overrides)
+        p = job.parallel
+        world = mpi_world if mpi_world > 1 or not p.dp else p.dp * p.pp * p.tp
+        job = validate(job, world)
+    except JobError as error:
+        raise UsageError(f"hpcpar train: error: {error}") from None
+    path = machine_path or (DEFAULT_MACHINE if os.path.exists(DEFAULT_MACHINE) else None)
+    machine = machine_from(path) if path else None
+    if log.world_rank() != 0:
+        return 0
+    plan = StepPlan(job, machine or load_machine("dgx-a100"))  # memory and bytes do not depend on the machine
+    q = plan.predict()
+    tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
+    print(f"{job.source}: valid for {world} ranks, layout {q.label}; nothing trained (--dry-run)")
+    lines = explain(q, plan.machine).splitlines()[1:]
+    if machine is None:
+        print("step time: no machine file (run `hpcpar plan calibrate` or pass --machine)")
+        lines = [line for line in lines if not line.endswith(" ms") and "F / B / W" not in line]
+    else:
+        ranks_on_node = min(world, machine.ranks_per_node)
+        fits = q.memory.total <= machine.memory_per_rank(ranks_on_node)
+        print(f"predicted on {machine.name}: step {q.step_s * 1e3:,.2f} ms, {tokens / q.step_s:,.0f} "
+              f"{'tok' if job.model.kind == 'gpt' else 'img'}/s, comm {100 * q.comm_share:.0f}%, bubble "
+              f"{100 * q.bubble_share:.0f}%; memory per rank {_mb(q.memory.total)} "
+              f"({'fits' if fits else 'does NOT fit'} in {_mb(machine.memory_per_rank(ranks_on_node))})")
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,104 @@
+"""Every layout of a world for a job, predicted and ranked; and why the others are excluded.
+
+A candidate is a dp x pp x tp factorisation of the world with, for pp > 1, each schedule
+hpcpar has (``gpipe``, ``1f1b``, ``interleaved`` with 2 chunks, ``zb1``) and a few micro-batch
+counts (the job's, 2 pp and 4 pp), with and without sequence parallelism when tp > 1. The job's
+own checks (``train.validate``) decide what is valid. Recomputation only buys memory, so a
+layout that does not fit with the job's ``model.recompute`` is tried with ``selective`` and then
+``full`` (the first that fits is kept, labelled ``rc=...``); a valid layout that fits in none is
+kept but marked as not fitting and ranked after every one that fits.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from ..nn.gpt import RECOMPUTE
+from ..train.config import JobError
+from ..train.validate import validate
+from .machine import Machine
+from .predict import Prediction, StepPlan
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+
+
+@dataclass
+class Ranked:
+    predictions: list  # fitting first, each group by step time
+    excluded: list  # [(label, reason)]
+    seconds: float  # how long planning took
+    fits: dict  # id(prediction) -> bool
+
+
+def factorisations(n: int) -> list[tuple[int, int, int]]:
+    return [(dp, pp, n // (dp * pp)) for dp in range(1, n + 1) for pp in range(1, n // dp + 1) if n % (dp * pp) == 0]
+
+
+def candidates(job, world: int) -> list:
+    """(label, job) for every layout tried; labels name what changes."""
+    p = job.parallel
+    out = []
+    for dp, pp, tp in factorisations(world):
+        # the job's micro-batches (at least pp), and 2 pp and 4 pp: enough to see the bubble shrink
+        micro = sorted({max(p.micro_batches, pp), 2 * pp, 4 * pp}) if pp > 1 else [p.micro_batches]
+        schedules = SCHEDULES if pp > 1 else ("1f1b",)
+        for schedule in schedules:
+            for m in micro:
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    parallel = replace(p, dp=dp, pp=pp, tp=tp, schedule=schedule, micro_batches=m,
+                                       chunks=2 if schedule == "interleaved" else 1, sequence_parallel=sp)
+                    out.append(replace(job, parallel=parallel))
+    return out
+
+
+def label_of(job) -> str:
+    from .predict import Layout
+
+    text = Layout.of(job).label()
+    recompute = getattr(job.model, "recompute", "none")
+    return text + (f" rc={recompute}" if recompute != "none" else "")
+
+
+def plan_layouts(job, world: int, machine: Machine) -> Ranked:
+    """Predict every valid candidate layout of ``world`` ranks; rank them."""
+    start = time.perf_counter()
+    predictions, excluded, fits = [], [], {}
+    seen = set()
+    for variant in candidates(job, world):
+        name = label_of(variant)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            valid = validate(variant, world)
+        except JobError as error:
+            excluded.append((name, "; ".join(text for _, text in error.problems)))
+            continue
+        prediction, fit = _fitting(valid, machine, world)
+        fits[id(prediction)] = fit
+        predictions.append(prediction)
+    predictions.sort(key=lambda q: (not fits[id(q)], q.step_s))
+    return Ranked(predictions, excluded, time.perf_counter() - start, fits)
+
+
+def _fitting(job, machine: Machine, world: int) -> tuple[Prediction, bool]:
+    """The prediction with the job's recomputation, or the first of selective, full that fits."""
+    limit = machine.memory_per_rank(min(world, machine.ranks_per_node))
+    mode = job.model.recompute
+    modes = RECOMPUTE[RECOMPUTE.index(mode):] if job.model.kind == "gpt" else (mode,)  # none, selective, full
+    for mode in modes:  # memory first: it needs no simulation
+        variant = replace(job, model=replace(job.model, recompute=mode))
+        plan = StepPlan(variant, machine)
+        if plan.memory().total <= limit:
+            break
+    prediction = plan.predict()
+    prediction.label = label_of(variant)
+    return prediction, prediction.memory.total <= limit
+
+
+def find(ranked: Ranked, wanted: str) -> Prediction | None:
+    """The prediction whose label is ``wanted``, or the best one whose label starts with it ("2x1x2")."""
+    for q in ranked.predictions:
+        if q.label == wanted:
+            return q
+    return next((q for q in ranked.predictions if q.label.split()[0] == wanted.split()[0]), None)

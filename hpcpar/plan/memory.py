@@ -1,0 +1,94 @@
+"""Memory per rank: parameters, gradients, optimizer state, activations in flight, buffers.
+
+Per pipeline rank (the largest is reported):
+
+- parameters: this rank's elements x the compute dtype's bytes;
+- optimizer state: Adam's two moments (SGD's momentum) over the master elements (a ZeRO-1
+  shard: 1/dp, padded), plus float32 masters under fp16/bf16;
+- communication buffers: DDP's flat buckets (the gradients' home), or ZeRO's flat gradient
+  and parameter buffers;
+- gradients as backward makes them (one array per parameter, before DDP copies them in);
+- activations: the bytes each layer keeps for backward per micro-batch (``model.Layer``)
+  times the micro-batches in flight on this rank under the schedule (``peak_activations`` of
+  the schedule itself: 1F1B holds p - r, GPipe m), less what recomputation drops; plus the
+  largest temporary of one backward, and the received activations of a pipeline.
+
+``activation_peak`` is what ``hpcpar compare`` measures with tracemalloc during one
+``train_step`` (gradients + activations + temporaries); ``param_state`` what it reports as
+parameters + optimizer state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Memory:
+    params: float
+    optimizer: float  # state and master weights
+    buffers: float  # DDP buckets / ZeRO's flat buffers
+    gradients: float
+    activations: float  # kept for backward, at the peak
+    workspace: float  # the largest backward temporary
+
+    @property
+    def param_state(self) -> float:
+        return self.params + self.optimizer
+
+    @property
+    def activation_peak(self) -> float:
+        return self.gradients + self.activations + self.workspace
+
+    @property
+    def total(self) -> float:
+        return self.params + self.optimizer + self.buffers + self.activation_peak
+
+
+def kept_bytes(plan, layer) -> float:
+    """What ``layer`` keeps per micro-batch under the job's recomputation choice."""
+    return layer.kept_by_recompute.get(plan.recompute, layer.saved_bytes)
+
+
+def _backward_temporaries(plan, layers) -> float:
+    """The largest temporary of a backward through ``layers`` beyond what it has freed by then:
+    backward runs from the last layer down, releasing each layer's kept bytes when it is done."""
+    freed, worst = 0.0, 0.0
+    for layer in reversed(layers):
+        worst = max(worst, layer.workspace_bytes - freed)
+        freed += kept_bytes(plan, layer)
+    return worst
+
+
+def rank_memory(plan, rank: int, held: int) -> Memory:
+    lay, job = plan.layout, plan.job
+    d, master = plan.dtype_bytes, plan.master_bytes
+    params = plan.rank_parameters(rank)
+    elements = sum(e for _, e, _ in params)
+    stages = list(range(rank, lay.pp * lay.chunks, lay.pp))
+    state_elements = -(-elements // lay.dp) if job.parallel.zero else elements
+    moments = {"adamw": 2, "adam": 2, "sgd": 1 if job.optimizer.momentum else 0}[job.optimizer.name]
+    optimizer = state_elements * master * moments + (elements * 4 if plan.mixed else 0)
+    if job.parallel.zero:  # the flat parameters are the masters (or the parameters); the flat gradient is extra
+        buffers = (-(-elements // lay.dp)) * lay.dp * master
+    else:
+        buffers = elements * d if (lay.pp == 1 or lay.dp > 1) else 0.0
+    per_stage = [sum(kept_bytes(plan, layer) for layer in plan.stage_layers[s]) for s in stages]
+    activations = held * max(per_stage)
+    workspace = max(_backward_temporaries(plan, plan.stage_layers[s]) for s in stages)
+    # a weight gradient before it is summed in, and with several micro-batches the sum beside the old total
+    workspace += max((e for _, e, _ in params), default=0) * d * (2 if lay.micro_batches > 1 else 1)
+    blocks = [layer for s in stages for layer in plan.stage_layers[s] if layer.kept_by_recompute]
+    if blocks and plan.recompute != "none":  # what one block rebuilds while its backward runs
+        workspace += max(layer.saved_bytes - kept_bytes(plan, layer) for layer in blocks)
+    if lay.pp > 1:  # receive buffers of the activations and gradients on their way
+        workspace += 2 * max(plan.boundary_bytes(s) for s in range(lay.pp * lay.chunks - 1))
+    return Memory(elements * d, optimizer, buffers, elements * d, activations, workspace)
+
+
+def memory_per_rank(plan) -> Memory:
+    """The pipeline rank with the largest total."""
+    from .predict import in_flight
+
+    held = in_flight(plan)
+    return max((rank_memory(plan, r, held[r] if plan.layout.pp > 1 else 1) for r in range(plan.layout.pp)),
+               key=lambda m: m.total)

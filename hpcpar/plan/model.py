@@ -1,0 +1,264 @@
+"""What one layer of a model costs, per micro-batch: work by op family, activations kept, messages.
+
+The planner's inventory of hpcpar's GPT (``nn/gpt.py``) and digits CNN (``nn/cnn.py``), counted
+from their code, not measured: so it extends to models one cannot build here (a 70 B GPT).
+
+Work is per op family: ``gemm`` and ``attention`` in FLOPs, the elementwise families
+(``machine.FAMILIES``) in bytes moved, ``ops`` the number of autograd ops (each pays the
+machine's fixed ``op_overhead_s``). Backward is split into ``B`` (gradients of the inputs) and
+``W`` (gradients of the weights: the part a zero-bubble schedule defers).
+
+Notation, per micro-batch: b rows of s tokens (N = b s tokens), width h, a heads, vocabulary V,
+t tensor-parallel ranks, r = N / t tokens outside the sharded regions under sequence
+parallelism (else N), d bytes per element of the compute dtype.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from ..nn.activation_memory import block_kept_bytes, embedding_kept_bytes, head_kept_bytes
+from ..nn.gpt import RECOMPUTE
+
+FP_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+# Element accesses (reads + writes) per element of each elementwise family, forward and
+# backward, counted from the ops' code (autograd/ops): what a pass over memory costs.
+# ``hpcpar plan calibrate`` times the same ops and divides by these, so on a calibrated
+# machine they only need to scale right with size; on a hand-written one they meet the bandwidth.
+PASSES = {"layernorm": (6, 8), "gelu": (8, 14), "softmax": (8, 6), "cross_entropy": (10, 4),
+          "copy": (3, 2), "embedding": (2, 3), "optimizer": (14, 0), "pool": (3, 3)}
+
+
+def passes(family: str, elements: float, dtype_bytes: int, backward: bool = False) -> float:
+    """Bytes an elementwise family moves over ``elements`` elements in one direction."""
+    return PASSES[family][1 if backward else 0] * elements * dtype_bytes
+
+
+@dataclass
+class Work:
+    """Work of one pass: units per family (FLOPs for gemm/attention, bytes otherwise) and op count."""
+
+    units: Counter = field(default_factory=Counter)
+    ops: int = 0
+
+    def add(self, family: str, units: float) -> "Work":
+        self.units[family] += units
+        return self
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.units + other.units, self.ops + other.ops)
+
+    def scaled(self, k: float) -> "Work":
+        return Work(Counter({f: u * k for f, u in self.units.items()}), round(self.ops * k))
+
+
+@dataclass
+class Layer:
+    """One entry of the model's ``layers()`` (what a pipeline cuts), for one micro-batch."""
+
+    name: str
+    params: list  # [(parameter name, elements on this tp rank, on sequence slices under sp)]
+    forward: Work
+    backward_input: Work  # B
+    backward_weight: Work  # W
+    saved_bytes: float  # activations kept from forward to backward (per tp rank)
+    workspace_bytes: float  # the largest temporary of its backward, on top of what is kept
+    output_elements: float  # what the next stage receives (per tp rank)
+    tp_forward: list = field(default_factory=list)  # [(op, bytes given)] on the tp communicator
+    tp_backward: list = field(default_factory=list)
+    kept_by_recompute: dict = field(default_factory=dict)  # recomputation mode -> saved bytes (blocks)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model and micro-batch a layer inventory is for."""
+
+    kind: str  # gpt | cnn
+    rows: int  # b: rows per micro-batch on one dp replica
+    precision: str  # fp32 | bf16 | fp16 | fp64
+    tp: int = 1
+    sequence_parallel: bool = False
+    block_size: int = 0
+    n_layer: int = 0
+    n_head: int = 0
+    n_embd: int = 0
+    vocab_size: int = 0
+    bias: bool = True
+    tie_weights: bool = True
+    channels: tuple = (16, 32)
+    attn_dropout: float = 0.0
+
+    @property
+    def dtype_bytes(self) -> int:
+        return FP_BYTES[self.precision]
+
+    @property
+    def dtype(self):
+        """The compute dtype (NumPy's, ml_dtypes' bfloat16): the activation formulas are per dtype."""
+        from ..optim import precision_dtype
+
+        return precision_dtype(self.precision)
+
+
+def shape_of(job, rows: int, tp: int | None = None) -> Shape:
+    m, p = job.model, job.parallel
+    t = p.tp if tp is None else tp
+    return Shape(kind=m.kind, rows=rows, precision=job.train.precision, tp=t,
+                 sequence_parallel=bool(p.sequence_parallel and t > 1), block_size=m.block_size, n_layer=m.n_layer,
+                 n_head=m.n_head, n_embd=m.n_embd, vocab_size=m.vocab_size, bias=m.bias, tie_weights=m.tie_weights,
+                 channels=tuple(m.channels), attn_dropout=m.dropout)
+
+
+def layers(shape: Shape) -> list[Layer]:
+    """The model's layers in ``layers()`` order, each costed for one micro-batch of ``shape.rows`` rows."""
+    if shape.kind == "cnn":
+        return cnn_layers(shape)
+    first = gpt_block(shape, 0)  # every block costs the same: copies under their own names
+    blocks = [replace(first, name=f"blocks.{i}", params=[(n.replace("blocks.0.", f"blocks.{i}.", 1), e, sp)
+                                                         for n, e, sp in first.params]) for i in range(shape.n_layer)]
+    return [gpt_embedding(shape)] + blocks + [gpt_head(shape)]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT
+def _enter(shape: Shape, elements: float) -> tuple[list, list]:
+    """Communication entering a column-parallel layer with ``elements`` = N h (forward, backward)."""
+    t, d = shape.tp, shape.dtype_bytes
+    if t == 1:
+        return [], []
+    if shape.sequence_parallel:  # all-gather the slices forward, reduce-scatter the gradient backward
+        return [("allgather", elements / t * d)], [("reduce_scatter", elements * d)]
+    return [], [("allreduce", elements * d)]
+
+
+def _leave(shape: Shape, elements: float) -> tuple[list, list]:
+    """Communication leaving a row-parallel layer (partial sums of N h): forward, backward."""
+    t, d = shape.tp, shape.dtype_bytes
+    if t == 1:
+        return [], []
+    if shape.sequence_parallel:
+        return [("reduce_scatter", elements * d)], [("allgather", elements / t * d)]
+    return [("allreduce", elements * d)], []
+
+
+def gpt_embedding(shape: Shape) -> Layer:
+    N, h, V, t, d = shape.rows * shape.block_size, shape.n_embd, shape.vocab_size, shape.tp, shape.dtype_bytes
+    r = N / t if shape.sequence_parallel else N
+    fwd = Work(ops=4).add("embedding", 2 * N * h * d).add("copy", 3 * r * h * d)
+    bwd = Work(ops=4).add("embedding", (2 * V / t * h + 3 * N * h) * d).add("copy", 2 * r * h * d)
+    tp_f, tp_b = _leave(shape, N * h)
+    return Layer("embed", [("embed.wte.weight", V // t * h, False), ("embed.wpe.weight", shape.block_size * h, True)],
+                 fwd, bwd, Work(), saved_bytes=embedding_kept_bytes(shape.rows, shape.block_size, h, dtype=shape.dtype, tp=t,
+                                                            sequence_parallel=shape.sequence_parallel,
+                                                            dropout=shape.attn_dropout),
+                 workspace_bytes=(V / t * h + 2 * N * h) * d,  # the table's gradient, the rows' gradients
+                 output_elements=r * h,
+                 tp_forward=tp_f, tp_backward=tp_b)
+
+
+def gpt_block(shape: Shape, index: int) -> Layer:
+    b, s, h, a, t, d = shape.rows, shape.block_size, shape.n_embd, shape.n_head, shape.tp, shape.dtype_bytes
+    N = b * s
+    r = N / t if shape.sequence_parallel else N
+    scores = N * s * a / t  # attention probabilities: b (a/t) s^2
+    c = max(d, 4)  # scores and softmax are float32 at least
+    gemm = 2 * N * h * 12 * h / t  # qkv 3h, proj h, fc 4h, proj 4h
+    attention = 4 * N * s * h / t  # q k^T and p v
+    fwd = (Work(ops=21).add("gemm", gemm).add("attention", attention).add("softmax", passes("softmax", scores, c))
+           .add("layernorm", passes("layernorm", 2 * r * h, d)).add("gelu", passes("gelu", 4 * N * h / t, d))
+           .add("copy", (18 * N * h / t + 4 * N * h + 6 * r * h) * d))
+    bwd_input = (Work(ops=21).add("gemm", gemm).add("attention", 2 * attention).add("softmax", passes("softmax", scores, c, True))
+                 .add("layernorm", passes("layernorm", 2 * r * h, d, True)).add("gelu", passes("gelu", 4 * N * h / t, d, True))
+                 .add("copy", 1.5 * (18 * N * h / t + 4 * N * h + 6 * r * h) * d))
+    bwd_weight = Work(ops=4).add("gemm", gemm).add("copy", N * 9 * h / t * d)  # bias gradients: sums over tokens
+    # Kept for backward: the exact count of what the graph holds (nn.activation_memory), per mode
+    kept = {mode: block_kept_bytes(b, s, h, a, dtype=shape.dtype, tp=t, sequence_parallel=shape.sequence_parallel,
+                                   recompute=mode, dropout=shape.attn_dropout) for mode in RECOMPUTE}
+    # backward temporaries on top of what is kept: attention's two (T, T) arrays, GELU's three
+    # 4 N h / t ones, the gradient in flight (2 N h)
+    workspace = 2 * scores * c + 12 * N * h / t * c + 2 * N * h * d
+    tp_f, tp_b = [], []
+    for entering in (_enter, _leave, _enter, _leave):  # attention in and out, MLP in and out
+        f, bk = entering(shape, N * h)
+        tp_f += f
+        tp_b += bk
+    names = [("ln_1.weight", h, True), ("ln_1.bias", h, True), ("attn.qkv.weight", h * 3 * h // t, False),
+             ("attn.qkv.bias", 3 * h // t, False), ("attn.proj.weight", h // t * h, False), ("attn.proj.bias", h, True),
+             ("ln_2.weight", h, True), ("ln_2.bias", h, True), ("mlp.fc.weight", h * 4 * h // t, False),
+             ("mlp.fc.bias", 4 * h // t, False), ("mlp.proj.weight", 4 * h // t * h, False), ("mlp.proj.bias", h, True)]
+    if not shape.bias:
+        names = [n for n in names if not n[0].endswith("bias")]
+    return Layer(f"blocks.{index}", [(f"blocks.{index}.{n}", e, sp) for n, e, sp in names], fwd, bwd_input, bwd_weight,
+                 saved_bytes=kept["none"], workspace_bytes=workspace, output_elements=r * h, tp_forward=tp_f,
+                 tp_backward=tp_b, kept_by_recompute=kept)
+
+
+def gpt_head(shape: Shape) -> Layer:
+    """Final LayerNorm, the lm head (tied: x @ wte^T) and the loss (vocab-parallel under tp)."""
+    b, s, h, V, t, d = shape.rows, shape.block_size, shape.n_embd, shape.vocab_size, shape.tp, shape.dtype_bytes
+    N = b * s
+    r = N / t if shape.sequence_parallel else N
+    c = max(d, 4)  # the loss is computed in float32 at least
+    gemm = 2 * N * h * V / t
+    fwd = (Work(ops=6).add("gemm", gemm).add("layernorm", passes("layernorm", r * h, d))
+           .add("cross_entropy", passes("cross_entropy", N * V / t, c)))
+    bwd_input = (Work(ops=6).add("gemm", gemm).add("layernorm", passes("layernorm", r * h, d, True))
+                 .add("cross_entropy", passes("cross_entropy", N * V / t, c, True)))
+    bwd_weight = Work(ops=1).add("gemm", gemm)
+    saved = head_kept_bytes(b, s, h, V, dtype=shape.dtype, tp=t, sequence_parallel=shape.sequence_parallel)
+    tp_f, tp_b = _enter(shape, N * h)
+    if t > 1:  # vocab-parallel cross entropy: all-reduce of the row maxima, then of (sum of exp, target logit)
+        tp_f = tp_f + [("allreduce", N * c), ("allreduce", 2 * N * c)]
+    params = [("head.ln_f.weight", h, True)] + ([("head.ln_f.bias", h, True)] if shape.bias else [])
+    params += [("embed.wte.weight", V // t * h, False)] if shape.tie_weights else [("head.lm_head.weight", h * V // t, False)]
+    return Layer("head", params, fwd, bwd_input, bwd_weight, saved_bytes=saved,
+                 workspace_bytes=N * V / t * c + N * h * d, output_elements=0, tp_forward=tp_f, tp_backward=tp_b)
+
+
+# ---------------------------------------------------------------------------------------------
+# The digits CNN: (N, 1, 8, 8) -> conv 3x3 -> relu -> pool 2 -> conv 3x3 -> relu -> pool 2 -> linear
+def cnn_layers(shape: Shape) -> list[Layer]:
+    n, d = shape.rows, shape.dtype_bytes
+    c1, c2 = shape.channels
+    convs = [(1, c1, 8), (c1, c2, 4)]  # (in, out, side)
+    out = []
+    for i, (cin, cout, side) in enumerate(convs):
+        pixels = n * side * side
+        flops = 2 * pixels * cin * 9 * cout  # one product each way; im2col, folds and copies ride on the conv rate
+        cols = pixels * cin * 9  # im2col
+        out.append(Layer(f"net.{3 * i}", [(f"net.{3 * i}.weight", cout * cin * 9, False), (f"net.{3 * i}.bias", cout, False)],
+                         Work(ops=1).add("conv", flops), Work(ops=1).add("conv", flops), Work().add("conv", flops),
+                         saved_bytes=(cols + pixels * cin) * d, output_elements=pixels * cout,
+                         # backward: the columns' gradient, the output gradient's copy, the folded input gradient
+                         workspace_bytes=(cols + pixels * cout + 2 * pixels * cin) * d + cols * d))
+        out.append(Layer(f"net.{3 * i + 1}", [], Work(ops=1).add("copy", 3 * pixels * cout * d),
+                         Work(ops=1).add("copy", 4 * pixels * cout * d), Work(), saved_bytes=pixels * cout * d,
+                         workspace_bytes=pixels * cout * d, output_elements=pixels * cout))
+        out.append(Layer(f"net.{3 * i + 2}", [], Work(ops=1).add("pool", passes("pool", pixels * cout, d)),
+                         Work(ops=1).add("pool", passes("pool", pixels * cout, d, True)), Work(),
+                         saved_bytes=pixels * cout * d, workspace_bytes=pixels * cout * d, output_elements=pixels * cout / 4))
+    features = 4 * c2
+    out.append(Layer("net.6", [], Work(ops=1), Work(ops=1), Work(), 0.0, 0.0, n * features))
+    out.append(Layer("net.7", [("net.7.weight", features * 10, False), ("net.7.bias", 10, False)],
+                     Work(ops=3).add("gemm", 2 * n * features * 10).add("cross_entropy", passes("cross_entropy", n * 10, max(d, 4))),
+                     Work(ops=3).add("gemm", 2 * n * features * 10).add("cross_entropy", passes("cross_entropy", n * 10, max(d, 4), True)),
+                     Work(ops=1).add("gemm", 2 * n * features * 10), saved_bytes=(n * features + n * 10) * d,
+                     workspace_bytes=n * 10 * d, output_elements=0))
+    return out
+
+
+def korthikanti_bytes(shape: Shape) -> float:
+    """Activation bytes per transformer layer by Korthikanti et al. (2022), 16-bit values and 1-byte
+    dropout masks: s b h (34 + 5 a s / h) without tensor parallelism; (10 + 24 / t + 5 a s / (h t))
+    with it; everything / t with sequence parallelism as well."""
+    s, b, h, a, t = shape.block_size, shape.rows, shape.n_embd, shape.n_head, shape.tp
+    if t == 1:
+        return s * b * h * (34 + 5 * a * s / h)
+    if shape.sequence_parallel:
+        return s * b * h * (34 + 5 * a * s / h) / t
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def activation_ratio(shape: Shape) -> float:
+    """hpcpar's kept bytes per block over Korthikanti's formula (docs/planner.md states it)."""
+    return gpt_block(shape, 0).saved_bytes / korthikanti_bytes(shape)

@@ -1,0 +1,300 @@
+"""Predicted step time, memory per rank and traffic of one job in one layout on one machine.
+
+    plan = StepPlan(job, machine)      # job: validated for its world (its parallel section is the layout)
+    prediction = plan.predict()        # .step_s, .memory, .traffic, .breakdown()
+
+Step time (docs/planner.md has the equations):
+
+- compute of a layer = sum over op families of units / rate, plus ops x the fixed cost of an
+  op, the rates from the machine file; tensor-parallel collectives run inside the layer and add
+  to its forward and backward;
+- pp = 1: micro-batches x (forward + backward), then the data-parallel all-reduce of the
+  buckets less what hides behind the last backward (the machine's ``overlap``), then the
+  optimizer;
+- pp > 1: hpcpar's own schedule simulator (``parallel.pipeline.schedules.simulate``) executes
+  the schedule with each virtual stage's predicted F, B and W times and the point-to-point time
+  of one activation, giving the pipeline's makespan and bubble for every schedule; then the
+  gradient synchronisation (not overlapped in a pipeline) and the optimizer;
+- a collective costs latency + wire bytes / bandwidth, the line of its op and group size when
+  the machine file has one, else the intra- or inter-node link by where the group's ranks sit
+  (rank order: tp fastest, then dp, then pp; ``ranks_per_node`` ranks per node);
+- k ranks computing at once on a node: compute runs slower by the machine's measured
+  ``concurrency[k]`` (shared cores, memory bandwidth; more ranks than cores), or ``k / cores``.
+"""
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..dist.comm import ring_wire_bytes
+from ..parallel.pipeline.partition import counts_to_bounds, min_max_bounds, uniform_bounds
+from ..parallel.pipeline.schedules import make_schedule, peak_activations, simulate
+from .machine import Machine
+from .memory import Memory, memory_per_rank
+from .model import FP_BYTES, Layer, Work, layers, shape_of
+from .traffic import Traffic, bucket_bytes, stage_parameters, step_traffic
+
+ELEMENTWISE_RATE = {"gemm": "gemm_flops", "attention": "attention_flops", "conv": "conv_flops"}
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_of(name: str, p: int, m: int, v: int) -> tuple:
+    """The schedule's action lists (built once per (name, p, m, v): planning tries many layouts)."""
+    return tuple(tuple(actions) for actions in make_schedule(name, p, m, v))
+
+
+@functools.lru_cache(maxsize=256)
+def _peaks(name: str, p: int, m: int, v: int) -> tuple:
+    return tuple(peak_activations([list(a) for a in schedule_of(name, p, m, v)], held_until="W"))
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    pp: int
+    tp: int
+    schedule: str = "1f1b"
+    micro_batches: int = 1
+    chunks: int = 1
+    sequence_parallel: bool = False
+
+    @classmethod
+    def of(cls, job) -> "Layout":
+        p = job.parallel
+        return cls(p.dp, p.pp, p.tp, p.schedule if p.pp > 1 else "-", p.micro_batches, p.chunks if p.pp > 1 else 1,
+                   bool(p.sequence_parallel and p.tp > 1))
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def label(self) -> str:
+        text = f"{self.dp}x{self.pp}x{self.tp}"
+        if self.pp > 1:
+            text += f" {self.schedule} m{self.micro_batches}" + (f" v{self.chunks}" if self.chunks > 1 else "")
+        elif self.micro_batches > 1:
+            text += f" m{self.micro_batches}"
+        return text + (" sp" if self.sequence_parallel else "")
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_s: float
+    parts: dict  # compute_s, comm_s (exposed), idle_s, optimizer_s, ...
+    memory: Memory
+    traffic: Traffic
+    stage_times: list = field(default_factory=list)  # per virtual stage (F, B, W) seconds per micro-batch
+    label: str = ""
+    job: object = None
+
+    @property
+    def comm_share(self) -> float:
+        return self.parts["comm_s"] / self.step_s if self.step_s else 0.0
+
+    @property
+    def bubble_share(self) -> float:
+        return self.parts["idle_s"] / self.step_s if self.step_s else 0.0
+
+
+def work_seconds(work: Work, machine: Machine, precision: str) -> float:
+    c = machine.compute_for(precision)
+    seconds = work.ops * c.op_overhead_s
+    for family, units in work.units.items():
+        rate = (getattr(c, ELEMENTWISE_RATE[family]) or c.gemm_flops) if family in ELEMENTWISE_RATE else c.rate_of(family)
+        seconds += units / rate
+    return seconds * c.model_factor
+
+
+class StepPlan:
+    """A job in its layout on a machine: the stages, their times, the messages, the memory."""
+
+    def __init__(self, job, machine: Machine, recompute: str | None = None):
+        self.job, self.machine, self.layout = job, machine, Layout.of(job)
+        lay = self.layout
+        self.precision = job.train.precision
+        self.mixed = self.precision in ("bf16", "fp16")
+        self.dtype_bytes = FP_BYTES[self.precision]
+        self.master_bytes = 4 if self.mixed else self.dtype_bytes
+        self.recompute = recompute or getattr(job.model, "recompute", "none")
+        self.rows = job.data.batch_size // (lay.dp * lay.micro_batches)
+        self.layers = layers(shape_of(job, self.rows, lay.tp))
+        self.bounds = self._bounds(job.parallel.partition)
+        self.stage_layers = [self.layers[self.bounds[s]: self.bounds[s + 1]] for s in range(lay.pp * lay.chunks)]
+        self.node_ranks = min(lay.world, machine.ranks_per_node)
+        self.slowdown = machine.slowdown(self.node_ranks)
+        self._collective_cache: dict = {}
+        self._holders, self._parameters = None, {}
+
+    def _bounds(self, method) -> list[int]:
+        stages = self.layout.pp * self.layout.chunks
+        if not isinstance(method, str):
+            return counts_to_bounds(method, len(self.layers))
+        if method == "parameters":
+            return min_max_bounds([sum(e for _, e, _ in layer.params) for layer in self.layers], stages)
+        if method == "balanced":  # the engine measures; its best cut is the one of the predicted times
+            return min_max_bounds([sum(self.layer_seconds(layer)) for layer in self.layers], stages)
+        return uniform_bounds(len(self.layers), stages)
+
+    # ----- pieces -------------------------------------------------------------------------
+    def crosses_nodes(self, comm: str) -> bool:
+        lay, per_node = self.layout, self.machine.ranks_per_node
+        span = {"tp": lay.tp, "dp": lay.tp * lay.dp, "pp": lay.world, "pp-tied": lay.world, "world": lay.world}[comm]
+        return span > per_node
+
+    def collective_seconds(self, comm: str, op: str, nbytes: float) -> float:
+        key = (comm, op, nbytes)
+        if key not in self._collective_cache:
+            self._collective_cache[key] = self._collective_seconds(comm, op, nbytes)
+        return self._collective_cache[key]
+
+    def _collective_seconds(self, comm: str, op: str, nbytes: float) -> float:
+        ranks = {"tp": self.layout.tp, "dp": self.layout.dp, "pp": self.layout.pp, "pp-tied": 2,
+                 "world": self.layout.world}[comm]
+        if ranks == 1:
+            return 0.0
+        link = self.machine.link(op, ranks, self.crosses_nodes(comm))
+        wire = int(nbytes) if op == "send" else ring_wire_bytes(op, int(nbytes), ranks)
+        return link.seconds(wire)
+
+    def layer_seconds(self, layer: Layer) -> tuple[float, float, float]:
+        """(F, B, W) of one micro-batch through ``layer``, tp collectives included."""
+        p = self.precision
+        forward = work_seconds(layer.forward, self.machine, p) * self.slowdown
+        backward = work_seconds(layer.backward_input, self.machine, p) * self.slowdown
+        weight = work_seconds(layer.backward_weight, self.machine, p) * self.slowdown
+        rerun = self.tp_calls(layer)[len(layer.tp_forward) + len(layer.tp_backward):]
+        if self.recompute == "full" and layer.kept_by_recompute:
+            backward += forward  # the block's forward (and its communication, below) runs again before its backward
+        elif self.recompute == "selective" and layer.kept_by_recompute:
+            attention = Counter({f: u for f, u in layer.forward.units.items() if f in ("attention", "softmax")})
+            backward += work_seconds(Work(attention), self.machine, p) * self.slowdown  # the softmax again
+        forward += sum(self.collective_seconds("tp", op, n) for op, n in layer.tp_forward)
+        backward += sum(self.collective_seconds("tp", op, n) for op, n in layer.tp_backward + rerun)
+        return forward, backward, weight
+
+    def tp_calls(self, layer: Layer) -> list:
+        """[(op, bytes)] of ``layer`` on tp per micro-batch: forward, backward, and forward again under full recompute."""
+        rerun = layer.tp_forward if self.recompute == "full" and layer.kept_by_recompute else []
+        return layer.tp_forward + layer.tp_backward + rerun
+
+    def stage_seconds(self, stage: int) -> tuple[float, float, float]:
+        times = [self.layer_seconds(layer) for layer in self.stage_layers[stage]]
+        return tuple(sum(t[k] for t in times) for k in range(3))
+
+    def boundary_bytes(self, stage: int) -> float:
+        """Bytes of one micro-batch's activation leaving virtual stage ``stage`` (per tp rank)."""
+        return self.stage_layers[stage][-1].output_elements * self.dtype_bytes
+
+    def tied_across_stages(self, rank: int) -> bool:
+        """Whether pipeline rank ``rank`` holds the tied embedding with another rank."""
+        if self._holders is None:
+            self._holders = {s % self.layout.pp for s, stage in enumerate(self.stage_layers)
+                             for layer in stage[:1] + stage[-1:] if any(n == "embed.wte.weight" for n, _, _ in layer.params)}
+        return len(self._holders) > 1 and rank in self._holders
+
+    def rank_parameters(self, rank: int) -> list:
+        """This pipeline rank's parameters in the engine's order (computed once per rank)."""
+        if rank not in self._parameters:
+            lay = self.layout
+            self._parameters[rank] = stage_parameters([self.stage_layers[s] for s in range(rank, lay.pp * lay.chunks, lay.pp)])
+        return self._parameters[rank]
+
+    def memory(self) -> Memory:
+        return memory_per_rank(self)
+
+    # ----- the prediction -------------------------------------------------------------------
+    def predict(self) -> Prediction:
+        lay = self.layout
+        stage_times = [self.stage_seconds(s) for s in range(lay.pp * lay.chunks)]
+        if lay.pp == 1:
+            parts = self._data_parallel_step(stage_times[0])
+        else:
+            parts = self._pipeline_step(stage_times)
+        optimizer = max(self._optimizer_seconds(rank) for rank in range(lay.pp))
+        parts["optimizer_s"] = optimizer
+        parts["compute_s"] += optimizer
+        parts["comm_s"] += self._optimizer_comm_seconds()
+        step = parts["compute_s"] + parts["comm_s"] + parts["idle_s"]
+        return Prediction(lay, step, parts, memory_per_rank(self), step_traffic(self), stage_times, lay.label(), self.job)
+
+    def _data_parallel_step(self, times) -> dict:
+        forward, backward, weight = times
+        m = self.layout.micro_batches
+        compute = m * (forward + backward + weight)
+        tp_comm = m * sum(self.collective_seconds("tp", op, n) for layer in self.layers for op, n in self.tp_calls(layer))
+        sync = self._gradient_sync_seconds(0)
+        buckets = sync["buckets"]
+        hidden = min(sum(buckets[:-1]), self.machine.overlap * (backward + weight)) if buckets else 0.0
+        exposed = sync["total"] - hidden
+        return {"compute_s": compute - tp_comm, "comm_s": tp_comm + exposed, "idle_s": 0.0}
+
+    def _pipeline_step(self, stage_times) -> dict:
+        lay = self.layout
+        times = {}
+        for s, (f, b, w) in enumerate(stage_times):
+            times[("F", s)] = f
+            times[("B", s)] = b if lay.schedule == "zb1" else b + w
+            times[("W", s)] = w
+        p2p = max(self.collective_seconds("pp", "send", self.boundary_bytes(s)) for s in range(len(stage_times) - 1))
+        result = simulate([list(a) for a in schedule_of(lay.schedule, lay.pp, lay.micro_batches, lay.chunks)], comm_time=p2p,
+                          stage_times=times)
+        busy = max(result.busy)
+        tp_comm = lay.micro_batches * max(sum(self.collective_seconds("tp", op, n) for s in range(r, len(stage_times), lay.pp)
+                                              for layer in self.stage_layers[s] for op, n in self.tp_calls(layer))
+                                          for r in range(lay.pp))
+        sync = max(self._gradient_sync_seconds(r)["total"] for r in range(lay.pp))
+        return {"compute_s": busy - tp_comm, "comm_s": tp_comm + sync,
+                "idle_s": result.makespan - busy, "bubble": result.bubble}
+
+    def _gradient_sync_seconds(self, rank: int) -> dict:
+        """After backward: the tied embedding's sum, DDP's buckets, sequence-parallel gradients, the loss."""
+        lay, job, d = self.layout, self.job, self.dtype_bytes
+        params = self.rank_parameters(rank)
+        buckets = []
+        if not job.parallel.zero and lay.dp > 1:
+            buckets = [self.collective_seconds("dp", "iallreduce", n)
+                       for n in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d))]
+        total = sum(buckets)
+        if lay.pp > 1:
+            if self.tied_across_stages(rank):
+                total += sum(self.collective_seconds("pp-tied", "allreduce", e * d)
+                             for n, e, _ in params if n == "embed.wte.weight")
+            total += self.collective_seconds("pp", "allreduce", 8)
+        sp = sum(e for _, e, on in params if on)
+        if lay.sequence_parallel and sp:
+            total += self.collective_seconds("tp", "allreduce", sp * d)
+        return {"buckets": buckets, "total": total}
+
+    def _optimizer_seconds(self, rank: int) -> float:
+        """The optimizer's elementwise passes over this rank's (shard of the) parameters, and clipping."""
+        elements = sum(e for _, e, _ in self.rank_parameters(rank))
+        if self.job.parallel.zero:
+            elements = -(-elements // self.layout.dp)
+        passes = {"adamw": 14, "adam": 14, "sgd": 4 if self.job.optimizer.momentum else 3}[self.job.optimizer.name]
+        passes += 3 if self.job.optimizer.grad_clip > 0 else 0
+        passes += 4 if self.mixed else 0
+        work = Work(ops=8).add("optimizer", passes * elements * self.master_bytes)
+        return work_seconds(work, self.machine, "fp32") * self.slowdown
+
+    def _optimizer_comm_seconds(self) -> float:
+        lay, job = self.layout, self.job
+        seconds = 0.0
+        if job.parallel.zero and lay.dp > 1:
+            elements = max(sum(e for _, e, _ in self.rank_parameters(r)) for r in range(lay.pp))
+            shard = -(-elements // lay.dp) * self.master_bytes
+            seconds += self.collective_seconds("dp", "reduce_scatter", shard * lay.dp)
+            seconds += self.collective_seconds("dp", "allgather", shard)
+        if job.optimizer.grad_clip > 0:
+            seconds += sum(self.collective_seconds(c, "allreduce", 8) for c in ("tp", "pp")) + (
+                self.collective_seconds("dp", "allreduce", 8) if job.parallel.zero else 0.0)
+        return seconds
+
+
+def in_flight(plan: StepPlan) -> list[int]:
+    """Per pipeline rank, the (micro-batch, virtual stage) activations held at once under the schedule."""
+    lay = plan.layout
+    if lay.pp == 1:
+        return [1]
+    return list(_peaks(lay.schedule, lay.pp, lay.micro_batches, lay.chunks))

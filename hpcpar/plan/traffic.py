@@ -1,0 +1,137 @@
+"""Bytes per step on each communicator, exactly as ``CommStats`` counts them.
+
+For a job and a layout, every call one training step makes (``train_step`` and ``finish_step``,
+what ``hpcpar compare`` times), summed over the ranks of the world: per communicator (``dp``,
+``pp``, ``tp``, ``world``, and ``pp-tied``: the pair of pipeline ranks holding the tied
+embedding) and operation, the calls, the bytes the calls were given and the wire bytes under
+ring algorithms (``dist.comm.ring_wire_bytes``, integer per call as the counters round).
+``tests/test_plan_traffic.py`` checks them against the counters of real runs.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..dist.comm import ring_wire_bytes
+from ..parallel.data import plan_buckets
+from .model import Layer
+
+SCALAR = 8  # one float64: losses, norms, overflow flags
+
+
+@dataclass
+class Traffic:
+    """(communicator, op) -> [calls, bytes given, wire bytes], summed over the world's ranks."""
+
+    counts: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0]))
+    sizes: dict = field(default_factory=dict)  # communicator -> ranks in one of its groups
+
+    def add(self, comm: str, op: str, nbytes: float, ranks: int = 1, calls: int = 1) -> None:
+        """``calls`` calls of ``op`` given ``nbytes`` each, on each of ``ranks`` world ranks."""
+        nbytes = int(round(nbytes))
+        entry = self.counts[(comm, op)]
+        entry[0] += calls * ranks
+        entry[1] += calls * ranks * nbytes
+        entry[2] += calls * ranks * ring_wire_bytes(op, nbytes, self.sizes.get(comm, 1))
+
+    def wire(self, comm: str | None = None) -> int:
+        return sum(c[2] for (name, _), c in self.counts.items() if comm in (None, name))
+
+    def by_comm(self) -> dict:
+        """communicator -> {op: (calls, bytes, wire)}."""
+        out: dict = {}
+        for (comm, op), (calls, nbytes, wire) in sorted(self.counts.items()):
+            out.setdefault(comm, {})[op] = (calls, nbytes, wire)
+        return out
+
+
+def bucket_bytes(param_bytes: list[int], bucket_mb: float, dtype: str) -> list[int]:
+    """DDP's buckets (``parallel.data.plan_buckets``) over parameters of these sizes, in bytes each."""
+    params = [SimpleNamespace(dtype=dtype, data=SimpleNamespace(nbytes=n)) for n in param_bytes]
+    limit = np.inf if bucket_mb is None or bucket_mb == np.inf else bucket_mb * (1 << 20)
+    return [sum(param_bytes[i] for i in indices) for indices in plan_buckets(params, limit)]
+
+
+def stage_parameters(stage_layers: list[list[Layer]]) -> list[tuple[str, int, bool]]:
+    """A pipeline rank's parameters in ``PipelineParallel.named_parameters`` order (tied ones once)."""
+    seen, out = set(), []
+    for layers in stage_layers:
+        for layer in layers:
+            for name, elements, sp in layer.params:
+                if name not in seen:
+                    seen.add(name)
+                    out.append((name, elements, sp))
+    return out
+
+
+def step_traffic(plan) -> Traffic:
+    """Every counted call of one step of ``plan`` (a ``predict.StepPlan``)."""
+    lay, job = plan.layout, plan.job
+    dp, pp, tp = lay.dp, lay.pp, lay.tp
+    traffic = Traffic(sizes={"dp": dp, "pp": pp, "tp": tp, "world": dp * pp * tp, "pp-tied": 2})
+    d, master = plan.dtype_bytes, plan.master_bytes
+    for rank in range(pp):
+        mine = [plan.stage_layers[s] for s in range(rank, pp * lay.chunks, pp)]
+        group = dp * tp  # world ranks with this pipeline rank
+        for layers in mine:
+            for layer in layers:
+                for op, nbytes in plan.tp_calls(layer):  # full recompute: the forward's again
+                    traffic.add("tp", op, nbytes, group, calls=lay.micro_batches)
+        params = stage_parameters(mine)
+        if pp > 1:
+            _pipeline_messages(traffic, plan, rank, group)
+            tied = [e for name, e, _ in params if name == "embed.wte.weight"] if plan.tied_across_stages(rank) else []
+            for elements in tied:
+                traffic.add("pp-tied", "allreduce", elements * d, group)
+        if not job.parallel.zero and (pp == 1 or dp > 1):  # DDP (a pipeline builds none for one replica)
+            for nbytes in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d)):
+                traffic.add("dp", "iallreduce", nbytes, group)
+        sp = [e for _, e, on in params if on]
+        if lay.sequence_parallel and tp > 1 and sp:
+            traffic.add("tp", "allreduce", sum(sp) * d, group)
+        if pp > 1:
+            traffic.add("pp", "allreduce", SCALAR, group)  # the last stage's loss, to every stage
+        _optimizer_messages(traffic, plan, sum(e for _, e, _ in params) * master, group)
+    return traffic
+
+
+def _pipeline_messages(traffic: Traffic, plan, rank: int, group: int) -> None:
+    """Activations forward and gradients backward between this rank's virtual stages and their neighbours.
+
+    Per channel and step: a header (8 int64) before micro-batch 0's activation, then one message
+    per micro-batch each way; both sides count (a receive counts the bytes it was given, wire 0)."""
+    lay = plan.layout
+    stages = lay.pp * lay.chunks
+    m = lay.micro_batches
+    for s in range(rank, stages, lay.pp):
+        if s + 1 < stages:  # sends to s + 1, receives its gradients
+            nbytes = plan.boundary_bytes(s)
+            traffic.add("pp", "isend", 64, group)
+            traffic.add("pp", "isend", nbytes, group, calls=m)
+            traffic.add("pp", "irecv", nbytes, group, calls=m)
+        if s > 0:  # receives from s - 1, sends gradients back
+            nbytes = plan.boundary_bytes(s - 1)
+            traffic.add("pp", "recv", 64, group)
+            traffic.add("pp", "irecv", nbytes, group, calls=m)
+            traffic.add("pp", "isend", nbytes, group, calls=m)
+
+
+def _optimizer_messages(traffic: Traffic, plan, master_bytes: int, group: int) -> None:
+    """finish_step: ZeRO's reduce-scatter and all-gather, the clipping norm's sums, the overflow check."""
+    job, lay = plan.job, plan.layout
+    clip = job.optimizer.grad_clip > 0
+    if job.parallel.zero:
+        elements = master_bytes // plan.master_bytes
+        shard = -(-elements // lay.dp)
+        traffic.add("dp", "reduce_scatter", shard * lay.dp * plan.master_bytes, group)
+        traffic.add("dp", "allgather", shard * plan.master_bytes, group)
+        if clip:
+            traffic.add("dp", "allreduce", SCALAR, group)
+    if clip:
+        traffic.add("tp", "allreduce", SCALAR, group)
+        traffic.add("pp", "allreduce", SCALAR, group)
+    if plan.mixed:
+        traffic.add("world", "allreduce", SCALAR, group)

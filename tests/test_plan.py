@@ -1,0 +1,198 @@
+"""The planner (hpcpar.plan): machine files, the model inventory against the real GPT, activation
+memory against tracemalloc, the schedule simulator with unequal stages, ranking, and the CLI.
+The exact traffic is tested against real runs in tests/test_plan_traffic.py (MPI)."""
+import os
+import subprocess
+import sys
+import tracemalloc
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from hpcpar.nn.gpt import GPT, GPTConfig
+from hpcpar.parallel.pipeline.schedules import make_schedule, simulate
+from hpcpar.plan import machine as machines
+from hpcpar.plan.layouts import plan_layouts
+from hpcpar.plan.model import Shape, activation_ratio, gpt_block, korthikanti_bytes, layers
+from hpcpar.plan.predict import StepPlan
+from hpcpar.train.config import load_job
+from hpcpar.train.validate import validate
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = """[model]\nkind = "gpt"\nblock_size = 32\nn_layer = 4\nn_head = 4\nn_embd = 64\n[data]\nbatch_size = 16\n
+prepare_if_missing = true\n[parallel]\npp = 1\ntp = 1\n[optimizer]\ngrad_clip = 1.0\n[train]\nsteps = 2\n"""
+
+
+@pytest.fixture
+def job_file(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(JOB)
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["dgx-a100", "dgx-h100"])
+def test_shipped_machine_files_load_and_cite_every_number(name):
+    machine = machines.load_machine(name)
+    assert machine.ranks_per_node == 8 and machine.inter.bandwidth < machine.intra.bandwidth
+    assert machine.compute["bf16"].gemm_flops > machine.compute["fp32"].gemm_flops
+    with open(os.path.join(machines.MACHINES_DIR, name + ".toml")) as f:
+        numbers = [line for line in f if "=" in line and not line.startswith(("#", "name"))]
+    assert all("#" in line for line in numbers), "every number has its source or 'assumption' beside it"
+
+
+def test_a_written_machine_file_reads_back(tmp_path):
+    machine = machines.load_machine("dgx-a100")
+    machine.concurrency = [1.0, 1.5]
+    machine.collectives = {("allreduce", 2): machines.Link(1e-5, 1e9)}
+    path = tmp_path / "m.toml"
+    path.write_text(machines.format_machine(machine))
+    again = machines.load_machine(str(path))
+    assert again.compute["bf16"].gemm_flops == pytest.approx(machine.compute["bf16"].gemm_flops, rel=1e-3)
+    assert again.concurrency == [1.0, 1.5] and again.link("allreduce", 2, False).latency_s == pytest.approx(1e-5)
+    assert again.link("allreduce", 2, True) is again.inter
+
+
+def test_a_bad_machine_file_is_one_line_naming_the_key(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[machine]\nranks_per_node = 8\nmemory_gb = 80\n[compute.fp32]\ngemm_flops = "fast"\n')
+    with pytest.raises(machines.MachineError, match="gemm_flops"):
+        machines.load_machine(str(path))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("bias, tie", [(True, True), (False, False)])
+def test_the_parameter_inventory_is_the_gpt_s(tp, bias, tie):
+    config = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, bias=bias, tie_weights=tie)
+    model = GPT(config)
+    shape = Shape("gpt", 2, "fp32", tp, False, 16, 2, 4, 32, 256, bias=bias, tie_weights=tie)
+    listed = {}
+    for layer, real in zip(layers(shape), model.layers()):
+        assert [n for n, _, _ in layer.params] == [f"{layer.name}.{n}" if not n.startswith("wte") or layer.name == "embed"
+                                                   else n for n, _ in real.named_parameters()] or layer.name == "head"
+        listed.update({n: e for n, e, _ in layer.params})
+    for name, param in model.named_parameters():
+        sharded = param.ndim == 2 and not name.endswith("wpe.weight") or name.endswith(("qkv.bias", "fc.bias"))
+        assert listed[name] == param.size // (tp if sharded else 1), name
+
+
+def kept_by_forward(model, rows: int) -> int:
+    """Bytes a forward's graph holds until backward (tracemalloc, after a warm-up step)."""
+    ids = np.random.default_rng(0).integers(0, 256, (rows, model.config.block_size + 1))
+    model.loss(ids[:, :-1], ids[:, 1:]).backward()
+    tracemalloc.start()
+    loss = model.loss(ids[:, :-1], ids[:, 1:])
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del loss
+    return held
+
+
+@pytest.mark.parametrize("n_layer, width, heads, rows", [(2, 64, 4, 8), (1, 128, 8, 4)])
+def test_activations_kept_match_tracemalloc_within_10_percent(n_layer, width, heads, rows):
+    config = GPTConfig(n_layer=n_layer, n_embd=width, n_head=heads, block_size=32)
+    held = kept_by_forward(GPT(config), rows)
+    shape = Shape("gpt", rows, "fp32", 1, False, 32, n_layer, heads, width, 256)
+    predicted = sum(layer.saved_bytes for layer in layers(shape))
+    assert abs(predicted - held) / held < 0.10
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_the_recomputation_memory_term_matches_tracemalloc_within_10_percent(mode):
+    config = GPTConfig(n_layer=3, n_embd=64, n_head=4, block_size=32, dropout=0.1)
+    model = GPT(config)
+    model.recompute = mode
+    held = kept_by_forward(model, 8)
+    shape = Shape("gpt", 8, "fp32", 1, False, 32, 3, 4, 64, 256, attn_dropout=0.1)
+    predicted = sum(layer.kept_by_recompute.get(mode, layer.saved_bytes) for layer in layers(shape))
+    assert abs(predicted - held) / held < 0.10
+
+
+def test_the_activation_term_against_korthikanti():
+    gpt2 = Shape("gpt", 1, "bf16", 1, False, 1024, 1, 12, 768, 50304)  # 16 bits, no dropout
+    assert korthikanti_bytes(gpt2) == 1024 * 768 * (34 + 5 * 12 * 1024 / 768)
+    assert activation_ratio(gpt2) == pytest.approx(gpt_block(gpt2, 0).saved_bytes / korthikanti_bytes(gpt2))
+    assert 0.5 < activation_ratio(gpt2) < 1.5
+    fp32 = replace(gpt2, precision="fp32")
+    assert 2 * activation_ratio(gpt2) < activation_ratio(fp32) < 2.5 * activation_ratio(gpt2)  # 16-bit norms keep less
+
+
+def test_simulate_with_stage_times_is_the_uniform_case_when_equal_and_slower_when_not():
+    schedule = make_schedule("1f1b", 4, 8)
+    uniform = simulate(schedule, 1.0, 2.0)
+    same = simulate(schedule, stage_times={(k, s): t for s in range(4) for k, t in (("F", 1.0), ("B", 2.0))})
+    assert same.makespan == uniform.makespan
+    slow_last = simulate(schedule, 1.0, 2.0, stage_times={("F", 3): 2.0, ("B", 3): 4.0})
+    assert slow_last.makespan > uniform.makespan
+
+
+def test_zero_bubble_and_interleaving_predict_less_idle_than_1f1b(job_file):
+    machine = machines.load_machine("dgx-a100")
+    base = load_job(job_file, ["parallel.pp=2", "parallel.micro_batches=4", "model.n_layer=10"])  # 12 layers: even stages
+    idle = {}
+    for schedule, chunks in (("1f1b", 1), ("zb1", 1), ("interleaved", 2)):
+        job = validate(replace(base, parallel=replace(base.parallel, schedule=schedule, chunks=chunks)), 2)
+        idle[schedule] = StepPlan(job, machine).predict().parts["idle_s"]
+    assert idle["zb1"] < idle["1f1b"] and idle["interleaved"] < idle["1f1b"]
+
+
+def test_a_20b_gpt_on_two_dgx_h100_nodes_keeps_tensor_parallelism_inside_a_node(tmp_path):
+    path = tmp_path / "gpt20b.toml"
+    path.write_text('[model]\nkind = "gpt"\nvocab_size = 51200\nblock_size = 2048\nn_layer = 44\nn_head = 48\n'
+                    'n_embd = 6144\n[data]\nbatch_size = 64\n[parallel]\nmicro_batches = 4\nzero = true\n'
+                    '[train]\nprecision = "bf16"\n')
+    ranked = plan_layouts(load_job(str(path)), 16, machines.load_machine("dgx-h100"))
+    best = ranked.predictions[0]
+    assert ranked.fits[id(best)] and best.layout.tp <= 8  # tensor parallelism stays inside a node
+    pure_data = next(q for q in ranked.predictions if q.label.startswith("16x1x1 m4"))  # even with recomputation
+    assert not ranked.fits[id(pure_data)]  # 20 B parameters with their gradients and Adam: not on one GPU
+
+
+def run_hpcpar(*args):
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, "-m", "hpcpar", *args], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=REPO)
+
+
+def test_plan_prints_the_ranked_table_and_explains_a_layout(job_file):
+    table = run_hpcpar("plan", job_file, "--world", "4", "--machine", "dgx-a100", "--top", "3")
+    assert table.returncode == 0, table.stderr
+    assert "step ms" in table.stdout and "... " in table.stdout and "excluded" in table.stdout
+    explained = run_hpcpar("plan", job_file, "--world", "4", "--machine", "dgx-a100", "--explain", "2x2x1")
+    assert explained.returncode == 0 and "per virtual stage" in explained.stdout and "pp-tied" in explained.stdout
+
+
+def test_plan_without_a_machine_file_is_a_usage_error(job_file, tmp_path):
+    result = run_hpcpar("plan", job_file, "--world", "2", "--machine", str(tmp_path / "none.toml"))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "none.toml" in result.stderr
+
+
+def test_train_dry_run_predicts_and_trains_nothing(job_file, tmp_path):
+    result = run_hpcpar("train", job_file, "--dry-run", "--machine", "dgx-a100", "--set", "parallel.dp=2",
+                        "--set", f'train.metrics="{tmp_path}/m.jsonl"')
+    assert result.returncode == 0, result.stderr
+    assert "nothing trained" in result.stdout and "memory per rank" in result.stdout and "step" in result.stdout
+    assert not os.path.exists(tmp_path / "m.jsonl")
+    bad = run_hpcpar("train", job_file, "--dry-run", "--set", "parallel.pp=3")
+    assert bad.returncode == 2 and "parallel.pp" in bad.stderr
+
+
+def test_calibrate_writes_a_machine_file_the_planner_reads(tmp_path, job_file):
+    out = tmp_path / "machine.toml"
+    result = run_hpcpar("plan", "calibrate", "--out", str(out), "--inter", "dgx-a100")
+    assert result.returncode == 0, result.stderr
+    machine = machines.load_machine(str(out))
+    compute = machine.compute["fp32"]
+    assert compute.gemm_flops > 0 and compute.model_factor > 0 and set(compute.family_bandwidth) == set(machines.FAMILIES)
+    assert machine.inter == machines.load_machine("dgx-a100").inter and machine.concurrency[0] == 1.0
+    planned = run_hpcpar("plan", job_file, "--world", "2", "--machine", str(out))
+    assert planned.returncode == 0 and "2x1x1" in planned.stdout
+
+
+def test_oversubscription_slows_compute_by_the_measured_concurrency_else_ranks_per_core():
+    machine = machines.load_machine("dgx-a100")
+    machine.cores = 2
+    assert machine.slowdown(1) == 1.0 and machine.slowdown(4) == 2.0  # no measurement: ranks / cores
+    machine.concurrency = [1.0, 1.1, 1.6, 2.1]
+    assert machine.slowdown(2) == 1.1 and machine.slowdown(4) == 2.1
+    assert machine.slowdown(8) == pytest.approx(4.2)  # beyond the measured: scaled from the last

@@ -1,0 +1,76 @@
+"""The planner's bytes per step equal the communicators' counters, call for call (2 and 4 ranks).
+
+For each layout: one real step (``hpcpar.plan.measure.counted_step``: train_step and
+finish_step, as ``hpcpar compare`` times them) against ``hpcpar.plan.traffic`` — per
+communicator and operation, the calls, the bytes given and the wire bytes, summed over ranks.
+"""
+import os
+import tempfile
+
+import pytest
+from mpi4py import MPI
+
+from hpcpar.plan.machine import load_machine
+from hpcpar.plan.measure import counted_step
+from hpcpar.plan.predict import StepPlan
+from hpcpar.train.config import load_job
+from hpcpar.train.validate import validate
+
+GPT = """[model]\nkind = "gpt"\nblock_size = 16\nn_layer = 3\nn_head = 4\nn_embd = 32\n
+[data]\npath = "{path}"\nbatch_size = 16\n[parallel]\npp = 1\ntp = 1\n[optimizer]\ngrad_clip = 1.0\n
+[train]\nsteps = 2\ndevice = "cpu"\n"""
+CNN = """[model]\nkind = "cnn"\n[data]\nkind = "digits"\nbatch_size = 32\n[parallel]\npp = 1\ntp = 1\n[train]\nsteps = 2\n"""
+
+LAYOUTS = {  # world size -> [(model, overrides)]
+    2: [("gpt", ["parallel.dp=2"]),
+        ("gpt", ["parallel.dp=2", "parallel.bucket_mb=0.01", "parallel.micro_batches=2"]),
+        ("gpt", ["parallel.pp=2", "parallel.micro_batches=4", 'parallel.schedule="gpipe"']),
+        ("gpt", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("gpt", ["parallel.dp=2", "parallel.zero=true"]),
+        ("gpt", ["parallel.tp=2", "model.tie_weights=false", "model.bias=false"]),
+        ("gpt", ["parallel.tp=2", 'model.recompute="full"', "model.dropout=0.1"]),
+        ("gpt", ["parallel.pp=2", "parallel.micro_batches=2", 'model.recompute="selective"']),
+        ("cnn", ["parallel.pp=2", "parallel.micro_batches=2"])],
+    4: [("gpt", ["parallel.dp=2", "parallel.pp=2", 'parallel.schedule="interleaved"', "parallel.chunks=2",
+                 "parallel.micro_batches=4"]),
+        ("gpt", ["parallel.pp=2", "parallel.tp=2", 'parallel.schedule="zb1"', "parallel.micro_batches=4",
+                 "parallel.sequence_parallel=true"]),
+        ("gpt", ["parallel.dp=2", "parallel.tp=2", "parallel.zero=true", 'model.recompute="full"']),
+        ("gpt", ["parallel.pp=4", "parallel.micro_batches=8", 'parallel.schedule="1f1b"']),
+        ("gpt", ["parallel.dp=4", "parallel.bucket_mb=0.02"]),
+        ("cnn", ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=true"])],
+}
+
+
+@pytest.fixture(scope="module")
+def job_files():
+    from hpcpar.data.prepare import ensure_prepared
+    from hpcpar.dist.comm import Communicator
+
+    world = MPI.COMM_WORLD
+    folder = world.bcast(tempfile.mkdtemp(prefix="plan-traffic-") if world.Get_rank() == 0 else None, root=0)
+    tokens = os.path.join(folder, "tokens.h5")
+    ensure_prepared(tokens, Communicator(world, "world"), max_mb=0.2)
+    files = {"gpt": os.path.join(folder, "gpt.toml"), "cnn": os.path.join(folder, "cnn.toml")}
+    if world.Get_rank() == 0:
+        for name, text in (("gpt", GPT.format(path=tokens)), ("cnn", CNN)):
+            with open(files[name], "w") as f:
+                f.write(text)
+    world.barrier()
+    return files
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", [(n, i) for n, cases in LAYOUTS.items() for i in range(len(cases))],
+                         ids=[f"{n}ranks-{m}-{' '.join(o)}" for n, cases in LAYOUTS.items() for m, o in cases])
+def test_bytes_per_step_equal_the_counters(case, job_files):
+    world = MPI.COMM_WORLD
+    ranks, index = case
+    if world.Get_size() != ranks:
+        pytest.skip(f"a {ranks}-rank layout")
+    model, overrides = LAYOUTS[ranks][index]
+    job = validate(load_job(job_files[model], overrides), ranks)
+    counted = counted_step(job, world)
+    if world.Get_rank() == 0:
+        predicted = StepPlan(job, load_machine("dgx-a100")).predict().traffic.by_comm()
+        assert predicted == counted

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, final_parameters
+from hpcpar.host import BLAS_THREAD_VARIABLES
 from services import shared_service
 from slurm_jobs import job_env, submit, wait_for, wait_for_output
 
@@ -83,10 +84,14 @@ def test_train_sbatch_completes_and_checkpoints(slurm_cluster, tmp_path, token_f
 
 def test_usr1_checkpoints_requeues_and_resumes_to_the_same_parameters(slurm_cluster, tmp_path, token_file):
     steps = 40
+    # The uninterrupted run uses the BLAS threads the sbatch job gets (its --cpus-per-task, through
+    # slurm/env.sh): another thread count splits the products otherwise and rounds differently.
+    threads = re.search(r"^#SBATCH --cpus-per-task=(\d+)", open(os.path.join(REPO, "slurm", "train.sbatch")).read(),
+                        re.M).group(1)
     straight = subprocess.run([os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", "4", sys.executable,
                                "-m", "hpcpar", "train", *job_args(tmp_path / "straight", token_file, steps)],
                               capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+                              env={**os.environ, **{name: threads for name in BLAS_THREAD_VARIABLES}})
     assert straight.returncode == 0, straight.stdout + straight.stderr
 
     out = tmp_path / "preempted.out"

@@ -12,16 +12,37 @@ import numpy as np
 
 from . import host
 
+_cupy_error: str | None = None  # why an installed CuPy failed to import (a broken install)
 try:  # CuPy is optional; a broken CUDA install must not break CPU users either.
     import cupy as _cupy
-except Exception:  # noqa: BLE001 - ImportError, CUDA driver errors, ...
+except ModuleNotFoundError as _error:  # not installed: CPUs, nothing to report
     _cupy = None
+    if _error.name != "cupy":  # CuPy is there but a module it needs is not
+        _cupy_error = f"{type(_error).__name__}: {_error}"
+except Exception as _error:  # noqa: BLE001 - an installed CuPy that fails: a driver, a CUDA library, ...
+    _cupy = None
+    _cupy_error = f"{type(_error).__name__}: {str(_error).splitlines()[0] if str(_error) else ''}"
 
 DEVICES = ("auto", "cpu", "cuda")
+CUPY_FIX = "pip install 'hpcpar[gpu]' (the cupy-cuda12x or cupy-cuda13x wheel matching your CUDA driver)"
+
+
+class DeviceError(RuntimeError):
+    """The device (or a dtype on it) cannot be used; the message is one line naming the fix."""
 
 
 def cupy_available() -> bool:
     return _cupy is not None
+
+
+def cupy_module():
+    """The ``cupy`` module, or None without a working CuPy."""
+    return _cupy
+
+
+def cupy_broken() -> str | None:
+    """Why an installed CuPy failed to import (None: it imported, or it is not installed)."""
+    return _cupy_error
 
 
 def gpu_count() -> int:
@@ -35,15 +56,54 @@ def gpu_count() -> int:
 
 
 def resolve_device(device: str = "auto") -> str:
-    """Turn "auto" into "cuda" when a GPU is usable, else "cpu"; validate the name."""
+    """Turn "auto" into "cuda" when a GPU is usable, else "cpu"; validate the name.
+
+    Raises DeviceError (one line naming the fix) for "cuda" without CuPy or without a device,
+    and for "auto" or "cuda" with a CuPy that is installed but fails to import: "auto" would
+    otherwise train on the CPU in silence.
+    """
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if device != "cpu" and _cupy_error is not None:
+        raise DeviceError(f"device={device!r}: CuPy is installed but fails to import ({_cupy_error}); "
+                          f"repair it ({CUPY_FIX}) or set the device to 'cpu'")
     if device == "auto":
         return "cuda" if gpu_count() > 0 else "cpu"
     if device == "cuda" and gpu_count() == 0:
-        reason = "CuPy is not installed (pip install 'hpcpar[gpu]')" if _cupy is None else "CuPy sees no CUDA device"
-        raise RuntimeError(f"device='cuda' was requested but {reason}")
+        if _cupy is None:
+            raise DeviceError(f"device='cuda' was requested but CuPy is not installed: {CUPY_FIX}")
+        raise DeviceError("device='cuda' was requested but CuPy sees no CUDA device (check nvidia-smi, "
+                          "CUDA_VISIBLE_DEVICES and the driver) ; or set the device to 'cpu'")
     return device
+
+
+def device_choice(requested: str, resolved: str) -> str:
+    """One line saying which device a run uses and why (logged at start)."""
+    if requested != "auto":
+        return f"device {resolved} (requested)"
+    if resolved == "cuda":
+        return f"device cuda (auto: CuPy {_cupy.__version__} sees {gpu_count()} GPU(s))"
+    reason = "CuPy is not installed" if _cupy is None else "CuPy sees no CUDA device"
+    return f"device cpu (auto: {reason})"
+
+
+def check_precision(device: str, precision: str) -> None:
+    """Raise DeviceError when ``precision`` (fp32, fp16, bf16, fp64) cannot run on ``device``."""
+    if precision == "bf16" and device == "cuda":
+        import ml_dtypes
+
+        check_dtype(device, ml_dtypes.bfloat16)
+
+
+def check_dtype(device: str, dtype) -> None:
+    """Raise DeviceError when arrays of ``dtype`` cannot live on ``device`` (bfloat16 on a CuPy without it)."""
+    if device != "cuda" or np.dtype(dtype).name != "bfloat16":
+        return
+    try:
+        _cupy.zeros(1, dtype=dtype)
+    except Exception as error:  # noqa: BLE001 - CuPy raises several types for an unknown dtype
+        raise DeviceError(f"precision bf16 on the GPU needs bfloat16 arrays, which CuPy {_cupy.__version__} lacks "
+                          f"({type(error).__name__}); use precision fp16 (or fp32), or the CPU") from None
 
 
 def select_gpu(node_local_rank: int) -> int:
@@ -93,19 +153,49 @@ def to_device(a, xp):
 
 
 def synchronize(a=None) -> None:
-    """Wait for the current CUDA stream; a no-op for NumPy.
+    """Wait for all work on the device (every stream); a no-op for NumPy.
 
     MPI reads device memory directly, outside CuPy's stream order, so every MPI call on a
-    CuPy buffer must come after this or it may send stale data.
+    CuPy buffer must come after this or it may send stale data. The whole device, not the
+    current stream: why, in ``hpcpar.dist.comm._Staged``.
     """
     if _cupy is not None and (a is None or is_gpu_array(a)):
         if gpu_count() > 0:
-            _cupy.cuda.get_current_stream().synchronize()
+            _cupy.cuda.Device().synchronize()
+
+
+def pinned_empty(nbytes: int) -> np.ndarray:
+    """``nbytes`` of page-locked host memory as a uint8 NumPy array (plain memory without a GPU).
+
+    Copies between the device and pinned memory run at full bus speed and without an extra
+    copy through a driver buffer; MPI's host staging reuses these (``HostStaging``).
+    """
+    if _cupy is None or gpu_count() == 0:
+        return np.empty(nbytes, dtype=np.uint8)
+    memory = _cupy.cuda.alloc_pinned_memory(nbytes)
+    return np.frombuffer(memory, dtype=np.uint8, count=nbytes)
+
+
+def copy_to_host(a, out: np.ndarray) -> np.ndarray:
+    """Copy the device array ``a`` into the host array ``out`` (same shape and dtype); returns ``out``."""
+    if is_gpu_array(a):
+        a.get(out=out)
+    else:
+        out[...] = a
+    return out
+
+
+def copy_to_device(host: np.ndarray, a) -> None:
+    """Copy the host array ``host`` into the device array ``a`` (same shape and dtype)."""
+    if is_gpu_array(a):
+        a.set(host)
+    else:
+        a[...] = host
 
 
 def describe() -> dict:
     """Facts for ``hpcpar info``."""
-    info = {"numpy": np.__version__, "cupy": None, "gpus": 0}
+    info = {"numpy": np.__version__, "cupy": None, "gpus": 0, "cupy_error": _cupy_error}
     if _cupy is not None:
         info["cupy"] = _cupy.__version__
         info["gpus"] = gpu_count()

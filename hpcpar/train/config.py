@@ -238,6 +238,14 @@ class ParallelSection:
     node_size: int | None = _key(None, INTEGER, "pretend nodes of this many ranks for the shared-memory collectives "
                                                 "(their inter-node step on one machine); unset: HPCPAR_NODE_SIZE, "
                                                 "else the real nodes", check=at_least(1))
+    backend: str = _key("auto", STRING, "what moves GPU buffers: nccl (NVIDIA's NCCL through CuPy, on its own "
+                                        "stream), mpi (CUDA-aware MPI, else staged through pinned host memory); auto: "
+                                        "nccl on GPUs when CuPy has it, else mpi; CPUs always use mpi",
+                        choices=("auto", "mpi", "nccl"))
+    device_nonblocking: bool | None = _key(None, BOOLEAN, "a CUDA-aware MPI takes device buffers in non-blocking "
+                                                          "collectives (else they run blocking); unset: "
+                                                          "HPCPAR_DEVICE_NONBLOCKING, else the table of MPI "
+                                                          "libraries in hpcpar/dist/comm.py (docs/gpu.md)")
     mode: str = _key("allreduce", STRING, "how dp replicas agree", choices=("allreduce", "ps", "local_sgd"))
     staleness: int = _key(0, INTEGER, "steps a worker may run ahead of the servers", check=at_least(0),
                           applies=("parallel.mode", ("ps",)))

@@ -19,6 +19,7 @@ import warnings
 import numpy as np
 
 from .. import checkpoint, log as logs
+from ..backend import check_precision
 from ..dist.context import init
 from ..dist.topology import PlacementWarning
 from ..dist.trace import Tracer
@@ -128,8 +129,10 @@ def start_context(job: Job):
     p = job.parallel
     with warnings.catch_warnings():  # the placement report (describe) carries the warning
         warnings.simplefilter("ignore", PlacementWarning)
-        return init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device, shm=p.shm,
-                    node_size=p.node_size)
+        ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device, shm=p.shm,
+                   node_size=p.node_size, backend=p.backend, device_nonblocking=p.device_nonblocking)
+    check_precision(ctx.device, job.train.precision)  # before anything allocates: one line, every rank alike
+    return ctx
 
 
 def describe(job: Job, ctx) -> None:

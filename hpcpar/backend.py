@@ -8,16 +8,18 @@ and runs on NumPy.
 from __future__ import annotations
 
 
+import os
+
 import numpy as np
 
-from . import host
+from . import guard, host
 
 try:  # CuPy is optional; a broken CUDA install must not break CPU users either.
     import cupy as _cupy
 except Exception:  # noqa: BLE001 - ImportError, CUDA driver errors, ...
     _cupy = None
 
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "guard")  # guard: the CuPy path on CPUs under the transfer guard (hpcpar.guard)
 
 
 def cupy_available() -> bool:
@@ -35,7 +37,10 @@ def gpu_count() -> int:
 
 
 def resolve_device(device: str = "auto") -> str:
-    """Turn "auto" into "cuda" when a GPU is usable, else "cpu"; validate the name."""
+    """Turn "auto" into ``HPCPAR_DEVICE`` when set, else "cuda" when a GPU is usable, else "cpu";
+    validate the name."""
+    if device == "auto":
+        device = os.environ.get("HPCPAR_DEVICE") or "auto"
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if device == "auto":
@@ -62,11 +67,13 @@ def select_gpu(node_local_rank: int) -> int:
 
 def array_module(device: str):
     """The array library for a resolved device name."""
-    return _cupy if device == "cuda" else np
+    return {"cuda": _cupy, "guard": guard.xp}.get(device, np)
 
 
 def get_array_module(*arrays):
     """``cupy`` if any argument is a CuPy array, else ``numpy`` (works without CuPy)."""
+    if any(isinstance(a, guard.ndarray) for a in arrays):
+        return guard.xp
     if _cupy is not None:
         for a in arrays:
             if isinstance(a, _cupy.ndarray):
@@ -75,11 +82,13 @@ def get_array_module(*arrays):
 
 
 def is_gpu_array(a) -> bool:
-    return _cupy is not None and isinstance(a, _cupy.ndarray)
+    return isinstance(a, guard.ndarray) or (_cupy is not None and isinstance(a, _cupy.ndarray))
 
 
 def to_host(a) -> np.ndarray:
     """A NumPy copy (or the array itself when it already lives on the host)."""
+    if isinstance(a, guard.ndarray):
+        return guard.asnumpy(a)
     if is_gpu_array(a):
         return _cupy.asnumpy(a)
     return np.asarray(a)
@@ -98,9 +107,25 @@ def synchronize(a=None) -> None:
     MPI reads device memory directly, outside CuPy's stream order, so every MPI call on a
     CuPy buffer must come after this or it may send stale data.
     """
+    if isinstance(a, guard.ndarray):
+        guard.get_current_stream().synchronize()
     if _cupy is not None and (a is None or is_gpu_array(a)):
         if gpu_count() > 0:
             _cupy.cuda.get_current_stream().synchronize()
+
+
+def scatter_add(a, indices, values) -> None:
+    """``a[indices] += values`` in place with repeated indices summed: ``np.add.at`` on NumPy,
+    ``cupyx.scatter_add`` on CuPy (CuPy's ufuncs have no portable ``add.at``)."""
+    xp = get_array_module(a)
+    if xp is np:
+        np.add.at(a, indices, values)
+    elif xp is guard.xp:
+        guard.xp.scatter_add(a, indices, values)
+    else:
+        import cupyx
+
+        cupyx.scatter_add(a, indices, values)
 
 
 def describe() -> dict:

@@ -8,9 +8,11 @@ and runs on NumPy.
 from __future__ import annotations
 
 
+import os
+
 import numpy as np
 
-from . import host
+from . import guard, host
 
 _cupy_error: str | None = None  # why an installed CuPy failed to import (a broken install)
 try:  # CuPy is optional; a broken CUDA install must not break CPU users either.
@@ -23,7 +25,7 @@ except Exception as _error:  # noqa: BLE001 - an installed CuPy that fails: a dr
     _cupy = None
     _cupy_error = f"{type(_error).__name__}: {str(_error).splitlines()[0] if str(_error) else ''}"
 
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "guard")  # guard: the CuPy path on CPUs under the transfer guard (hpcpar.guard)
 CUPY_FIX = "pip install 'hpcpar[gpu]' (the cupy-cuda12x or cupy-cuda13x wheel matching your CUDA driver)"
 
 
@@ -56,15 +58,18 @@ def gpu_count() -> int:
 
 
 def resolve_device(device: str = "auto") -> str:
-    """Turn "auto" into "cuda" when a GPU is usable, else "cpu"; validate the name.
+    """Turn "auto" into ``HPCPAR_DEVICE`` when set, else "cuda" when a GPU is usable, else "cpu";
+    validate the name.
 
     Raises DeviceError (one line naming the fix) for "cuda" without CuPy or without a device,
     and for "auto" or "cuda" with a CuPy that is installed but fails to import: "auto" would
     otherwise train on the CPU in silence.
     """
+    if device == "auto":
+        device = os.environ.get("HPCPAR_DEVICE") or "auto"
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    if device != "cpu" and _cupy_error is not None:
+    if device in ("auto", "cuda") and _cupy_error is not None:
         raise DeviceError(f"device={device!r}: CuPy is installed but fails to import ({_cupy_error}); "
                           f"repair it ({CUPY_FIX}) or set the device to 'cpu'")
     if device == "auto":
@@ -81,6 +86,8 @@ def device_choice(requested: str, resolved: str) -> str:
     """One line saying which device a run uses and why (logged at start)."""
     if requested != "auto":
         return f"device {resolved} (requested)"
+    if resolved == "guard":
+        return "device guard (auto: HPCPAR_DEVICE=guard, the CuPy path on CPUs under the transfer guard)"
     if resolved == "cuda":
         return f"device cuda (auto: CuPy {_cupy.__version__} sees {gpu_count()} GPU(s))"
     reason = "CuPy is not installed" if _cupy is None else "CuPy sees no CUDA device"
@@ -89,7 +96,7 @@ def device_choice(requested: str, resolved: str) -> str:
 
 def check_precision(device: str, precision: str) -> None:
     """Raise DeviceError when ``precision`` (fp32, fp16, bf16, fp64) cannot run on ``device``."""
-    if precision == "bf16" and device == "cuda":
+    if precision == "bf16" and device in ("cuda", "guard"):
         import ml_dtypes
 
         check_dtype(device, ml_dtypes.bfloat16)
@@ -97,12 +104,14 @@ def check_precision(device: str, precision: str) -> None:
 
 def check_dtype(device: str, dtype) -> None:
     """Raise DeviceError when arrays of ``dtype`` cannot live on ``device`` (bfloat16 on a CuPy without it)."""
-    if device != "cuda" or np.dtype(dtype).name != "bfloat16":
+    if device not in ("cuda", "guard") or np.dtype(dtype).name != "bfloat16":
         return
+    xp = array_module(device)
     try:
-        _cupy.zeros(1, dtype=dtype)
+        xp.zeros(1, dtype=dtype)
     except Exception as error:  # noqa: BLE001 - CuPy raises several types for an unknown dtype
-        raise DeviceError(f"precision bf16 on the GPU needs bfloat16 arrays, which CuPy {_cupy.__version__} lacks "
+        version = f"CuPy {_cupy.__version__}" if device == "cuda" else "the transfer guard (as CuPy)"
+        raise DeviceError(f"precision bf16 on the GPU needs bfloat16 arrays, which {version} lacks "
                           f"({type(error).__name__}); use precision fp16 (or fp32), or the CPU") from None
 
 
@@ -122,11 +131,13 @@ def select_gpu(node_local_rank: int) -> int:
 
 def array_module(device: str):
     """The array library for a resolved device name."""
-    return _cupy if device == "cuda" else np
+    return {"cuda": _cupy, "guard": guard.xp}.get(device, np)
 
 
 def get_array_module(*arrays):
     """``cupy`` if any argument is a CuPy array, else ``numpy`` (works without CuPy)."""
+    if any(isinstance(a, guard.ndarray) for a in arrays):
+        return guard.xp
     if _cupy is not None:
         for a in arrays:
             if isinstance(a, _cupy.ndarray):
@@ -135,11 +146,13 @@ def get_array_module(*arrays):
 
 
 def is_gpu_array(a) -> bool:
-    return _cupy is not None and isinstance(a, _cupy.ndarray)
+    return isinstance(a, guard.ndarray) or (_cupy is not None and isinstance(a, _cupy.ndarray))
 
 
 def to_host(a) -> np.ndarray:
     """A NumPy copy (or the array itself when it already lives on the host)."""
+    if isinstance(a, guard.ndarray):
+        return guard.asnumpy(a)
     if is_gpu_array(a):
         return _cupy.asnumpy(a)
     return np.asarray(a)
@@ -159,9 +172,10 @@ def synchronize(a=None) -> None:
     CuPy buffer must come after this or it may send stale data. The whole device, not the
     current stream: why, in ``hpcpar.dist.comm._Staged``.
     """
-    if _cupy is not None and (a is None or is_gpu_array(a)):
-        if gpu_count() > 0:
-            _cupy.cuda.Device().synchronize()
+    if isinstance(a, guard.ndarray):
+        guard.synchronize_device()
+    elif _cupy is not None and (a is None or isinstance(a, _cupy.ndarray)) and gpu_count() > 0:
+        _cupy.cuda.Device().synchronize()
 
 
 def pinned_empty(nbytes: int) -> np.ndarray:
@@ -179,7 +193,7 @@ def pinned_empty(nbytes: int) -> np.ndarray:
 def copy_to_host(a, out: np.ndarray) -> np.ndarray:
     """Copy the device array ``a`` into the host array ``out`` (same shape and dtype); returns ``out``."""
     if is_gpu_array(a):
-        a.get(out=out)
+        get_array_module(a).asnumpy(a, out=out)  # into the reused (pinned) buffer: no allocation
     else:
         out[...] = a
     return out
@@ -191,6 +205,20 @@ def copy_to_device(host: np.ndarray, a) -> None:
         a.set(host)
     else:
         a[...] = host
+
+
+def scatter_add(a, indices, values) -> None:
+    """``a[indices] += values`` in place with repeated indices summed: ``np.add.at`` on NumPy,
+    ``cupyx.scatter_add`` on CuPy (CuPy's ufuncs have no portable ``add.at``)."""
+    xp = get_array_module(a)
+    if xp is np:
+        np.add.at(a, indices, values)
+    elif xp is guard.xp:
+        guard.xp.scatter_add(a, indices, values)
+    else:
+        import cupyx
+
+        cupyx.scatter_add(a, indices, values)
 
 
 def describe() -> dict:

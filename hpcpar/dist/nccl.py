@@ -119,14 +119,15 @@ def choose_backend(requested: str, device: str, cuda_aware: bool, have_nccl: boo
     if requested not in BACKENDS:
         raise ValueError(f"parallel.backend must be one of {BACKENDS}, got {requested!r}")
     have_nccl = nccl_available() if have_nccl is None else have_nccl
+    on_device = device in ("cuda", "guard")  # guard: the CuPy path on CPUs (hpcpar.guard), with an NCCL double
     if requested == "nccl":
-        if device != "cuda":
+        if not on_device:
             raise RuntimeError("parallel.backend = \"nccl\" needs train.device = \"cuda\" (NCCL moves GPU buffers "
                                "only); use parallel.backend = \"auto\" or \"mpi\" on CPUs")
         if not have_nccl:
             cupy_runtime()  # raises the message naming the fix
         return "nccl"
-    if requested == "auto" and device == "cuda" and have_nccl:
+    if requested == "auto" and on_device and have_nccl:
         return "nccl"
     return "mpi"
 

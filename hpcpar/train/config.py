@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 from .. import defaults
+from ..backend import DEVICES
 from ..parallel.compression import COMPRESSORS
 from ..parallel.pipeline.partition import PARTITION_METHODS
 from ..parallel.pipeline.schedules import SCHEDULES
@@ -288,7 +289,8 @@ class TrainSection:
     seed: int = _key(0, INTEGER, "data order (and the digits train/test split)", check=at_least(0))
     precision: str = _key("fp32", STRING, "compute dtype (fp16/bf16 keep fp32 master weights)",
                           choices=("fp32", "fp16", "bf16", "fp64"))
-    device: str = _key("auto", STRING, "auto = cuda when a GPU is usable", choices=("auto", "cpu", "cuda"))
+    device: str = _key("auto", STRING, "auto = HPCPAR_DEVICE if set, else cuda when a GPU is usable, else cpu; "
+                       "guard = the CuPy path on CPUs under the transfer guard", choices=DEVICES)
     metrics: str = _key("runs/{job}/metrics.jsonl", STRING, "JSONL metrics file (written by rank 0)")
     trace: str | None = _key(None, STRING, "one Chrome/Perfetto trace-event JSON of every rank's steps "
                              "(spans of forward, backward, optimizer, communication; clocks aligned); unset = none")

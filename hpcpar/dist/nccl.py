@@ -163,8 +163,12 @@ class _EventRequest:
         return bool(self.done.done)
 
     def Wait(self) -> None:  # noqa: N802 - mpi4py's name
-        self._issue()
-        self.done.synchronize()
+        """Spin until the event has completed (the spin policy; ``yield`` polls ``Test`` politely).
+
+        Polled, not ``event.synchronize()``: the host learns the call is done, and the consumer is
+        still ordered after it by the event it waits on (``_hand_over``), never by this wait."""
+        while not self.Test():
+            pass
 
 
 @dataclass
@@ -386,8 +390,19 @@ class NcclCommunicator(Communicator):
             self.runtime.nccl.groupEnd()
 
     # ----- the rest goes through MPI -------------------------------------------------
+    # Whatever this rank waits for, a peer may need one of the queued sends first (a pipeline
+    # stage waits for a header over MPI while its neighbour waits for the queued activation):
+    # every wait, blocking MPI call and object call issues the queue first.
+    def _wait(self, request, waiting) -> None:
+        self._flush()
+        super()._wait(request, waiting)
+
+    def _collective(self, op, arrays, blocking, nonblocking, library_path=False) -> None:
+        self._flush()
+        super()._collective(op, arrays, blocking, nonblocking, library_path)
+
     def _object_call(self, op, obj, call, **kwargs):
-        self._flush()  # a peer may wait for a queued send before it answers
+        self._flush()
         return super()._object_call(op, obj, call, **kwargs)
 
     def split(self, color: int, key: int, name: str) -> "NcclCommunicator":

@@ -16,6 +16,7 @@ import ctypes
 import functools
 import os
 import pickle
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -73,12 +74,10 @@ DEVICE_NONBLOCKING = (
 )
 
 
-def _library_version() -> tuple[str, tuple[int, ...]]:
-    """(library, version) from MPI_Get_library_version: ("MPICH", (4, 2, 0)), ("Open MPI", (4, 1, 5))."""
-    import re
-
-    text = MPI.Get_library_version()
-    for name in ("Open MPI", "MPICH", "MVAPICH", "Intel(R) MPI"):
+def library_version(text: str | None = None) -> tuple[str, tuple[int, ...]]:
+    """(library, version) from MPI_Get_library_version's ``text``: ("MPICH", (4, 2, 0)), ("Open MPI", (4, 1, 5))."""
+    text = MPI.Get_library_version() if text is None else text
+    for name in ("Open MPI", "CRAY MPICH", "MVAPICH", "MPICH", "Intel(R) MPI"):  # Cray's MPICH numbers its own versions
         if name in text:
             match = re.search(r"(\d+(?:\.\d+)+)", text[text.index(name):])
             return name, tuple(int(p) for p in match.group(1).split(".")) if match else ()
@@ -94,7 +93,7 @@ def device_nonblocking_supported(library: str | None = None, version: tuple | No
             raise ValueError(f"HPCPAR_DEVICE_NONBLOCKING must be 0 or 1, got {override!r}")
         return override == "1"
     if library is None:
-        library, version = _library_version()
+        library, version = library_version()
     for name, first, last, verdict in DEVICE_NONBLOCKING:
         if library == name and tuple(version[:len(first)]) >= first and (last is None or tuple(version[:2]) <= last):
             return verdict

@@ -127,6 +127,7 @@ def _train(args) -> int:
         raise _usage("hpcpar train", "the following arguments are required: job (or --list-keys)")
     from mpi4py import MPI
 
+    from .backend import DeviceError
     from .train.config import JobError, load_job
     from .train.loop import StopRequest, train
     from .train.validate import validate
@@ -137,7 +138,7 @@ def _train(args) -> int:
         job = validate(load_job(args.job, overrides), MPI.COMM_WORLD.Get_size())
         # JobErrors inside (a checkpoint that does not fit the job) come on every rank at once
         train(job, resume=True if args.resume else None, stop=stop, progress=args.progress)
-    except JobError as error:
+    except (JobError, DeviceError) as error:  # DeviceError: the device, CuPy or a dtype on it (one line, the fix)
         raise _usage("hpcpar train", str(error)) from None
     return 0
 

@@ -95,7 +95,7 @@ def cupy_runtime() -> DeviceRuntime:
     """The real runtime: CuPy's streams and events, NCCL through ``cupy.cuda.nccl``."""
     nccl = _cupy_nccl()
     if nccl is None:
-        raise RuntimeError("parallel.backend = \"nccl\" needs a GPU and a CuPy built with NCCL "
+        raise backend.DeviceError("parallel.backend = \"nccl\" needs a GPU and a CuPy built with NCCL "
                            "(pip install 'cupy-cuda12x' and NCCL: python -m cupyx.tools.install_library "
                            "--library nccl --cuda 12.x); or use parallel.backend = \"mpi\"")
     cupy = backend.cupy_module()
@@ -122,7 +122,7 @@ def choose_backend(requested: str, device: str, cuda_aware: bool, have_nccl: boo
     on_device = device in ("cuda", "guard")  # guard: the CuPy path on CPUs (hpcpar.guard), with an NCCL double
     if requested == "nccl":
         if not on_device:
-            raise RuntimeError("parallel.backend = \"nccl\" needs train.device = \"cuda\" (NCCL moves GPU buffers "
+            raise backend.DeviceError("parallel.backend = \"nccl\" needs train.device = \"cuda\" (NCCL moves GPU buffers "
                                "only); use parallel.backend = \"auto\" or \"mpi\" on CPUs")
         if not have_nccl:
             cupy_runtime()  # raises the message naming the fix

@@ -16,6 +16,8 @@ import numpy as np
 
 from .streams import check_ready, check_synchronized, get_current_stream, stats
 
+# NumPy functions that read only an array's metadata (np.ndim(x) works on CuPy arrays too)
+METADATA = frozenset((np.ndim, np.shape, np.size, np.result_type))
 # dtypes CuPy supports (no bfloat16, no object, no strings)
 SUPPORTED_KINDS = frozenset("biufc")
 
@@ -126,6 +128,8 @@ class ndarray:  # noqa: N801 - named after cupy.ndarray, which isinstance checks
         refuse(f"the NumPy ufunc np.{ufunc.__name__}.{method} (use xp = get_array_module(x))")
 
     def __array_function__(self, func, types, args, kwargs):
+        if func in METADATA:  # what the array is, not what it holds: no transfer (as on CuPy)
+            return func(*(unwrap(a, []) for a in args), **kwargs)
         refuse(f"the NumPy function np.{func.__name__} (use xp = get_array_module(x))")
 
     @property

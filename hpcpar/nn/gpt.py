@@ -187,7 +187,7 @@ class GPT(Module):
             block.attn.proj.weight.init = init.normal(residual_std)
             block.mlp.proj.weight.init = init.normal(residual_std)
         init.initialize(self, config.seed)
-        self.rng = xp.random.default_rng(config.seed)
+        self.rng = np.random.default_rng(config.seed)  # host keys of every dropout mask (dropout_scale)
         self.sequence_parallel = False
 
     @property

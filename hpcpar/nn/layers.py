@@ -131,7 +131,7 @@ class HeadDropout(Module):
         keep = xp.empty((batch, len(self.heads), steps, steps), dtype=precision.accumulation_dtype(np.dtype(dtype)))
         for local, head in enumerate(self.heads):
             seed = int(np.random.SeedSequence([key, head]).generate_state(1, np.uint64)[0])
-            keep[:, local] = dropout_scale(xp.random.default_rng(seed), self.p, (batch, steps, steps), dtype, xp)
+            keep[:, local] = dropout_scale(np.random.default_rng(seed), self.p, (batch, steps, steps), dtype, xp)
         return keep
 
     def extra_repr(self):

@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 
 from .. import checkpoint, log as logs
-from ..backend import check_precision
+from ..backend import check_precision, to_host
 from ..dist.context import init
 from ..dist.topology import PlacementWarning
 from ..dist.trace import Tracer
@@ -77,8 +77,9 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None,
         return {**last, **final_report(run, step, log)}
 
 
-def train_one_step(run: Run, step: int) -> tuple[float, float]:
-    """Step ``step`` (counted from 0): the strategy's step and finish, the LR schedule; (loss, lr)."""
+def train_one_step(run: Run, step: int) -> tuple:
+    """Step ``step`` (counted from 0): the strategy's step and finish, the LR schedule; (loss, lr),
+    the loss a 0-d array on the device (``report_step`` reads it at log steps)."""
     inputs, targets = run.train_data.batch_at(step)
     run.train_data.step = step + 1
     trace = run.strategy.trace
@@ -95,18 +96,20 @@ def tokens_per_step(job: Job) -> int:
     return job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
 
 
-def report_step(run: Run, log: Logger, step: int, start_step: int, loss: float, lr: float,
+def report_step(run: Run, log: Logger, step: int, start_step: int, loss, lr: float,
                 seconds: float) -> dict | None:
     """After ``step``: at a log interval (and the run's first and last step) its metrics record,
     returned (collective); the progress display moves on every step, with the dp-mean loss when
     a bar shows it (collective too: rank 0 asked for it at ``Logger.begin``)."""
     record = None
     if step % run.job.train.log_interval == 0 or step in (run.job.train.steps, start_step + 1):
-        record = step_record(run, step, loss, lr, seconds)
+        record = step_record(run, step, float(to_host(loss)), lr, seconds)
         log.step(record)
         loss = record["loss"]
-    elif log.every_loss:
-        loss = float(run.ctx.dp.allreduce(np.array([loss]), "mean")[0])
+    elif log.every_loss:  # one device-to-host copy of the loss per step, only with a live bar
+        loss = float(run.ctx.dp.allreduce(np.array([float(to_host(loss))]), "mean")[0])
+    else:
+        loss = None  # not read: it stays on the device
     log.progress.step(step, loss, tokens_per_step(run.job), seconds)
     return record
 

@@ -14,7 +14,7 @@ import numpy as np
 from ...backend import get_array_module
 from .. import precision
 from ..function import Function
-from ._common import integer_array, scatter_add_rows, wants_grad
+from ._common import check_host_range, integer_array, scatter_add_rows, wants_grad
 
 
 def _softmax(x, axis, in_place=False):
@@ -88,10 +88,7 @@ class CrossEntropy(Function):
         x = precision.upcast(logits).reshape(-1, classes)  # (..., C) -> (N, C)
         t = targets.reshape(-1)
         valid = t != ignore_index
-        t = xp.where(valid, t, 0)
-        if bool(((t < 0) | (t >= classes)).any()):
-            bad = t[(t < 0) | (t >= classes)][0]
-            raise IndexError(f"cross_entropy: target {int(bad)} is out of range for {classes} classes")
+        t = xp.where(valid, t, 0)  # the range was checked by cross_entropy() (check_host_range)
         rows = xp.arange(x.shape[0])
         probs = x - x.max(axis=1, keepdims=True)
         picked = probs[rows, t]  # shifted logit of each target
@@ -132,9 +129,6 @@ class Embedding(Function):
 
     def forward(self, weight, ids):
         xp = get_array_module(weight)
-        low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
-        if low < 0 or high >= weight.shape[0]:  # NumPy would wrap negatives and CuPy all of them
-            raise IndexError(f"embedding: id {low if low < 0 else high} is out of range for {weight.shape[0]} rows")
         self.ids, self.num_rows = ids, weight.shape[0]
         return xp.take(weight, ids, axis=0)  # (...) -> (..., D)
 
@@ -212,10 +206,17 @@ class LayerNorm(Function):
 def dropout_scale(rng, p: float, shape, dtype, xp):
     """0 (probability p) or 1/(1-p) for each element of ``shape``, drawn from ``rng``.
 
+    ``rng`` is a NumPy Generator (a checkpoint saves its state). On the host it draws the mask;
+    on a GPU it draws one key, and CuPy's generator seeded with it draws the mask on the device
+    (no host-to-device copy of the mask).
+
     In ``dtype``, except for 16-bit dtypes: there the scales stay float32, so that 1/(1-p) is not
     rounded to 16 bits (bfloat16 would turn 1/0.9 into 1.109) and the product is rounded once."""
     draw_dtype = np.dtype(dtype) if np.dtype(dtype).name in ("float32", "float64") else np.float32  # what generators draw
-    keep = xp.asarray(rng.random(shape, dtype=draw_dtype))
+    if xp is np:
+        keep = rng.random(shape, dtype=draw_dtype)
+    else:
+        keep = xp.random.default_rng(int(rng.integers(2**63))).random(shape, dtype=draw_dtype)
     # keep <- (keep >= p) / (1 - p), reusing the random buffer
     xp.multiply(keep >= p, keep.dtype.type(1.0 / (1.0 - p)), out=keep)
     return keep if precision.is_low(np.dtype(dtype)) else keep.astype(dtype, copy=False)
@@ -325,6 +326,7 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean"):
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    check_host_range(targets, logits.shape[-1], "cross_entropy", "target", "classes", ignore=ignore_index)
     targets = integer_array(targets, getattr(logits, "data", logits), "cross_entropy", "targets")
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"cross_entropy: logits of shape {logits.shape} need targets of shape "
@@ -333,7 +335,11 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean"):
 
 
 def embedding(weight, ids):
-    """Rows of ``weight`` (V, D) picked by integer ``ids`` (...): shape (..., D)."""
+    """Rows of ``weight`` (V, D) picked by integer ``ids`` (...): shape (..., D).
+
+    Ids on the host are checked against the rows (``check_host_range``).
+    """
+    check_host_range(ids, weight.shape[0], "embedding", "id", "rows")
     return Embedding.apply(weight, ids=integer_array(ids, getattr(weight, "data", weight), "embedding", "ids"))
 
 

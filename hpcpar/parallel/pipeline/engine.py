@@ -251,7 +251,7 @@ class PipelineParallel(ParameterHolder):
             out = layer(out)
         if s == self.num_virtual - 1:
             out = self.loss_fn(out, self._targets[i]) * (1.0 / self.m)
-            self._loss += out.item()
+            self._loss = self._loss + out.data.astype(np.float64)  # stays on the device
         elif self._rank_of(s + 1) == self.ctx.pp_rank:
             self._handover[("F", i, s + 1)] = out
         self._saved[(i, s)] = (x, out)
@@ -298,10 +298,13 @@ class PipelineParallel(ParameterHolder):
                 p.grad = p.xp.zeros_like(p.data) if p.grad is None else p.xp.ascontiguousarray(p.grad)
                 comm.allreduce(p.grad, "sum", out=p.grad)
 
-    def _share_loss(self) -> float:
-        """The last stage's loss, on every pipeline rank."""
-        value = np.array([self._loss if self.ctx.is_last_stage else 0.0])
-        return float(self.ctx.pp.allreduce(value, "sum")[0]) if self.p > 1 else float(value[0])
+    def _share_loss(self):
+        """The last stage's loss on every pipeline rank: a 0-d array on the device (all-reduced over
+        pp, a one-element buffer, when there are several stages)."""
+        value = self._xp().zeros(1, dtype=np.float64)
+        if self.ctx.is_last_stage:
+            value += self._loss
+        return (self.ctx.pp.allreduce(value, "sum") if self.p > 1 else value)[0]
 
     # ----- inference ------------------------------------------------------------------
     def infer(self, batches):

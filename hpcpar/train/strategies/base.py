@@ -25,6 +25,8 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 
+import numpy as np
+
 from ... import checkpoint
 from ..config import JobError
 from ...dist.trace import NO_TRACE
@@ -36,8 +38,9 @@ def split_rows(batch, parts: int) -> list:
 
 
 def accumulate_gradients(model, inputs, targets, micro_batches: int, backward, no_sync=None,
-                         trace=NO_TRACE) -> float:
-    """Forward and backward of ``micro_batches`` slices of the rows, gradients summed; the mean loss.
+                         trace=NO_TRACE):
+    """Forward and backward of ``micro_batches`` slices of the rows, gradients summed; the mean
+    loss, a 0-d float64 array on the model's device (added there: no device-to-host copy per step).
 
     ``no_sync()`` (DDP's) wraps every backward but the last, so the all-reduce runs once.
     ``trace`` records a forward and a backward span per slice.
@@ -53,7 +56,7 @@ def accumulate_gradients(model, inputs, targets, micro_batches: int, backward, n
                     backward(loss)
             else:
                 backward(loss)
-        total += loss.item()
+        total = total + loss.data.astype(np.float64)
     return total
 
 
@@ -76,11 +79,12 @@ class Strategy(ABC):
         """What a learning-rate schedule drives (it reads and sets ``lr``)."""
 
     @abstractmethod
-    def train_step(self, inputs, targets) -> float:
-        """Forward, backward and the gradient exchange; returns this replica's mean loss."""
+    def train_step(self, inputs, targets):
+        """Forward, backward and the gradient exchange; returns this replica's mean loss as a 0-d
+        array on the device (``float(to_host(loss))`` reads it: the loop does at log steps only)."""
 
     @abstractmethod
-    def finish_step(self, max_norm: float, loss: float) -> bool:
+    def finish_step(self, max_norm: float, loss) -> bool:
         """Clip (``max_norm`` > 0), step, clear the gradients; False when the step was skipped.
 
         ``loss``: what ``train_step`` returned. Under mixed precision a non-finite loss or

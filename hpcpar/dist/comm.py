@@ -292,12 +292,10 @@ class HostStaging:
         self.bytes_allocated = 0
 
     def acquire(self, nbytes: int) -> np.ndarray:
-        fitting = [b for b in self._free if b.nbytes >= nbytes]
+        fitting = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
         if fitting:
-            buffer = min(fitting, key=lambda b: b.nbytes)
-            self._free.remove(buffer)
             self.reuses += 1
-            return buffer
+            return self._free.pop(min(fitting, key=lambda i: self._free[i].nbytes))
         size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())
         self.allocations += 1
         self.bytes_allocated += size

@@ -13,7 +13,7 @@ PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
 export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup native demo test test-serial test-mpi bench docs clean
+.PHONY: setup native demo test test-serial test-mpi bench docs clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -51,3 +51,10 @@ docs: setup
 
 clean:
 	rm -rf build build.log
+
+# On a machine with a GPU (docs/gpu.md): the system Python with CuPy, torch, mpi4py, h5py, NCCL
+# (MPICH and mpi4py from wheels in .whl/ when there is no mpiexec). One report file, a summary;
+# "no GPU" and exit 0 on a machine without one. Killed at 8 minutes.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(TIMEOUT) 480 $(GPU_PYTHON) -m hpcpar.bench.gpu_check --report gpu-check-report.md

@@ -179,15 +179,17 @@ def synchronize(a=None) -> None:
 
 
 def pinned_empty(nbytes: int) -> np.ndarray:
-    """``nbytes`` of page-locked host memory as a uint8 NumPy array (plain memory without a GPU).
+    """``nbytes`` of page-locked host memory as a uint8 NumPy array (``cupyx.empty_pinned``; plain
+    memory without a GPU).
 
     Copies between the device and pinned memory run at full bus speed and without an extra
     copy through a driver buffer; MPI's host staging reuses these (``HostStaging``).
     """
     if _cupy is None or gpu_count() == 0:
         return np.empty(nbytes, dtype=np.uint8)
-    memory = _cupy.cuda.alloc_pinned_memory(nbytes)
-    return np.frombuffer(memory, dtype=np.uint8, count=nbytes)
+    import cupyx
+
+    return cupyx.empty_pinned((nbytes,), dtype=np.uint8)
 
 
 def copy_to_host(a, out: np.ndarray) -> np.ndarray:

@@ -48,6 +48,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import backend
+from . import debug
 from .comm import Communicator, Handle, Waiting, _into, _reduce_op, _require_contiguous, check_allreduce_args
 
 BACKENDS = ("auto", "mpi", "nccl")
@@ -262,6 +263,8 @@ class NcclCommunicator(Communicator):
             inner = self._start_allreduce(name, wide, op, None)
             return _then(inner, lambda result: _into(out, result.astype(x.dtype)))
         check_allreduce_args(name, x, op, out)
+        self._flush()  # a peer may need a queued send before it joins the check
+        debug.check_collective(self, name, x)
         start = time.perf_counter()
         if out is None:
             out = backend.get_array_module(x).empty(x.shape, dtype=x.dtype)
@@ -288,6 +291,8 @@ class NcclCommunicator(Communicator):
             if self.runtime.is_device(x):
                 return self.reduce_scatter(x.astype(np.float32), op).astype(x.dtype)
             return super().reduce_scatter(x, op)
+        self._flush()  # a peer may need a queued send before it joins the check
+        debug.check_collective(self, "reduce_scatter", x)
         if x.shape[0] % self.size:
             raise ValueError(f"reduce_scatter: first axis {x.shape[0]} is not divisible by {self.size} ranks")
         start = time.perf_counter()
@@ -310,6 +315,8 @@ class NcclCommunicator(Communicator):
             if out.size != self.size * x.size or out.dtype != x.dtype:
                 raise ValueError(f"allgather: out has {out.size} {out.dtype}, needs {self.size} x {x.size} {x.dtype}")
             _require_contiguous(out, "allgather")
+        self._flush()  # a peer may need a queued send before it joins the check
+        debug.check_collective(self, "allgather", x)
         start = time.perf_counter()
         out = xp.empty((self.size,) + x.shape, dtype=x.dtype) if out is None else out
         dtype, pointer = self._dtype(x), self.runtime.pointer
@@ -320,6 +327,8 @@ class NcclCommunicator(Communicator):
     def broadcast(self, x, root: int = 0):
         if not self._native(x):
             return super().broadcast(x, root)
+        self._flush()  # a peer may need a queued send before it joins the check
+        debug.check_collective(self, "broadcast", x)
         _require_contiguous(x, "broadcast")
         start = time.perf_counter()
         dtype, pointer = self._dtype(x), self.runtime.pointer

@@ -47,6 +47,9 @@ COMMON = ["train.device=guard", "data.batch_size=12", f"train.log_interval={LOG_
 LAYOUTS = {
     "gpt-ddp": ("gpt-dp.toml", lambda n: [*GPT, "parallel.bucket_mb=0.02"], (1, 2, 4)),
     "gpt-zero": ("gpt-dp.toml", lambda n: [*GPT, "parallel.zero=true"], (1, 2, 4)),
+    "gpt-ddp-fp16": ("gpt-dp.toml", lambda n: [*GPT, "train.precision=fp16"], (1, 2)),
+    "gpt-ddp-topk": ("gpt-dp.toml", lambda n: [*GPT, "parallel.compression=topk"], (2,)),
+    "gpt-ddp-powersgd": ("gpt-dp.toml", lambda n: [*GPT, "parallel.compression=powersgd"], (2,)),
     "cnn-ddp": ("cnn-digits-dp.toml", lambda n: ["parallel.zero=false", "parallel.bucket_mb=0.01"], (1, 2, 4)),
     "cnn-zero": ("cnn-digits-dp.toml", lambda n: [], (1, 2, 4)),
     "tensor-parallel": ("gpt-tp.toml", lambda n: [*GPT, "parallel.tp=2", f"parallel.dp={n // 2}"], (2, 4)),
@@ -61,7 +64,8 @@ STAGING = {"allreduce": (1, 1), "iallreduce": (1, 1), "reduce_scatter": (1, 1), 
 # Where each documented copy is made: (file, function) asking for it; the staging anywhere in comm.py.
 SITES = {("autograd/ops/_common.py", "integer_array"): "batch", ("autograd/tensor.py", "constant"): "batch",
          ("optim/clip.py", "clip_arrays"): "norm", ("parallel/zero.py", "_counted_squares"): "norm",
-         ("train/loop.py", "report_step"): "loss", ("dist/comm.py", None): "staging"}
+         ("train/loop.py", "report_step"): "loss", ("dist/comm.py", None): "staging",
+         ("parallel/compression.py", "_compress_matrix"): "powersgd start", ("optim/amp.py", "all_finite"): "finite"}
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +172,16 @@ def documented(run, step: int) -> collections.Counter:
     logged = step % job.train.log_interval == 0 or step in (1, job.train.steps)
     expected = collections.Counter({("batch", "to_device"): batch, ("norm", "to_host"): int(job.optimizer.grad_clip > 0),
                                     ("loss", "to_host"): int(logged)})
+    if job.train.precision in ("fp16", "bf16"):  # the finite check of gradients and loss
+        expected["finite", "to_host"] = 1
+    if job.parallel.compression == "powersgd" and step == 1:  # each matrix's first Q, drawn on the host
+        expected["powersgd start", "to_device"] = len(run.strategy.ddp.compression.qs)
     return +expected
+
+
+def plain_ddp(run) -> bool:
+    p = run.job.parallel
+    return getattr(run.strategy, "ddp", None) is not None and p.pp == 1 and p.tp == 1 and p.compression == "none"
 
 
 @pytest.mark.mpi
@@ -185,9 +198,12 @@ def test_a_training_step_makes_exactly_the_documented_copies(layout, cuda_aware,
         assert staged == +implied, f"step {step}: staging copies {dict(staged)}, the calls imply {dict(implied)}"
         if cuda_aware:
             assert not staged
-        elif getattr(run.strategy, "ddp", None) is not None and run.job.parallel.pp == 1 and run.ctx.tp_size == 1:
+        elif plain_ddp(run):
             buckets = len(run.strategy.ddp.buckets)  # DDP: one staged all-reduce per bucket
             assert staged == {"to_host": buckets, "to_device": buckets}
+        elif run.job.parallel.compression == "topk":
+            buckets = len(run.strategy.ddp.buckets)  # top-k: all-gathers of indices and of values per bucket
+            assert staged == {"to_host": 2 * buckets, "to_device": 2 * buckets}
 
 
 @pytest.mark.mpi

@@ -42,12 +42,12 @@ def refuse(what: str):
 
 
 def call_site() -> str:
-    """The first frame outside the guard and the backend: who asked for a transfer."""
+    """The first frame outside the guard and the backend, "file:line in function": who asked for a copy."""
     frame = sys._getframe(1)
     while frame is not None and ("/hpcpar/guard/" in frame.f_code.co_filename
                                  or frame.f_code.co_filename.endswith("/hpcpar/backend.py")):
         frame = frame.f_back
-    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def count_transfer(direction: str, nbytes: int) -> None:

@@ -39,7 +39,7 @@ class Stats:
     bytes_to_host: int = 0
     syncs: int = 0              # host waits: Stream/Event.synchronize, synchronize_device
     implicit: int = 0           # refused implicit conversions (__array__, float(), .item(), ...)
-    log: list = field(default_factory=list)  # (direction, nbytes, "file:line") per transfer
+    log: list = field(default_factory=list)  # (direction, nbytes, "file:line in function") per transfer
 
     def reset(self) -> None:
         self.to_device = self.to_host = self.bytes_to_device = self.bytes_to_host = 0

@@ -11,7 +11,6 @@ from mpi4py import MPI
 
 import nccl_double
 from hpcpar.dist import nccl
-from hpcpar.guard import TransferGuardError
 from hpcpar.train.config import load_job
 from hpcpar.train.loop import train
 from hpcpar.train.validate import validate
@@ -57,12 +56,7 @@ def run(folder, name, layout, backend):
     return train(job, progress="none")
 
 
-@pytest.mark.parametrize("layout", [
-    "ddp", "pipeline",
-    pytest.param("tp", marks=pytest.mark.xfail(raises=TransferGuardError, strict=True,
-                                               reason="the vocab-parallel layers pass a host mask to a device op; "
-                                                      "the transfer guard's fixes (issue 17, item 3) remove it")),
-])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_training_through_nccl_ends_where_mpi_ends(folder, double, layout):
     size = MPI.COMM_WORLD.Get_size()
     if size < RANKS_NEEDED[layout] or size % RANKS_NEEDED[layout]:

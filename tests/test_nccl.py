@@ -219,3 +219,14 @@ def test_every_schedule_posts_a_rank_pairs_messages_in_one_order(name):
                 continue
             for (sender, receiver), (sent, received) in pair_orders(make_schedule(name, p, m, chunks), p).items():
                 assert sent == received, f"{name} p={p} m={m}: rank {sender} -> {receiver}"
+
+
+@mpi
+def test_info_describes_each_communicators_backend(world):
+    from mpi4py import MPI
+
+    staged = Communicator(MPI.COMM_SELF, "dp", cuda_aware=False)
+    aware = Communicator(MPI.COMM_SELF, "dp", cuda_aware=True, device_nonblocking=False)
+    assert describe_backend(staged, "cpu") == "MPI"
+    assert describe_backend(staged, "cuda") == "MPI, device buffers staged through pinned host buffers"
+    assert describe_backend(aware, "cuda") == "CUDA-aware MPI (blocking collectives on device buffers)"

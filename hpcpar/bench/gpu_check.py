@@ -203,15 +203,17 @@ def checkpoint_roundtrip(ctx, folder: str) -> dict:
 # ----------------------------------------------------------------------------------------
 # Workers: the MPI parts, run under mpiexec by the driver
 # ----------------------------------------------------------------------------------------
-def worker(kind: str, comm_backend: str, out: str, budget_s: float) -> None:
+def worker(kind: str, comm_backend: str, out: str, budget_s: float, device: str = "cuda",
+           max_bytes: int = SIZES[-1]) -> None:
     from mpi4py import MPI
 
     from ..dist.context import init
 
-    ctx = init(device="cuda", backend="nccl" if comm_backend == "nccl" else "mpi", shm=False)
+    ctx = init(device=device, backend="nccl" if comm_backend == "nccl" else "mpi", shm=False)
     if kind == "bandwidth":
-        sync = _synchronizer("cuda")
-        result = {"rows": allreduce_bandwidth(ctx.dp, ctx.xp, SIZES, sync, budget_s), "comm": type(ctx.dp).__name__,
+        sync = _synchronizer(device)
+        sizes = [size for size in SIZES if size <= max_bytes]
+        result = {"rows": allreduce_bandwidth(ctx.dp, ctx.xp, sizes, sync, budget_s), "comm": type(ctx.dp).__name__,
                   "cuda_aware": ctx.cuda_aware}
     else:
         folder = ctx.world.bcast_object(tempfile.mkdtemp(prefix="hpcpar-gpu-ckpt-") if ctx.rank == 0 else None)
@@ -297,19 +299,24 @@ def _run(command, env, timeout) -> dict:
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
         tail = (done.stdout + done.stderr).strip().splitlines()
-        result = tail[-1] if done.returncode == 0 and tail else f"FAILED (exit {done.returncode})"
+        result = (tail[-1] if tail else "ok") if done.returncode == 0 else f"FAILED (exit {done.returncode})"
         return {"result": result, "seconds": time.monotonic() - start, "log": "\n".join(tail[-30:])}
     except subprocess.TimeoutExpired:
         return {"result": f"FAILED: timed out after {timeout:.0f} s", "seconds": timeout, "log": ""}
 
 
-def run_worker(python, mpiexec, kind, name, ranks, budget: Budget, limit: float) -> dict:
+def run_worker(python, mpiexec, kind, name, ranks, budget: Budget, limit: float, device: str = "cuda",
+               max_bytes: int = SIZES[-1]) -> dict:
+    if budget.left() < 20:
+        return {"result": "not run: time budget spent"}
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as file:
         out = file.name
     seconds = budget.share(limit)
     command = [mpiexec, "-n", str(ranks), python, "-m", "hpcpar.bench.gpu_check", "--worker", kind, "--backend", name,
-               "--out", out, "--worker-budget", str(max(5.0, seconds - 30))]
+               "--out", out, "--worker-budget", str(max(5.0, seconds - 30)), "--device", device,
+               "--max-bytes", str(max_bytes)]
     status = _run(command, backend_env(name), seconds)
+    status["result"] = status["result"] if status["result"].startswith("FAILED") else f"{ranks} rank(s)"
     try:
         with open(out) as file:
             return {**json.load(file), **status}
@@ -327,9 +334,11 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", choices=BACKENDS, default="nccl", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--worker-budget", type=float, default=60.0, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # the tests run the workers on "guard"
+    parser.add_argument("--max-bytes", type=int, default=SIZES[-1], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.backend, args.out, args.worker_budget)
+        worker(args.worker, args.backend, args.out, args.worker_budget, args.device, args.max_bytes)
         return 0
     budget = Budget(args.budget)
     facts = probe()
@@ -340,11 +349,15 @@ def main(argv=None) -> int:
     return check(args.report, facts, budget)
 
 
-def check(report: str, facts: dict, budget: Budget) -> int:
-    """Every part on this machine's GPU 0; the report, the summary; 1 when a part failed."""
+def check(report: str, facts: dict, budget: Budget, device: str = "cuda", step_config=None, steps: int = 10,
+          max_bytes: int = SIZES[-1]) -> int:
+    """Every part on this machine's GPU 0; the report, the summary; 1 when a part failed.
+
+    ``device``, ``step_config``, ``steps``, ``max_bytes``: the tests run it all on the transfer guard, small."""
     from .. import backend
 
-    backend.select_gpu(0)
+    if device == "cuda":
+        backend.select_gpu(0)
     results = {"commands": {"matrix": "mpiexec -n R python -m pytest -q --with-mpi -m mpi tests/test_nccl_gpu.py",
                             "workers": "mpiexec -n R python -m hpcpar.bench.gpu_check --worker KIND --backend B"}}
     found = find_mpiexec(sys.executable)
@@ -356,15 +369,18 @@ def check(report: str, facts: dict, budget: Budget) -> int:
     else:
         results["matrix"] = [{"backend": "all", "ranks": "-", "result": "skipped: no mpiexec and no .whl/ folder"}]
     try:
-        results["step"] = step_times("cuda", torch_device="cuda" if facts["torch_cuda"] else None)
+        torch_device = ("cuda" if facts["torch_cuda"] else None) if device == "cuda" else "cpu"
+        results["step"] = step_times(device, steps=steps, torch_device=torch_device, config=step_config)
+        results["reference"] = f"PyTorch {torch_device.upper() if torch_device == 'cuda' else torch_device}"
     except Exception as error:  # noqa: BLE001 - one part failing must not hide the others
         results["step"] = [{"precision": "all", "error": f"FAILED: {type(error).__name__}: {error}"}]
     results["bandwidth"] = {}
     for name, why_not in backends.items():
         ranks = 1 if name == "nccl" and facts["gpus"] < 2 else 2
         results["bandwidth"][name] = ({"result": f"skipped: {why_not}"} if why_not or not found else
-                                      run_worker(python, mpiexec, "bandwidth", name, ranks, budget, 100))
-    results["checkpoint"] = (run_worker(python, mpiexec, "checkpoint", "mpi-staged", 2, budget, 60) if found else
+                                      run_worker(python, mpiexec, "bandwidth", name, ranks, budget, 100, device,
+                                                 max_bytes))
+    results["checkpoint"] = (run_worker(python, mpiexec, "checkpoint", "mpi-staged", 2, budget, 60, device) if found else
                              {"result": "skipped: no mpiexec"})
     write_report(report, facts, results, mpi)
     summary = summarize(facts, results)
@@ -380,7 +396,7 @@ def summarize(facts: dict, results: dict) -> list[str]:
         if "error" in row:
             lines.append(f"GPT step {row['precision']}: {row['error']}")
         else:
-            ratio = f", {row['ratio']:.2f} x PyTorch CUDA" if "ratio" in row else ""
+            ratio = f", {row['ratio']:.2f} x {results.get('reference', 'PyTorch')}" if "ratio" in row else ""
             lines.append(f"GPT step {row['precision']}: {row['hpcpar_ms']:.1f} ms/step{ratio}")
     for name, result in results["bandwidth"].items():
         rows = result.get("rows")

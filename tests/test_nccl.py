@@ -43,6 +43,7 @@ def run_collectives(comm, on_device: bool, dtype):
     results = [comm.allreduce(x, op) for op in ("sum", "mean", "max", "min")]
     inplace = move(rank_data(r, (4,), dtype))
     results.append(comm.allreduce(inplace, out=inplace))
+    results.append(comm.allreduce(x.T, "sum"))  # a non-contiguous view
     results.append(comm.iallreduce(x, "sum").wait())
     results.append(comm.reduce_scatter(x, "sum"))
     results.append(comm.reduce_scatter(x, "mean"))
@@ -61,7 +62,7 @@ def test_collectives_equal_the_mpi_communicators(nccl, reference, dtype):
     before = nccl_double.calls["allReduce"]
     for got, want in zip(run_collectives(nccl, True, dtype), run_collectives(reference, False, dtype)):
         np.testing.assert_array_equal(got, want)
-    assert nccl_double.calls["allReduce"] - before == 6  # NCCL did the work, not an MPI fallback
+    assert nccl_double.calls["allReduce"] - before == 7  # NCCL did the work, not an MPI fallback
 
 
 @mpi
@@ -81,7 +82,7 @@ def test_watchdog_numbers_collectives_alike(nccl, reference):
     before = nccl.watchdog.collectives_called
     run_collectives(nccl, True, np.float64)
     # NCCL's and MPI's wrappers of one MPI communicator share its watchdog: the same numbering
-    assert nccl.watchdog is reference.watchdog and nccl.watchdog.collectives_called - before == 6 + 4 + nccl.size
+    assert nccl.watchdog is reference.watchdog and nccl.watchdog.collectives_called - before == 7 + 4 + nccl.size
 
 
 @mpi

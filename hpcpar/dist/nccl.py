@@ -266,8 +266,9 @@ class NcclCommunicator(Communicator):
         self._flush()  # a peer may need a queued send before it joins the check
         debug.check_collective(self, name, x)
         start = time.perf_counter()
-        if out is None:
-            out = backend.get_array_module(x).empty(x.shape, dtype=x.dtype)
+        xp = backend.get_array_module(x)
+        x = x if x.flags.c_contiguous else xp.ascontiguousarray(x)  # NCCL reads x.size elements from the pointer
+        out = xp.empty(x.shape, dtype=x.dtype) if out is None else out
         nccl_op, dtype, pointer = self._op(op), self._dtype(x), self.runtime.pointer
         done = self._run(lambda stream: self.nccl.allReduce(pointer(x), pointer(out), x.size, dtype, nccl_op, stream))
         waiting = self._next_collective(name)

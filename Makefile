@@ -84,5 +84,6 @@ clean:
 # (MPICH and mpi4py from wheels in .whl/ when there is no mpiexec). One report file, a summary;
 # "no GPU" and exit 0 on a machine without one. Killed at 8 minutes.
 GPU_PYTHON ?= python3
+GPU_REPORT ?= gpu-check-report.md
 gpu-check:
-	PYTHONPATH=$(CURDIR) $(TIMEOUT) 480 $(GPU_PYTHON) -m hpcpar.bench.gpu_check --report gpu-check-report.md
+	PYTHONPATH=$(CURDIR) $(TIMEOUT) 480 $(GPU_PYTHON) -m hpcpar.bench.gpu_check --report $(GPU_REPORT)

@@ -57,6 +57,15 @@ def gpu_count() -> int:
         return 0
 
 
+def no_device_reason() -> str:
+    """Why CuPy sees no device: "CuPy sees no CUDA device", with the driver's error when there was one."""
+    try:
+        _cupy.cuda.runtime.getDeviceCount()
+        return "CuPy sees no CUDA device"
+    except Exception as error:  # noqa: BLE001 - the driver's error is the reason
+        return f"CuPy sees no CUDA device ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+
+
 def resolve_device(device: str = "auto") -> str:
     """Turn "auto" into ``HPCPAR_DEVICE`` when set, else "cuda" when a GPU is usable, else "cpu";
     validate the name.
@@ -77,8 +86,8 @@ def resolve_device(device: str = "auto") -> str:
     if device == "cuda" and gpu_count() == 0:
         if _cupy is None:
             raise DeviceError(f"device='cuda' was requested but CuPy is not installed: {CUPY_FIX}")
-        raise DeviceError("device='cuda' was requested but CuPy sees no CUDA device (check nvidia-smi, "
-                          "CUDA_VISIBLE_DEVICES and the driver) ; or set the device to 'cpu'")
+        raise DeviceError(f"device='cuda' was requested but {no_device_reason()}: check nvidia-smi, "
+                          "CUDA_VISIBLE_DEVICES and the driver, or set the device to 'cpu'")
     return device
 
 
@@ -90,8 +99,7 @@ def device_choice(requested: str, resolved: str) -> str:
         return "device guard (auto: HPCPAR_DEVICE=guard, the CuPy path on CPUs under the transfer guard)"
     if resolved == "cuda":
         return f"device cuda (auto: CuPy {_cupy.__version__} sees {gpu_count()} GPU(s))"
-    reason = "CuPy is not installed" if _cupy is None else "CuPy sees no CUDA device"
-    return f"device cpu (auto: {reason})"
+    return f"device cpu (auto: {'CuPy is not installed' if _cupy is None else no_device_reason()})"
 
 
 def check_precision(device: str, precision: str) -> None:

@@ -78,3 +78,23 @@ def test_auto_says_which_device_it_chose(tmp_path, token_file):
     result = hpcpar(tmp_path, *job_args(tmp_path, token_file, 'train.device="auto"'))
     assert result.returncode == 0, result.stderr
     assert "device cpu (auto: CuPy is not installed); communication: mpi" in result.stdout
+
+
+def test_a_driver_error_is_named_where_cupy_sees_no_device(monkeypatch):
+    import types
+
+    from hpcpar import backend
+
+    def no_driver():
+        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version")
+
+    fake = types.SimpleNamespace(__version__="13.0", cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=no_driver)))
+    monkeypatch.setattr(backend, "_cupy", fake)
+    monkeypatch.delenv("HPCPAR_DEVICE", raising=False)
+    assert backend.resolve_device("auto") == "cpu"
+    assert backend.device_choice("auto", "cpu") == ("device cpu (auto: CuPy sees no CUDA device (RuntimeError: "
+                                                    "cudaErrorInsufficientDriver: CUDA driver version is insufficient "
+                                                    "for CUDA runtime version))")
+    with pytest.raises(backend.DeviceError, match="cudaErrorInsufficientDriver.*or set the device to 'cpu'"):
+        backend.resolve_device("cuda")

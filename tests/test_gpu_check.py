@@ -2,6 +2,7 @@
 parts run here on the transfer guard's device with the NCCL double (the numbers are CPU numbers,
 checked for shape and consistency only, never presented as GPU figures)."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -28,6 +29,17 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
     assert result.stdout.startswith("no GPU: CuPy is not installed")
     text = report.read_text()
     assert "no GPU: CuPy is not installed" in text and "Nothing was run or measured." in text
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_gpu_check_says_no_gpu_even_on_a_bare_python(tmp_path):
+    """The target as a GPU machine runs it, here with a Python that has not even NumPy if there is one."""
+    bare = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    report = tmp_path / "report.md"
+    result = subprocess.run(["make", "-s", "-C", REPO, "gpu-check", f"GPU_PYTHON={bare}", f"GPU_REPORT={report}"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "no GPU: CuPy is not installed" in result.stdout and "no GPU" in report.read_text()
 
 
 def test_the_makefile_target_runs_it_under_eight_minutes():

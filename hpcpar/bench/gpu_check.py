@@ -25,6 +25,7 @@ and the next one runs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -45,10 +46,16 @@ BACKENDS = ("mpi-staged", "mpi-cuda-aware", "nccl")
 # 1. the probe
 # ----------------------------------------------------------------------------------------
 def probe() -> dict:
-    """What this machine has; ``gpus`` 0 and ``why`` when no GPU is usable."""
+    """What this machine has; ``gpus`` 0 and ``why`` when no GPU is usable.
+
+    Without CuPy it imports nothing else (not even NumPy): "no GPU" works on any Python."""
+    facts = {"python": sys.version.split()[0], "cupy": None, "gpus": 0, "why": None, "nccl": False, "torch_cuda": False}
+    if importlib.util.find_spec("cupy") is None:
+        facts["why"] = "CuPy is not installed"
+        facts["torch"] = "installed" if importlib.util.find_spec("torch") else None
+        return facts
     from .. import backend
 
-    facts = {"python": sys.version.split()[0], "cupy": None, "gpus": 0, "why": None, "nccl": False, "torch_cuda": False}
     if backend.cupy_broken():
         facts["why"] = f"CuPy is installed but fails to import ({backend.cupy_broken()})"
     elif backend.cupy_module() is None:

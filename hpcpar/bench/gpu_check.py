@@ -250,12 +250,15 @@ class Budget:
 
 
 def find_mpiexec(python: str) -> tuple[str, str] | None:
-    """(python, mpiexec): the interpreter's own, PATH's, or a venv made from the wheels in ``.whl/``."""
-    own = os.path.join(os.path.dirname(python), "mpiexec")
-    if os.path.exists(own):
-        return python, own
-    if shutil.which("mpiexec"):
-        return python, shutil.which("mpiexec")
+    """(python, mpiexec) that start 2 ranks of one world: the interpreter's own ``mpiexec``, the PATH's,
+    else a venv made from the MPICH and mpi4py wheels in ``.whl/`` (system site packages visible).
+
+    Each candidate is tried: a system ``mpiexec`` of another MPI than mpi4py's would start two
+    worlds of one rank each."""
+    candidates = [os.path.join(os.path.dirname(python), "mpiexec"), shutil.which("mpiexec")]
+    for mpiexec in dict.fromkeys(c for c in candidates if c and os.path.exists(c)):
+        if _starts_two_ranks(python, mpiexec):
+            return python, mpiexec
     wheels = os.path.join(REPO, ".whl")
     if not os.path.isdir(wheels):
         return None
@@ -265,7 +268,24 @@ def find_mpiexec(python: str) -> tuple[str, str] | None:
         subprocess.run([python, "-m", "venv", "--system-site-packages", venv], check=True)
         subprocess.run([venv_python, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels, "mpich",
                         "mpi4py"], check=True)
-    return venv_python, os.path.join(venv, "bin", "mpiexec")
+    mpiexec = os.path.join(venv, "bin", "mpiexec")
+    return (venv_python, mpiexec) if _starts_two_ranks(venv_python, mpiexec) else None
+
+
+def _starts_two_ranks(python: str, mpiexec: str) -> bool:
+    probe_code = "from mpi4py import MPI; assert MPI.COMM_WORLD.Get_size() == 2"
+    try:
+        return subprocess.run([mpiexec, "-n", "2", python, "-c", probe_code], capture_output=True,
+                              timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def mpi_facts_of(python: str) -> dict:
+    """``mpi_facts`` from a process of its own: this one never starts MPI (it launches ``mpiexec``)."""
+    code = "import json; from hpcpar.bench.gpu_check import mpi_facts; print(json.dumps(mpi_facts()))"
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, env=backend_env("mpi"))
+    return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
 
 
 def backend_env(name: str) -> dict:
@@ -368,7 +388,7 @@ def check(report: str, facts: dict, budget: Budget, device: str = "cuda", step_c
     results = {"commands": {"matrix": "mpiexec -n R python -m pytest -q --with-mpi -m mpi tests/test_nccl_gpu.py",
                             "workers": "mpiexec -n R python -m hpcpar.bench.gpu_check --worker KIND --backend B"}}
     found = find_mpiexec(sys.executable)
-    mpi = mpi_facts() if found else {}
+    mpi = mpi_facts_of(found[0]) if found else {}
     backends = available_backends(facts, mpi)
     if found:
         python, mpiexec = found
@@ -379,6 +399,8 @@ def check(report: str, facts: dict, budget: Budget, device: str = "cuda", step_c
         torch_device = ("cuda" if facts["torch_cuda"] else None) if device == "cuda" else "cpu"
         results["step"] = step_times(device, steps=steps, torch_device=torch_device, config=step_config)
         results["reference"] = f"PyTorch {torch_device.upper() if torch_device == 'cuda' else torch_device}"
+        if device == "cuda":  # the workers below share the GPU: give back what the step's pool holds
+            backend.cupy_module().get_default_memory_pool().free_all_blocks()
     except Exception as error:  # noqa: BLE001 - one part failing must not hide the others
         results["step"] = [{"precision": "all", "error": f"FAILED: {type(error).__name__}: {error}"}]
     results["bandwidth"] = {}

@@ -1,9 +1,11 @@
 """Array communication on NumPy and CuPy buffers, with every call counted.
 
 A ``Communicator`` wraps one mpi4py communicator. Array calls take NumPy or CuPy arrays:
-CuPy buffers go straight to MPI when the MPI library is CUDA-aware (after a stream
-synchronize, since MPI reads device memory outside CuPy's stream order) and are staged
-through host memory otherwise. Calls that move pickled Python objects have their own
+CuPy buffers go straight to MPI when the MPI library is CUDA-aware (after a device
+synchronize, since MPI reads device memory outside CuPy's stream order; in blocking
+collectives unless the library is known to take device buffers in non-blocking ones:
+``DEVICE_NONBLOCKING``) and are staged through reused host buffers otherwise
+(``HostStaging``). ``hpcpar.dist.nccl`` has the same API over NCCL. Calls that move pickled Python objects have their own
 names (``*_object``) so they are never mistaken for the array path.
 
 Every call adds to ``comm.stats`` (calls, the bytes it was given, the bytes this rank sends on

@@ -83,9 +83,13 @@ def _cupy_nccl():
         return None
     try:
         from cupy.cuda import nccl
-    except ImportError:
+
+        if not getattr(nccl, "available", True):  # CuPy built without NCCL exposes a stub
+            return None
+        nccl.get_version()  # loads libnccl: a missing or broken library fails here, not in the first call
+    except Exception:  # noqa: BLE001 - ImportError, a missing libnccl, CUDA errors: no NCCL
         return None
-    return nccl if getattr(nccl, "available", False) else None
+    return nccl
 
 
 def nccl_available() -> bool:

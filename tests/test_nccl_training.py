@@ -1,6 +1,7 @@
 """Training steps through the NCCL communicator, on CPUs: the transfer guard's device and the NCCL
 double (tests/nccl_double.py). A few steps of the GPT under DDP, a pipeline and tensor parallelism
-end exactly where the same job on the MPI communicator ends, and every NCCL call passed the
+end exactly where the same job on the MPI communicator ends (also ZeRO-1 and the
+interleaved schedule, whose pair of ranks carries several channels), and every NCCL call passed the
 double's stream-order checks. Run at 1, 2 and 4 ranks (layouts that do not fit are skipped).
 """
 import os
@@ -20,8 +21,11 @@ from conftest import REPO
 pytestmark = pytest.mark.mpi(min_size=1)
 LAYOUTS = {"ddp": ["parallel.pp=1", "parallel.tp=1"],
            "pipeline": ["parallel.pp=2", "parallel.tp=1", 'parallel.schedule="1f1b"'],
-           "tp": ["parallel.pp=1", "parallel.tp=2", "parallel.sequence_parallel=true"]}
-RANKS_NEEDED = {"ddp": 1, "pipeline": 2, "tp": 2}
+           "interleaved": ["parallel.pp=2", "parallel.tp=1", 'parallel.schedule="interleaved"', "parallel.chunks=2",
+                           "model.n_layer=4"],
+           "tp": ["parallel.pp=1", "parallel.tp=2", "parallel.sequence_parallel=true"],
+           "zero": ["parallel.pp=1", "parallel.tp=1", "parallel.zero=true"]}
+RANKS_NEEDED = {"ddp": 1, "pipeline": 2, "interleaved": 2, "tp": 2, "zero": 1}
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +50,12 @@ def double(monkeypatch):
 
 def run(folder, name, layout, backend):
     dp = MPI.COMM_WORLD.Get_size() // RANKS_NEEDED[layout]
-    overrides = LAYOUTS[layout] + [f"parallel.dp={dp}", 
+    overrides = [f"parallel.dp={dp}", 
         f"parallel.backend=\"{backend}\"", 'train.device="guard"', "train.steps=3",
         "train.log_interval=1", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
         "data.batch_size=8", "parallel.micro_batches=2", f'data.path="{folder}/tokens.h5"', "train.eval_interval=0",
         "data.eval_batches=1", "train.sample_tokens=0", f'checkpoint.dir="{folder}/{name}/ckpt"',
-        f'train.metrics="{folder}/{name}/metrics.jsonl"', "checkpoint.resume=false"]
+        f'train.metrics="{folder}/{name}/metrics.jsonl"', "checkpoint.resume=false"] + LAYOUTS[layout]
     job = validate(load_job(os.path.join(REPO, "jobs", "demo.toml"), overrides), MPI.COMM_WORLD.Get_size())
     return train(job, progress="none")
 

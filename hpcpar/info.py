@@ -56,6 +56,8 @@ def print_info(dp=None, pp=1, tp=1, device="auto", comm_backend="auto") -> None:
     import mpi4py
 
     facts = backend.describe()
+    name, version = library_version()
+    library = f"{name} {'.'.join(map(str, version))}"
     lines = [
         f"hpcpar        {__import__('hpcpar').__version__}",
         f"MPI library   {MPI.Get_library_version().splitlines()[0].strip()}",
@@ -65,8 +67,7 @@ def print_info(dp=None, pp=1, tp=1, device="auto", comm_backend="auto") -> None:
         f"{'yes' if ctx.cuda_aware else 'no (GPU buffers staged through host)'}",
         *(f"comm {name:<8} {describe_backend(comm, ctx.device)}" for name, comm in ctx.communicators().items()),
         f"GPU MPI       non-blocking collectives on device buffers: "
-        f"{'yes' if device_nonblocking_supported() else 'no (blocking)'} for {' '.join(map(str, library_version()[:1]))} "
-        f"{'.'.join(map(str, library_version()[1]))} (docs/gpu.md)",
+        f"{'yes' if device_nonblocking_supported() else 'no (blocking)'} for {library} (docs/gpu.md)",
         f"backends      numpy {facts['numpy']}, cupy {facts['cupy'] or cupy_state(facts)}, GPUs visible: "
         f"{facts['gpus']}, NCCL: {'yes' if nccl_available() else 'no'}",
         f"bfloat16 CPU  {'yes (ml_dtypes)' if facts['bfloat16_on_cpu'] else 'no (pip install ml_dtypes)'}",

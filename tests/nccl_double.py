@@ -74,7 +74,8 @@ def groupEnd() -> None:  # noqa: N802 - NCCL's name
         raise DoubleError("groupEnd without groupStart")
     pending, _group = _group, None
     groups += 1
-    requests = [comm.mpi.Issend(data, dest=peer, tag=P2P_TAG) for kind, comm, data, peer, _ in pending if kind == "send"]
+    requests = [comm.mpi.Issend(data, dest=peer, tag=P2P_TAG)
+                for kind, comm, data, peer, _ in pending if kind == "send"]
     for kind, comm, data, peer, _ in pending:
         if kind == "recv":
             comm.receive(data, peer)

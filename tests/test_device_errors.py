@@ -9,9 +9,9 @@ import pytest
 
 from conftest import REPO
 
-SMALL = ["--set", "parallel.dp=1", "--set", "parallel.pp=1", "--set", "model.n_layer=1", "--set", "model.n_embd=16",
-         "--set", "model.n_head=2", "--set", "model.block_size=8", "--set", "data.batch_size=2", "--set", "parallel.micro_batches=1", "--set",
-         "train.steps=1", "--set", "train.sample_tokens=0", "--set", "data.eval_batches=1"]
+SMALL = [item for key in ("parallel.dp=1", "parallel.pp=1", "model.n_layer=1", "model.n_embd=16", "model.n_head=2",
+                          "model.block_size=8", "data.batch_size=2", "parallel.micro_batches=1", "train.steps=1",
+                          "train.sample_tokens=0", "data.eval_batches=1") for item in ("--set", key)]
 
 
 def hpcpar(tmp_path, *args, cupy_says=None, env=None):

@@ -71,8 +71,10 @@ def test_counters_equal_the_mpi_communicators(nccl, reference):
     reference.stats.reset()
     run_collectives(nccl, True, np.float32)
     run_collectives(reference, False, np.float32)
-    strip = lambda stats: {op: (c["calls"], c["bytes"], c["wire_bytes"]) for op, c in stats.as_dict().items()}  # noqa: E731
-    assert strip(nccl.stats) == strip(reference.stats)
+    def counts(stats):
+        return {op: (c["calls"], c["bytes"], c["wire_bytes"]) for op, c in stats.as_dict().items()}
+
+    assert counts(nccl.stats) == counts(reference.stats)
 
 
 @mpi

@@ -148,7 +148,8 @@ def step_times(device: str, precisions=PRECISIONS, steps: int = 10, warmup: int 
             functions["pytorch"] = _synced(reference, _torch_synchronizer(torch_device))
         times = _time_interleaved(functions, steps, warmup)
         tokens = batch_size * config.block_size
-        row = {"precision": precision, "hpcpar_ms": times["hpcpar"][0] * 1e3, "hpcpar_tokens_s": tokens / times["hpcpar"][0]}
+        seconds = times["hpcpar"][0]
+        row = {"precision": precision, "hpcpar_ms": seconds * 1e3, "hpcpar_tokens_s": tokens / seconds}
         if "pytorch" in times:
             row.update(pytorch_ms=times["pytorch"][0] * 1e3, pytorch_tokens_s=tokens / times["pytorch"][0],
                        ratio=times["hpcpar"][0] / times["pytorch"][0])
@@ -409,8 +410,8 @@ def check(report: str, facts: dict, budget: Budget, device: str = "cuda", step_c
         results["bandwidth"][name] = ({"result": f"skipped: {why_not}"} if why_not or not found else
                                       run_worker(python, mpiexec, "bandwidth", name, ranks, budget, 100, device,
                                                  max_bytes))
-    results["checkpoint"] = (run_worker(python, mpiexec, "checkpoint", "mpi-staged", 2, budget, 60, device) if found else
-                             {"result": "skipped: no mpiexec"})
+    results["checkpoint"] = (run_worker(python, mpiexec, "checkpoint", "mpi-staged", 2, budget, 60, device)
+                             if found else {"result": "skipped: no mpiexec"})
     write_report(report, facts, results, mpi)
     summary = summarize(facts, results)
     print("\n".join(summary + [f"report: {report}"]))
@@ -418,7 +419,8 @@ def check(report: str, facts: dict, budget: Budget, device: str = "cuda", step_c
 
 
 def summarize(facts: dict, results: dict) -> list[str]:
-    lines = [f"GPU: {facts.get('gpu_name')} x {facts['gpus']}, CuPy {facts['cupy']}, NCCL {'yes' if facts['nccl'] else 'no'}"]
+    lines = [f"GPU: {facts.get('gpu_name')} x {facts['gpus']}, CuPy {facts['cupy']}, "
+             f"NCCL {'yes' if facts['nccl'] else 'no'}"]
     for row in results["matrix"]:
         lines.append(f"tests {row['backend']} at {row['ranks']} rank(s): {row['result']}")
     for row in results["step"]:

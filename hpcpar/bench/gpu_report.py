@@ -20,8 +20,9 @@ def _size(nbytes: int) -> str:
 
 def format_report(facts: dict, results: dict | None, mpi: dict) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    head = [f"# hpcpar GPU check, {when}", "", f"host {platform.node()}, Python {facts['python']}, CuPy "
-            f"{facts['cupy'] or '-'}, torch {facts.get('torch') or '-'} (CUDA: {'yes' if facts['torch_cuda'] else 'no'})", ""]
+    torch = f"torch {facts.get('torch') or '-'} (CUDA: {'yes' if facts['torch_cuda'] else 'no'})"
+    head = [f"# hpcpar GPU check, {when}", "",
+            f"host {platform.node()}, Python {facts['python']}, CuPy {facts['cupy'] or '-'}, {torch}", ""]
     if results is None:
         return "\n".join(head + [f"no GPU: {facts['why']}", "", "Nothing was run or measured.", ""])
     head += [f"GPU 0: {facts.get('gpu_name')} ({facts['gpus']} visible); NCCL through CuPy: "

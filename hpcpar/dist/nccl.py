@@ -127,8 +127,8 @@ def choose_backend(requested: str, device: str, cuda_aware: bool, have_nccl: boo
     on_device = device in ("cuda", "guard")  # guard: the CuPy path on CPUs (hpcpar.guard), with an NCCL double
     if requested == "nccl":
         if not on_device:
-            raise backend.DeviceError("parallel.backend = \"nccl\" needs train.device = \"cuda\" (NCCL moves GPU buffers "
-                               "only); use parallel.backend = \"auto\" or \"mpi\" on CPUs")
+            raise backend.DeviceError("parallel.backend = \"nccl\" needs train.device = \"cuda\" (NCCL moves GPU "
+                                      "buffers only); use parallel.backend = \"auto\" or \"mpi\" on CPUs")
         if not have_nccl:
             cupy_runtime()  # raises the message naming the fix
         return "nccl"

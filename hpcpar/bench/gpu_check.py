@@ -386,8 +386,11 @@ def check(report: str, facts: dict, budget: Budget, device: str = "cuda", step_c
 
     if device == "cuda":
         backend.select_gpu(0)
-    results = {"commands": {"matrix": "mpiexec -n R python -m pytest -q --with-mpi -m mpi tests/test_nccl_gpu.py",
-                            "workers": "mpiexec -n R python -m hpcpar.bench.gpu_check --worker KIND --backend B"}}
+    results = {"commands": {"matrix": "mpiexec -n R python -m pytest -q --with-mpi -m mpi tests/test_nccl_gpu.py "
+                                      "(HPCPAR_GPU_BACKEND=mpi|nccl, HPCPAR_CUDA_AWARE=0 for mpi-staged)",
+                            "step": "hpcpar.bench.gpu_check.step_times('cuda', torch_device='cuda') in the driver",
+                            "workers": "mpiexec -n R python -m hpcpar.bench.gpu_check --worker bandwidth|checkpoint "
+                                       "--backend mpi-staged|mpi-cuda-aware|nccl"}}
     found = find_mpiexec(sys.executable)
     mpi = mpi_facts_of(found[0]) if found else {}
     backends = available_backends(facts, mpi)

@@ -55,13 +55,15 @@ def _step(results: dict) -> list[str]:
             "n_layer 4, n_head 4, n_embd 256, block 128, batch 8, vocab 256; forward, backward, AdamW; medians of 10 "
             "steps after 3 warm-ups, the two frameworks taking turns, each step ended by a device synchronize. "
             "16 bits: float32 masters (hpcpar MixedPrecision, PyTorch autocast); fp16 with loss scale 1024.", "",
+            f"`{results['commands'].get('step', '')}`", "",
             _table(["precision", "hpcpar ms/step", "hpcpar tokens/s", "PyTorch ms/step", "PyTorch tokens/s",
                     "hpcpar / PyTorch"], rows), ""]
 
 
 def _bandwidth(results: dict) -> list[str]:
     out = ["## 3. All-reduce bandwidth", "", "In-place all-reduce of float32, median of 20 calls (5 above 1 MiB) after "
-           "2 warm-ups, the slowest rank's; bus bandwidth = algorithm bandwidth x 2(n-1)/n (NCCL-tests' rule).", ""]
+           "2 warm-ups, the slowest rank's; bus bandwidth = algorithm bandwidth x 2(n-1)/n (NCCL-tests' rule).", "",
+           f"`{results['commands']['workers']}`", ""]
     for name, result in results["bandwidth"].items():
         out.append(f"### {name}")
         if "rows" not in result:

@@ -121,7 +121,7 @@ def test_bfloat16_trains_with_pipelines_and_zero_and_resumes_exactly(tmp_path, t
     # the same job interrupted after its step-4 checkpoint: that checkpoint alone, then resume
     shutil.copytree(tmp_path / "straight" / "ckpt" / "step-00000004", tmp_path / "stopped" / "ckpt" / "step-00000004")
     (tmp_path / "stopped" / "ckpt" / "latest").write_text("step-00000004\n")
-    resumed = train(job, tmp_path / "stopped", token_file, *common, "train.steps=8", "checkpoint.resume=true")
+    resumed = train(job, tmp_path / "stopped", token_file, *common, "train.steps=8")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout and "step     8/8" in resumed.stdout
     a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / "stopped" / "ckpt")
@@ -167,7 +167,7 @@ def ml_dtypes_bfloat16():
 def test_checkpoints_keep_weight_decay_groups_and_a_resume_cannot_change_them(tmp_path, token_file):
     job = os.path.join(REPO, "jobs", "demo.toml")  # weight_decay 0.01, no_decay: biases, LayerNorms, embeddings
     common = ["model.n_layer=2", "model.n_embd=32", "train.log_interval=1", "train.eval_interval=0",
-              "train.sample_tokens=0", "checkpoint.interval=0", "checkpoint.resume=true"]
+              "train.sample_tokens=0", "checkpoint.interval=0"]
     first = train(job, tmp_path, token_file, *common, "train.steps=2")
     assert first.returncode == 0, first.stdout + first.stderr
     with open(tmp_path / "ckpt" / "step-00000002" / "manifest.json") as f:
@@ -218,7 +218,7 @@ def test_stop_signal_checkpoints_and_the_resumed_run_matches(tmp_path, token_fil
     stopped_at = int(output.split("stopped at step ")[1].split()[0])
     assert 3 <= stopped_at < 30
 
-    resumed = train(job, tmp_path / "stopped", token_file, *common, "checkpoint.resume=true")
+    resumed = train(job, tmp_path / "stopped", token_file, *common)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
     a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / "stopped" / "ckpt")
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

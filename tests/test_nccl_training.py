@@ -55,7 +55,7 @@ def run(folder, name, layout, backend):
         "train.log_interval=1", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
         "data.batch_size=8", "parallel.micro_batches=2", f'data.path="{folder}/tokens.h5"', "train.eval_interval=0",
         "data.eval_batches=1", "train.sample_tokens=0", f'checkpoint.dir="{folder}/{name}/ckpt"',
-        f'train.metrics="{folder}/{name}/metrics.jsonl"', "checkpoint.resume=false"] + LAYOUTS[layout]
+        f'train.metrics="{folder}/{name}/metrics.jsonl"', 'checkpoint.resume="never"'] + LAYOUTS[layout]
     job = validate(load_job(os.path.join(REPO, "jobs", "demo.toml"), overrides), MPI.COMM_WORLD.Get_size())
     return train(job, progress="none")
 

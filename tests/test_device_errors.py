@@ -41,11 +41,10 @@ def one_line(result) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("broken", [
-    'raise ImportError("libcudart.so.12: cannot open shared object file: No such file or directory")',
-    "import cupy_backends_that_is_not_there",
-], ids=["missing-cuda-library", "missing-cupy-module"])
-@pytest.mark.parametrize("device", ["auto", "cuda"])
+@pytest.mark.parametrize("broken, device", [
+    ('raise ImportError("libcudart.so.12: cannot open shared object file: No such file or directory")', "auto"),
+    ("import cupy_backends_that_is_not_there", "cuda"),
+], ids=["missing-cuda-library-auto", "missing-cupy-module-cuda"])
 def test_a_broken_cupy_install_is_one_line_naming_the_fix(tmp_path, token_file, broken, device):
     line = one_line(hpcpar(tmp_path, *job_args(tmp_path, token_file, f'train.device="{device}"'), cupy_says=broken))
     assert "CuPy is installed but fails to import" in line and "pip install 'hpcpar[gpu]'" in line

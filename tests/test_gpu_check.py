@@ -74,19 +74,14 @@ def test_bandwidth_and_checkpoint_parts_on_the_guard(backend, tmp_path_factory):
     assert result["equal"] and result["on_device"]
 
 
-def test_run_matrix_runs_each_backend_and_skips_what_cannot_run():
-    budget = gpu_check.Budget(200)
-    rows = gpu_check.run_matrix(sys.executable, venv_bin("mpiexec"),
-                                {"mpi-staged": None, "mpi-cuda-aware": "the MPI library is not CUDA-aware",
-                                 "nccl": None}, gpus=1, budget=budget)
+def test_run_matrix_skips_what_cannot_run_here():
+    """(What runs is run by the whole check below.)"""
+    rows = gpu_check.run_matrix(sys.executable, "mpiexec", {"mpi-staged": None, "mpi-cuda-aware": "not CUDA-aware",
+                                                            "nccl": None}, gpus=1, budget=gpu_check.Budget(0))
     by = {(row["backend"], row["ranks"]): row["result"] for row in rows}
-    assert "passed" in by[("mpi-staged", 1)] and "passed" in by[("mpi-staged", 2)], by
-    assert "passed" in by[("mpi-staged", 2)] and "passed" in by[("nccl", 1)]
-    assert by[("nccl", 2)] == "skipped: NCCL needs one GPU per rank"
-    assert by[("mpi-cuda-aware", 1)] == "skipped: the MPI library is not CUDA-aware"
-    spent = gpu_check.Budget(0)
-    assert gpu_check.run_matrix(sys.executable, "mpiexec", {"mpi-staged": None}, 1, spent)[0]["result"] == \
-        "not run: time budget spent"
+    assert by == {("mpi-staged", 1): "not run: time budget spent", ("mpi-staged", 2): "not run: time budget spent",
+                  ("mpi-cuda-aware", 1): "skipped: not CUDA-aware", ("mpi-cuda-aware", 2): "skipped: not CUDA-aware",
+                  ("nccl", 1): "not run: time budget spent", ("nccl", 2): "skipped: NCCL needs one GPU per rank"}
 
 
 def test_the_report_and_summary_of_a_full_run():

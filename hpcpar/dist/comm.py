@@ -643,8 +643,12 @@ class Communicator:
 
     # ----- structure ----------------------------------------------------------------
     def split(self, color: int, key: int, name: str) -> "Communicator":
-        return Communicator(self.mpi.Split(color, key), name, cuda_aware=self.cuda_aware,
-                            wait_policy=self.wait_policy, device_nonblocking=self.device_nonblocking)
+        return self.like(self.mpi.Split(color, key), name)
+
+    def like(self, mpi_comm: MPI.Comm, name: str) -> "Communicator":
+        """A communicator of the same kind and settings over ``mpi_comm`` (NCCL stays NCCL)."""
+        return Communicator(mpi_comm, name, cuda_aware=self.cuda_aware, wait_policy=self.wait_policy,
+                            device_nonblocking=self.device_nonblocking)
 
 
 def check_allreduce_args(name: str, x, op: str, out) -> None:

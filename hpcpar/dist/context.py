@@ -86,6 +86,7 @@ class ParallelContext:
     shm: bool = False  # the shared-memory collectives are attached (hpcpar.dist.shm)
     shm_node_size: int | None = None  # pretend nodes of this many ranks for them (None: real nodes)
     backend: str = "mpi"  # what moves device buffers on dp, pp and tp: "mpi" or "nccl" (hpcpar.dist.nccl)
+    runtime: object = None  # the NCCL runtime when backend is "nccl" (contexts made from this one reuse it)
 
     @property
     def crossing_axes(self) -> list[str]:
@@ -227,7 +228,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
         node_rank=node_rank, node_size=node_size,
         device=device, cuda_aware=cuda_aware, wait_policy=policy,
         node_cpus=node_cpus, host=settings, shm=color is not None, shm_node_size=shm_node_size,
-        node=make(node, "node"), topology=topo, backend=chosen,
+        node=make(node, "node"), topology=topo, backend=chosen, runtime=runtime if chosen == "nccl" else None,
     )
     assert (pp_rank, dp_rank, tp_rank) == coordinates(world_mpi.Get_rank(), dp, pp, tp)
     if color is not None:

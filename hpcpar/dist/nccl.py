@@ -419,8 +419,8 @@ class NcclCommunicator(Communicator):
         self._flush()
         return super()._object_call(op, obj, call, **kwargs)
 
-    def split(self, color: int, key: int, name: str) -> "NcclCommunicator":
-        return NcclCommunicator(self.mpi.Split(color, key), name, runtime=self.runtime, cuda_aware=self.cuda_aware,
+    def like(self, mpi_comm, name: str) -> "NcclCommunicator":
+        return NcclCommunicator(mpi_comm, name, runtime=self.runtime, cuda_aware=self.cuda_aware,
                                 wait_policy=self.wait_policy, device_nonblocking=self.device_nonblocking)
 
 

@@ -35,7 +35,6 @@ from ... import defaults
 from ...autograd import Tensor, no_grad
 from ...autograd.deferred import deferred_weight_grads
 from ...backend import get_array_module
-from ...dist.comm import Communicator
 from ...dist.trace import Tracer
 from ...state import ParameterHolder
 from ..data import DistributedDataParallel
@@ -131,7 +130,7 @@ class PipelineParallel(ParameterHolder):
             sub = self.comm.mpi.Split(0 if member else MPI.UNDEFINED, self.ctx.pp_rank)
             if member:
                 params = sorted((mine[i] for i in groups[ranks]), key=lambda p: names[id(p)])
-                comm = Communicator(sub, "pp-tied", cuda_aware=self.ctx.cuda_aware, wait_policy=self.ctx.wait_policy)
+                comm = self.comm.like(sub, "pp-tied")  # the pp communicator's kind: MPI or NCCL
                 tied.append((comm, ranks, params))
         return tied
 

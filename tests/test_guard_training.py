@@ -100,6 +100,9 @@ class QuietLog:
     def step(self, record) -> None:
         pass
 
+    def peak_memory_mb(self) -> float:
+        return 0.0
+
 
 @contextlib.contextmanager
 def staged_calls(counts: collections.Counter):

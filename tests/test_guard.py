@@ -184,3 +184,16 @@ def test_the_gpu_memory_peak_follows_the_pool_not_its_current_size(monkeypatch):
     assert (peak.used, peak.peak) == (100, 150) and not hooks
     assert peak_memory_mb(2**20) == pytest.approx(peak_memory_mb() + 1.0, abs=0.5)
     assert DevicePeak("cpu").__enter__().peak == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_embedding_gradients_on_the_device_equal_numpys(dtype):
+    """NumPy sums repeated ids with add.reduceat; CuPy has none, so a GPU scatter-adds them."""
+    from hpcpar.autograd.ops._common import scatter_add_rows
+
+    rng = np.random.default_rng(0)
+    ids, rows = rng.integers(0, 5, size=40), rng.standard_normal((40, 3)).astype(dtype)
+    on_host = scatter_add_rows(ids, rows, (7, 3))
+    on_device = scatter_add_rows(xp.asarray(ids), xp.asarray(rows), (7, 3))
+    assert on_device.dtype == on_host.dtype == dtype
+    np.testing.assert_allclose(backend.to_host(on_device), on_host, rtol=1e-3 if dtype == np.float16 else 1e-6)

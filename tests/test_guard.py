@@ -156,3 +156,44 @@ def test_guard_is_a_device_like_the_others(monkeypatch):
     monkeypatch.setenv("HPCPAR_DEVICE", "tpu")
     with pytest.raises(ValueError, match="device must be one of"):
         backend.resolve_device("auto")
+
+
+def test_the_gpu_memory_peak_follows_the_pool_not_its_current_size(monkeypatch):
+    """peak_memory_mb reported CuPy's pool size then; now a memory hook counts the peak in use."""
+    import sys
+    import types
+
+    from hpcpar.train.report import DevicePeak, peak_memory_mb
+
+    class MemoryHook:  # what cupy.cuda.MemoryHook does with hooks: call them on malloc and free
+        def __enter__(self):
+            hooks.append(self)
+
+        def __exit__(self, *exc):
+            hooks.remove(self)
+
+    hooks = []
+    pool = types.SimpleNamespace(used_bytes=lambda: 100, total_bytes=lambda: 10**9)
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(MemoryHook=MemoryHook),
+                                 get_default_memory_pool=lambda: pool)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    with DevicePeak("cuda") as peak:
+        for size in (50, -50, 20, 30, -50):  # malloc 50, free it, malloc 20 and 30, free 50
+            for hook in hooks:
+                hook.malloc_postprocess(mem_size=size) if size > 0 else hook.free_postprocess(mem_size=-size)
+    assert (peak.used, peak.peak) == (100, 150) and not hooks
+    assert peak_memory_mb(2**20) == pytest.approx(peak_memory_mb() + 1.0, abs=0.5)
+    assert DevicePeak("cpu").__enter__().peak == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_embedding_gradients_on_the_device_equal_numpys(dtype):
+    """NumPy sums repeated ids with add.reduceat; CuPy has none, so a GPU scatter-adds them."""
+    from hpcpar.autograd.ops._common import scatter_add_rows
+
+    rng = np.random.default_rng(0)
+    ids, rows = rng.integers(0, 5, size=40), rng.standard_normal((40, 3)).astype(dtype)
+    on_host = scatter_add_rows(ids, rows, (7, 3))
+    on_device = scatter_add_rows(xp.asarray(ids), xp.asarray(rows), (7, 3))
+    assert on_device.dtype == on_host.dtype == dtype
+    np.testing.assert_allclose(backend.to_host(on_device), on_host, rtol=1e-3 if dtype == np.float16 else 1e-6)

@@ -1,4 +1,6 @@
-"""Every strategy's training step under the transfer guard (device "guard"), at 1, 2 and 4 ranks.
+"""Every strategy's training step under the transfer guard (device "guard"), at 1, 2 and 4 ranks:
+GPT and CNN with DDP (also fp16, top-k and PowerSGD), ZeRO-1, tensor parallelism, a pipeline,
+3D (pp 2 x tp 2), the parameter server and local SGD; checkpoint save and load.
 
 The GPU path runs on CPUs (``hpcpar.guard``): no implicit device-to-host conversion anywhere,
 no read out of stream order, and per rank and step exactly the documented host <-> device
@@ -57,6 +59,7 @@ LAYOUTS = {
                                            "parallel.micro_batches=2"], (2, 4)),
     "3d": ("gpt-3d.toml", lambda n: [*GPT, "parallel.dp=1", "parallel.micro_batches=4"], (4,)),
     "parameter-server": ("gpt-ps.toml", lambda n: GPT, (2, 4)),
+    "local-sgd": ("gpt-local-sgd.toml", lambda n: [*GPT, "parallel.local_steps=2"], (2, 4)),
 }
 # What a communication call copies when it stages a device buffer: (out of the device, into it).
 STAGING = {"allreduce": (1, 1), "iallreduce": (1, 1), "reduce_scatter": (1, 1), "allgather": (1, 1),
@@ -99,6 +102,9 @@ class QuietLog:
 
     def step(self, record) -> None:
         pass
+
+    def peak_memory_mb(self) -> float:
+        return 0.0
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from .config import Job
 from .evaluate import evaluate, sample_text
 from .lifecycle import StopRequest, requeue_if_slurm, save_checkpoint, start, stop_reason
 from .resume import Request
-from .report import Logger, peak_memory_mb
+from .report import Logger
 
 logger = logs.get_logger(__name__)
 
@@ -108,7 +108,7 @@ def report_step(run: Run, log: Logger, step: int, start_step: int, loss, lr: flo
     a bar shows it (collective too: rank 0 asked for it at ``Logger.begin``)."""
     record = None
     if step % run.job.train.log_interval == 0 or step in (run.job.train.steps, start_step + 1):
-        record = step_record(run, step, float(to_host(loss)), lr, seconds)
+        record = step_record(run, step, float(to_host(loss)), lr, seconds, log.peak_memory_mb())
         log.step(record)
         loss = record["loss"]
     elif log.every_loss:  # one device-to-host copy of the loss per step, only with a live bar
@@ -173,13 +173,13 @@ def finish_trace(run: Run, tracer: Tracer | None, log: Logger) -> None:
         log.line(f"trace of every rank: {path} (open it in https://ui.perfetto.dev)")
 
 
-def step_record(run, step: int, loss: float, lr: float, step_s: float) -> dict:
+def step_record(run, step: int, loss: float, lr: float, step_s: float, peak_mb: float) -> dict:
     """The metrics of a logged step: the loss averaged over dp, peak memory of every rank (collective)."""
     stats, ctx = run.strategy.stats, run.ctx
     return {"step": step, "loss": float(ctx.dp.allreduce(np.array([loss]), "mean")[0]), "lr": lr,
             "tokens_per_s": tokens_per_step(run.job) / step_s, "step_s": step_s, "compute_s": stats.get("compute_s", 0.0),
             "comm_s": stats.get("comm_s", 0.0), "idle_s": stats.get("idle_s", 0.0),
-            "peak_mem_mb": ctx.world.allgather_object(round(peak_memory_mb(), 1)), "time": time.time(),
+            "peak_mem_mb": ctx.world.allgather_object(round(peak_mb, 1)), "time": time.time(),
             **({"skipped_steps": stats["skipped_steps"]} if "skipped_steps" in stats else {})}
 
 

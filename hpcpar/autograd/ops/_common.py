@@ -76,13 +76,14 @@ def scatter_add_rows(ids, rows, shape):
     16-bit rows are summed in float32 (``precision``); the result has the rows' dtype.
     """
     xp = get_array_module(rows)
+    if xp is not np:
+        total = xp.zeros(shape, dtype=precision.accumulation_dtype(rows.dtype))
+        if ids.size:
+            scatter_add(total, ids, precision.upcast(rows))
+        return total.astype(rows.dtype, copy=False)
     out = xp.zeros(shape, dtype=rows.dtype)
     if ids.size == 0:
         return out
-    if xp is not np:
-        total = xp.zeros(shape, dtype=precision.upcast(rows[:0]).dtype)
-        scatter_add(total, ids, precision.upcast(rows))
-        return total.astype(rows.dtype, copy=False)
     order = xp.argsort(ids)
     sorted_ids = ids[order]
     starts = xp.flatnonzero(xp.concatenate((xp.ones(1, dtype=bool), sorted_ids[1:] != sorted_ids[:-1])))

@@ -126,3 +126,14 @@ def test_the_whole_check_runs_on_the_guard(tmp_path, capsys):
     text = report.read_text()
     assert "### mpi-staged" in text and "| 2 KiB |" in text and "FAILED" not in text
     assert "skipped: the MPI library is not CUDA-aware" in text
+
+
+def test_a_broken_cupy_is_not_a_machine_without_a_gpu(tmp_path):
+    (tmp_path / "fake" / "cupy").mkdir(parents=True)
+    (tmp_path / "fake" / "cupy" / "__init__.py").write_text('raise ImportError("libnvrtc.so.12: cannot open")')
+    result = subprocess.run([sys.executable, "-m", "hpcpar.bench.gpu_check", "--report", str(tmp_path / "r.md")],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": f"{tmp_path / 'fake'}{os.pathsep}{REPO}"})
+    assert result.returncode == 1
+    assert "CuPy is installed but fails to import (ImportError: libnvrtc.so.12: cannot open)" in result.stdout
+    assert "pip install 'hpcpar[gpu]'" in result.stdout

@@ -8,7 +8,7 @@ matrix) and NCCL; no network. Without ``mpiexec`` it looks for MPICH and mpi4py 
 its own time limit and all within ``--budget`` seconds (``make gpu-check`` kills it at 8 minutes):
 
 1. probe: CuPy, GPUs, NCCL, MPI library, CUDA-aware MPI, torch CUDA. Without a usable GPU it
-   writes "no GPU: <reason>" and exits 0;
+   writes "no GPU: <reason>" and exits 0 (1 when CuPy is installed but fails to import);
 2. matrix: the GPU tests (``tests/test_nccl_gpu.py``) at 1 and 2 ranks on one GPU for each
    backend: MPI staged through host memory, CUDA-aware MPI (when the library is), NCCL (two
    ranks need two GPUs: NCCL refuses two ranks of one communicator on one device);
@@ -57,7 +57,8 @@ def probe() -> dict:
     from .. import backend
 
     if backend.cupy_broken():
-        facts["why"] = f"CuPy is installed but fails to import ({backend.cupy_broken()})"
+        facts["why"] = f"CuPy is installed but fails to import ({backend.cupy_broken()}): {backend.CUPY_FIX}"
+        facts["broken"] = True
     elif backend.cupy_module() is None:
         facts["why"] = "CuPy is not installed"
     else:
@@ -373,7 +374,7 @@ def main(argv=None) -> int:
     if not facts["gpus"]:
         write_report(args.report, facts, None)
         print(f"no GPU: {facts['why']}; nothing to check (report: {args.report})")
-        return 0
+        return 1 if facts.get("broken") else 0  # a broken CuPy is a problem to fix, not a machine without a GPU
     return check(args.report, facts, budget)
 
 

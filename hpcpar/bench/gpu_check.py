@@ -202,11 +202,13 @@ def checkpoint_roundtrip(ctx, folder: str) -> dict:
     start = time.perf_counter()
     checkpoint.load(folder, fresh, loaded_optimizer, ctx)
     loaded = time.perf_counter() - start
-    pairs = zip(first.parameters(), fresh.parameters())
-    equal = all((to_host(a.data) == to_host(b.data)).all() for a, b in pairs)
-    on_device = all(type(p.data).__module__.split(".")[0] != "numpy" for p in fresh.parameters())
+    saved_pieces, loaded_pieces = ({p.key: p.array for p in model.checkpoint_pieces()[0] + opt.checkpoint_pieces()[0]}
+                                   for model, opt in ((first, optimizer), (fresh, loaded_optimizer)))
+    equal = saved_pieces.keys() == loaded_pieces.keys() and all(
+        (to_host(array) == to_host(loaded_pieces[key])).all() for key, array in saved_pieces.items())
+    on_device = all(type(array).__module__.split(".")[0] != "numpy" for array in loaded_pieces.values())
     return {"equal": bool(equal), "on_device": on_device, "save_s": saved, "load_s": loaded,
-            "tensors": len(list(first.parameters()))}
+            "tensors": len(saved_pieces)}
 
 
 # ----------------------------------------------------------------------------------------

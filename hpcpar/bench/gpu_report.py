@@ -81,6 +81,7 @@ def _checkpoint(results: dict) -> list[str]:
     if "equal" not in ckpt:
         return ["## 4. Checkpoint of device arrays", "", ckpt.get("result", "-"), ""]
     return ["## 4. Checkpoint of device arrays", "",
-            f"{ckpt['tensors']} parameters and their AdamW state saved from the GPU at 2 ranks and loaded into a fresh "
-            f"model: {'equal' if ckpt['equal'] else 'NOT EQUAL'}; loaded onto the device: "
+            f"{ckpt['tensors']} tensors (a GPT's parameters and their AdamW moments) saved from the GPU at 2 ranks "
+            f"and loaded into a fresh model and optimizer: {'equal' if ckpt['equal'] else 'NOT EQUAL'}; loaded onto "
+            f"the device: "
             f"{'yes' if ckpt['on_device'] else 'no'}; save {ckpt['save_s']:.2f} s, load {ckpt['load_s']:.2f} s.", ""]

@@ -163,6 +163,22 @@ def test_a_planted_missing_producer_event_is_caught(nccl, monkeypatch):
 
 
 @mpi
+def test_a_planted_missing_event_before_a_send_is_caught(nccl, monkeypatch):
+    """Every rank sends to itself (NCCL allows it in a group), so no rank waits for another."""
+    x = xp.asarray(rank_data(nccl.rank, (4,))) + 1
+    received = xp.empty(4)
+    handles = [nccl.isend(x, nccl.rank), nccl.irecv(received, nccl.rank)]
+    for handle in handles:
+        handle.wait()
+    np.testing.assert_array_equal(host(received), rank_data(nccl.rank, (4,)) + 1)
+    monkeypatch.setattr(NcclCommunicator, "_after_producer", lambda self: guard.Event())  # never recorded
+    y = x * 2  # fresh work on the current stream that the send's stream is not ordered after
+    send = nccl.isend(y, nccl.rank)
+    with pytest.raises(guard.StreamOrderError):
+        send.wait()
+
+
+@mpi
 def test_a_planted_missing_consumer_wait_is_caught(nccl, monkeypatch):
     monkeypatch.setattr(NcclCommunicator, "_hand_over", lambda self, done: None)
     result = nccl.allreduce(xp.asarray(rank_data(nccl.rank, (4,))))

@@ -15,7 +15,7 @@ from hpcpar.bench.gpu_report import format_report
 from hpcpar.dist.context import init
 from hpcpar.nn.gpt import GPTConfig
 
-from conftest import REPO, venv_bin
+from conftest import REPO
 
 TINY = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16, seed=0)
 

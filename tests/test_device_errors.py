@@ -97,3 +97,13 @@ def test_a_driver_error_is_named_where_cupy_sees_no_device(monkeypatch):
                                                     "for CUDA runtime version))")
     with pytest.raises(backend.DeviceError, match="cudaErrorInsufficientDriver.*or set the device to 'cpu'"):
         backend.resolve_device("cuda")
+
+
+def test_info_names_each_communicators_backend_and_refuses_nccl_without_a_gpu(tmp_path):
+    shown = hpcpar(tmp_path, "info")
+    assert shown.returncode == 0, shown.stderr
+    for name in ("world", "dp", "pp", "tp"):
+        assert f"comm {name:<8} MPI" in shown.stdout
+    assert "GPU MPI       non-blocking collectives on device buffers:" in shown.stdout
+    line = one_line(hpcpar(tmp_path, "info", "--backend", "nccl"))
+    assert line.startswith("hpcpar info: error:") and 'needs train.device = "cuda"' in line

@@ -205,12 +205,17 @@ def unwrap(value, inputs: list):
 def apply(function, args: tuple, kwargs: dict):
     """Run ``function`` (a NumPy function or method) as one operation on the current stream."""
     stream = get_current_stream()
+    out = kwargs.get("out")
     inputs: list = []
     args, kwargs = unwrap(args, inputs), unwrap(kwargs, inputs)
     for array in inputs:
         check_ready(array, stream)
     result = function(*args, **kwargs)
-    return wrap_result(result, inputs, stream, stream._advance())
+    seq = stream._advance()
+    if isinstance(out, ndarray):  # written in place, perhaps through a view of another array
+        out._written.stream, out._written.seq = stream, seq
+        return out
+    return wrap_result(result, inputs, stream, seq)
 
 
 def wrap_result(result, inputs: list, stream, seq: int):

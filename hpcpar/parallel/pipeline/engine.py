@@ -172,8 +172,9 @@ class PipelineParallel(ParameterHolder):
         return array.astype(dtype, copy=False)
 
     # ----- one training step --------------------------------------------------------
-    def train_step(self, inputs, targets) -> float:
-        """Forward and backward of the whole batch through the pipeline; returns the mean loss.
+    def train_step(self, inputs, targets):
+        """Forward and backward of the whole batch through the pipeline; returns the mean loss, a
+        0-d array on the device (the same on every pipeline rank).
 
         ``inputs`` matter on the first stage and ``targets`` on the last (others may pass None).
         Gradients are left in the parameters (summed over micro-batches, averaged over dp).

@@ -1,6 +1,7 @@
 """Every strategy's training step under the transfer guard (device "guard"), at 1, 2 and 4 ranks:
-GPT and CNN with DDP (also fp16, top-k and PowerSGD), ZeRO-1, tensor parallelism, a pipeline,
-3D (pp 2 x tp 2), the parameter server and local SGD; checkpoint save and load.
+GPT and CNN with DDP (also fp16, top-k and PowerSGD), ZeRO-1, tensor parallelism, pipelines
+(1F1B; zero-bubble), 3D (pp 2 x tp 2, interleaved), the parameter server and local SGD;
+checkpoint save and load.
 
 The GPU path runs on CPUs (``hpcpar.guard``): no implicit device-to-host conversion anywhere,
 no read out of stream order, and per rank and step exactly the documented host <-> device
@@ -57,6 +58,8 @@ LAYOUTS = {
     "tensor-parallel": ("gpt-tp.toml", lambda n: [*GPT, "parallel.tp=2", f"parallel.dp={n // 2}"], (2, 4)),
     "pipeline": ("gpt-pp.toml", lambda n: [*GPT, "parallel.pp=2", f"parallel.dp={n // 2}",
                                            "parallel.micro_batches=2"], (2, 4)),
+    "pipeline-zb1": ("gpt-pp.toml", lambda n: [*GPT, "parallel.pp=2", "parallel.dp=1", "parallel.micro_batches=4",
+                                               "parallel.schedule=zb1"], (2,)),
     "3d": ("gpt-3d.toml", lambda n: [*GPT, "parallel.dp=1", "parallel.micro_batches=4"], (4,)),
     "parameter-server": ("gpt-ps.toml", lambda n: GPT, (2, 4)),
     "local-sgd": ("gpt-local-sgd.toml", lambda n: [*GPT, "parallel.local_steps=2"], (2, 4)),

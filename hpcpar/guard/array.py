@@ -144,7 +144,7 @@ class ndarray:  # noqa: N801 - named after cupy.ndarray, which isinstance checks
     # -- explicit, counted copies -------------------------------------------------------------
     def get(self, stream=None, order="C", out=None) -> np.ndarray:
         """``cupy.ndarray.get``: an explicit device-to-host copy."""
-        return asnumpy(self, stream)
+        return asnumpy(self, stream, order, out)
 
     def set(self, arr, stream=None) -> None:
         """``cupy.ndarray.set``: an explicit host-to-device copy into this array."""

@@ -11,6 +11,8 @@ copies (docs/architecture.md, "The transfer guard"):
   a pipeline's first stage feeds inputs, its last stage targets);
 - ``norm``: one device-to-host copy of the squared gradient norm when clipping;
 - ``loss``: one device-to-host copy of the loss, at log steps only (the loop's ``report_step``);
+- ``finite``: under fp16/bf16 one device-to-host copy of the finite check (gradients and loss);
+- ``powersgd start``: at PowerSGD's first step, each matrix's starting Q (drawn on the host);
 - ``staging``, when MPI is not CUDA-aware: per communication call on a device buffer one
   device-to-host copy of what it sends and one host-to-device copy of what it receives (DDP:
   one all-reduce per bucket); none when it is (``HPCPAR_CUDA_AWARE=1``: mpi4py then hands MPI

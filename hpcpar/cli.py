@@ -129,6 +129,7 @@ def _train(args) -> int:
 
     from .train.config import JobError, load_job
     from .train.loop import StopRequest, train
+    from .train.resume import Request
     from .train.validate import validate
 
     stop = StopRequest()  # first: until the handlers are in, SLURM's USR1 would kill the rank
@@ -136,7 +137,8 @@ def _train(args) -> int:
     try:  # the same verdict on every rank, before any rank waits on another
         job = validate(load_job(args.job, overrides), MPI.COMM_WORLD.Get_size())
         # JobErrors inside (a checkpoint that does not fit the job) come on every rank at once
-        train(job, resume=True if args.resume else None, stop=stop, progress=args.progress)
+        request = Request(args.resume, overwrite=args.overwrite, weights_only=args.load_weights_only)
+        train(job, resume=request, stop=stop, progress=args.progress)
     except JobError as error:
         raise _usage("hpcpar train", str(error)) from None
     return 0
@@ -158,8 +160,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", nargs="?", help="the job file, jobs/NAME.toml")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a job key, TOML syntax (repeatable): --set parallel.tp=2 (default: none)")
-    parser.add_argument("--resume", action="store_true",
-                        help="resume from the latest checkpoint (default: checkpoint.resume of the job)")
+    parser.add_argument("--resume", metavar="auto|never|must|PATH", default=None,
+                        help="auto: continue this run from checkpoint.dir's latest checkpoint, fresh when it has "
+                             "none, refusing another run's; never: a new run (checkpoint.dir must hold no "
+                             "checkpoint); must: fail unless a checkpoint loads; PATH: continue from that step "
+                             "folder (default: checkpoint.resume of the job, auto unless set)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="with --resume never (or PATH): move checkpoint.dir's old checkpoints aside to "
+                             "DIR.old-N first (nothing is deleted)")
+    parser.add_argument("--load-weights-only", action="store_true",
+                        help="with --resume PATH: take only the model's weights (any data, optimizer and step); "
+                             "a new run starts at step 0")
     parser.add_argument("--progress", choices=("auto", "bar", "log", "none"), default="auto",
                         help="bar: a live bar on the terminal the job was started from (under mpiexec too); log: a "
                              "line every train.log_interval steps with elapsed time and ETA; auto: bar when rank 0's "

@@ -85,3 +85,27 @@ def test_debug_mode_names_a_different_operation(world):
                 comm.allreduce(np.ones(2))
     finally:
         debug.set_enabled(False)
+
+
+MISMATCH_SCRIPT = """
+import time
+import numpy as np
+from mpi4py import MPI
+from hpcpar.dist import Communicator, debug
+debug.set_enabled(True)
+world = MPI.COMM_WORLD
+pairs = Communicator(world.Split(int(world.Get_rank() >= 1), world.Get_rank()), "pairs")
+if world.Get_rank() >= 1:  # world ranks 1 and 2 are ranks 0 and 1 of "pairs"
+    pairs.allreduce(np.ones(3 if world.Get_rank() == 2 else 4))
+time.sleep(60)  # world rank 0 is elsewhere: the abort must reach it too
+"""
+
+
+def test_a_debug_mismatch_is_reported_once_with_world_ranks(tmp_path):
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH_SCRIPT)
+    proc, seconds = run_mpi([venv_bin("hpcpar"), "run", str(script)], n=3, timeout=60)
+    assert proc.returncode != 0 and seconds < 30
+    assert proc.stderr.count("Traceback") == 1 and "rank 1 of 3 failed" in proc.stderr, proc.stderr
+    assert "ranks [0]: allreduce shape (4,) dtype float64 (world ranks [1])" in proc.stderr
+    assert "ranks [1]: allreduce shape (3,) dtype float64 (world ranks [2])" in proc.stderr

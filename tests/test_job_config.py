@@ -230,6 +230,23 @@ def test_the_data_file_must_exist_unless_it_may_be_prepared(tmp_path):
     validate(load_job(write_job(tmp_path, GOOD)), 2)  # prepare_if_missing = true (the default)
 
 
+def test_only_the_builtin_corpus_at_its_default_path_is_prepared(tmp_path):
+    """A typo in data.path is an error naming the command that makes the file, never a silent
+    preparation of the standard library under the typo's name."""
+    typo = str(tmp_path / "data" / "typo2.h5")
+    message = job_error(tmp_path, GOOD, f'data.path="{typo}"', world_size=2)
+    assert f"hpcpar data prepare --out {typo}" in message and "Only the built-in corpus" in message
+
+
+def test_checkpoint_resume_takes_a_policy_or_a_step_folder(tmp_path):
+    assert load_job(write_job(tmp_path, GOOD)).checkpoint.resume == "auto"
+    for value in ("never", "must", "runs/x/checkpoints/step-00000100"):
+        assert load_job(write_job(tmp_path, GOOD), [f'checkpoint.resume="{value}"']).checkpoint.resume == value
+    message = job_error(tmp_path, GOOD, "checkpoint.resume=true")  # the old boolean: one line with the new names
+    assert 'checkpoint.resume (--set): expected auto, never, must or a step folder' in message
+    assert 'the old true is "auto", false "never"' in message
+
+
 def test_an_existing_data_file_is_checked_against_the_model(tmp_path):
     text = tmp_path / "text.txt"
     text.write_bytes(b"x = 1\n" * 100)  # 600 bytes: 48 of them for val

@@ -159,7 +159,10 @@ def inspect(args) -> int:
              f"committed   {_when(manifest.get('created'))}",
              f"layout      dp {layout['dp']} x pp {layout['pp']} x tp {layout['tp']} = {layout['world']} ranks",
              f"files       {shards} shard file(s), {human_bytes(data_bytes)}; {INDEX}, {MANIFEST}"]
+    lines += provenance_lines(manifest["extra"])
     for name, saved in sorted(manifest["extra"].items()):
+        if name in ("provenance", "fingerprint"):
+            continue
         shown = json.dumps(saved.get("value", saved.get("state_dict")), sort_keys=True)
         kind = "" if "value" in saved else " (state_dict)"
         lines.append(f"extra       {name}{kind} = {shown if len(shown) <= 100 else shown[:97] + '...'}")
@@ -190,6 +193,33 @@ def inspect(args) -> int:
     print(format_table(["tensor", "global shape", "dtype", "pieces", "files"], rows,
                        f"{len(rows)} tensors (read any of them at its global shape from {INDEX} with plain h5py)"))
     return 0
+
+
+def provenance_lines(extra: dict) -> list[str]:
+    """Where a checkpoint of ``hpcpar train`` came from: run, command, versions, hosts, fingerprint."""
+    record = (extra.get("provenance") or {}).get("value")
+    lines = []
+    if record:
+        command, env = record.get("command", {}), record.get("env", {})
+        lines += [f"run         {record.get('run_id')} (job {record.get('job_source')}"
+                  + (f", initialised from {record['started_from']}" if record.get("started_from") else "") + ")",
+                  f"command     {command.get('argv')}",
+                  f"            world size {command.get('world_size')}, launcher {command.get('launcher')}, "
+                  f"in {command.get('cwd')}",
+                  f"versions    hpcpar {env.get('hpcpar')} (git {env.get('git_sha') or '-'}), Python {env.get('python')}, "
+                  f"NumPy {env.get('numpy')}, mpi4py {env.get('mpi4py')}, h5py {env.get('h5py')} (HDF5 {env.get('hdf5')})",
+                  f"MPI         {env.get('mpi_library')}",
+                  f"hosts       {', '.join(env.get('hosts') or [])}"]
+    fingerprint = (extra.get("fingerprint") or {}).get("value")
+    if fingerprint:
+        data = fingerprint.get("data") or {}
+        shown = (f"{data['path']} ({data.get('bytes')} bytes, {data.get('tokens')} tokens, sha256 of both ends "
+                 f"{str(data.get('sample_sha256'))[:16]})" if "path" in data else data.get("kind"))
+        model = ", ".join(f"{k} {v}" for k, v in sorted((fingerprint.get("model") or {}).items()))
+        lines += [f"fingerprint model: {model}",
+                  f"            data: {shown}; optimizer {fingerprint.get('optimizer')}, "
+                  f"precision {fingerprint.get('precision')}"]
+    return lines
 
 
 def verify(args) -> int:

@@ -103,14 +103,21 @@ def prepare(out: str, paths: list[str] | None = None, max_mb: float | None = 8, 
     return {**attrs, "train_tokens": len(tokens) - n_val, "val_tokens": n_val}
 
 
-def ensure_prepared(path: str, comm=None, **options) -> None:
+def ensure_prepared(path: str, comm=None, announce=None, **options) -> None:
     """Make ``path`` if it is missing: rank 0 of ``comm`` (an hpcpar Communicator) prepares, and
-    every rank learns the outcome, so a failure is raised on all ranks instead of leaving some waiting."""
+    every rank learns the outcome, so a failure is raised on all ranks instead of leaving some waiting.
+    ``announce(text)`` (rank 0) is told what is made, before and after."""
     error = None
     if comm is None or comm.rank == 0:
         if not os.path.exists(path):
             try:
-                prepare(path, **options)
+                if announce:
+                    source = f"{len(options['paths'])} file(s)" if options.get("paths") else "the Python standard library"
+                    announce(f"{path} is missing: preparing it once from {source} (as `hpcpar data prepare "
+                             f"--out {path}` does)")
+                made = prepare(path, **options)
+                if announce:
+                    announce(f"wrote {path}: {made['num_tokens']:,} byte tokens from {made['num_files']} files")
             except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
                 error = f"preparing {path} failed: {type(err).__name__}: {err}"
     if comm is not None and comm.size > 1:

@@ -11,7 +11,12 @@ import os
 
 
 class CollectiveMismatchError(RuntimeError):
-    """Ranks of one communicator called different collectives or passed different buffers."""
+    """Ranks of one communicator called different collectives or passed different buffers.
+
+    Every rank of the communicator raises it; ``report_elsewhere`` is True on all but the lowest,
+    so that fail-fast prints the report once (``failfast``) instead of once per rank."""
+
+    report_elsewhere = False
 
 
 _enabled = os.environ.get("HPCPAR_DEBUG", "0") not in ("", "0")
@@ -30,12 +35,19 @@ def check_collective(comm, op: str, array) -> None:
     """Raise CollectiveMismatchError on all ranks if they disagree on ``op``/shape/dtype."""
     if not _enabled or comm.size == 1:
         return
+    from mpi4py import MPI
+
     mine = (op, tuple(array.shape), str(array.dtype))
-    everyone = comm.mpi.allgather(mine)  # uncounted: debugging must not change the traffic figures
-    if all(call == everyone[0] for call in everyone):
+    # uncounted: debugging must not change the traffic figures
+    everyone = comm.mpi.allgather((mine, MPI.COMM_WORLD.Get_rank()))
+    if all(call == everyone[0][0] for call, _ in everyone):
         return
     groups: dict = {}
-    for rank, call in enumerate(everyone):
-        groups.setdefault(call, []).append(rank)
-    described = "; ".join(f"ranks {ranks}: {c[0]} shape {c[1]} dtype {c[2]}" for c, ranks in groups.items())
-    raise CollectiveMismatchError(f"collective mismatch on communicator '{comm.name}': {described}")
+    for rank, (call, world_rank) in enumerate(everyone):
+        groups.setdefault(call, []).append((rank, world_rank))
+    described = "; ".join(f"ranks {[r for r, _ in ranks]}: {c[0]} shape {c[1]} dtype {c[2]} "
+                          f"(world ranks {[w for _, w in ranks]})" for c, ranks in groups.items())
+    error = CollectiveMismatchError(f"collective mismatch on communicator '{comm.name}' (ranks of the communicator, "
+                                    f"world ranks in parentheses): {described}")
+    error.report_elsewhere = comm.rank != 0  # its rank 0 is the lowest rank that found it
+    raise error

@@ -50,6 +50,11 @@ def _abort(exc_type, exc, tb) -> None:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
+    if getattr(exc, "report_elsewhere", False) and world.Get_size() > 1:
+        # Every rank found the same fault and a lower one reports it: end without repeating it
+        # (after the reporter's own grace, so that its report is what the user sees).
+        time.sleep(2 * ABORT_GRACE_SECONDS)
+        world.Abort(ABORT_EXIT_CODE)
     lines = traceback.format_exception(exc_type, exc, tb)
     header = f"hpcpar: rank {world.Get_rank()} of {world.Get_size()} failed (host {os.uname().nodename}, pid {os.getpid()}):\n"
     sys.stderr.write(header + "".join(lines))
@@ -61,11 +66,18 @@ def _abort(exc_type, exc, tb) -> None:
     os._exit(ABORT_EXIT_CODE)
 
 
+_exiting = False  # set once this process aborts the job for a non-zero exit
+
+
 def _exit_everywhere(stop: SystemExit) -> None:
     """A non-zero exit while other ranks may wait in MPI: one line, then MPI_Abort with the code."""
     module = sys.modules.get("mpi4py.MPI")
     if module is None or not module.Is_initialized() or module.Is_finalized() or module.COMM_WORLD.Get_size() == 1:
         return  # no peer can be waiting on this process through MPI: a plain exit
+    global _exiting
+    if _exiting:  # nested fail_fast blocks (hpcpar run's inside the command's): one line, one abort
+        return
+    _exiting = True
     world = module.COMM_WORLD
     code = stop.code if isinstance(stop.code, int) else ABORT_EXIT_CODE
     reason = stop.code if isinstance(stop.code, str) else f"exit status {stop.code}"

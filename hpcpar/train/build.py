@@ -7,16 +7,18 @@ optimizer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import numpy as np
-
+from .. import log
 from ..data.loader import TextBatches, TokenDataset
 from ..data.sampler import DistributedSampler
 from ..nn.gpt import GPT
 from ..optim import WarmupCosine, precision_dtype
 from .config import Job, JobError
 from .strategies import Strategy, make_strategy
+from .validate import prepares_builtin_corpus
+
+logger = log.get_logger(__name__)
 
 
 @dataclass
@@ -26,6 +28,7 @@ class Run:
     lr_schedule: WarmupCosine | None  # None on ranks that only serve
     train_data: object | None
     eval_data: list | None  # (inputs, targets) batches of this dp replica
+    identity: dict = field(default_factory=dict)  # fingerprint and provenance, set when the run starts (lifecycle)
 
     @property
     def ctx(self):
@@ -40,12 +43,14 @@ class Run:
         return self.strategy.trains
 
     def checkpoint_extra(self) -> dict:
-        """What an exact resume needs besides parameters and optimizer state (nothing on a server)."""
+        """What an exact resume needs besides parameters and optimizer state (nothing on a server).
+
+        No random state: dropout masks are keyed by the step and the data position
+        (``nn.dropout_keys``); checkpoints that carry the random stream of earlier versions load."""
         if not self.trains:
             return {}
-        rng = getattr(self.model, "rng", None) or np.random.default_rng(self.job.model.seed)
-        return {"schedule": self.lr_schedule, "data": self.train_data, "rng": rng,
-                "model_config": self.job.to_dict()["model"], **self.strategy.checkpoint_extra()}
+        return {"schedule": self.lr_schedule, "data": self.train_data,
+                "model_config": self.job.to_dict()["model"], **self.identity, **self.strategy.checkpoint_extra()}
 
 
 def compute_dtype(job: Job):
@@ -77,10 +82,10 @@ def build_data(job: Job, ctx):
                               seed=job.train.seed)
         rows = DistributedSampler(len(split.y_test), ctx.dp_size, ctx.dp_rank).eval_indices()  # each image once
         return train, [(split.x_test[rows], split.y_test[rows])]
-    if job.data.prepare_if_missing:
+    if prepares_builtin_corpus(job):
         from ..data.prepare import ensure_prepared
 
-        ensure_prepared(job.data.path, comm=ctx.world)
+        ensure_prepared(job.data.path, comm=ctx.world, announce=logger.info)
     block = job.model.block_size
     train = TextBatches(TokenDataset(job.data.path, "train"), block, job.data.batch_size, ctx.dp_rank,
                         ctx.dp_size, seed=job.train.seed)

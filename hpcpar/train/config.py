@@ -124,8 +124,16 @@ BOOLEAN = Type("true or false", _boolean)
 STRING = Type("a string", _string)
 NUMBER_PAIR = Type("a list of 2 numbers", _list_of(_number, 2))
 INTEGER_PAIR = Type("a list of 2 integers", _list_of(_integer, 2))
+def _resume(v):
+    if isinstance(v, bool):  # the old boolean: true resumed when there was a checkpoint, false ignored them
+        raise TypeError
+    return _string(v)
+
+
 PARTITION = Type("a method name or a list of per-stage layer counts", _partition)
 STRING_LIST = Type("a list of non-empty strings (may be empty)", _strings)
+RESUME = Type("auto, never, must or a step folder (a string; the old true is \"auto\", false \"never\")", _resume)
+RESUME_MODES = ("auto", "never", "must")  # anything else is a step folder
 
 
 # --- range checks: each is called with a converted value and returns None or what is wrong ----------
@@ -192,16 +200,17 @@ class ModelSection:
     tie_weights: bool = _key(True, BOOLEAN, "the lm head reuses the token embedding", applies=GPT_ONLY)
     channels: tuple = _key((16, 32), INTEGER_PAIR, "channels of the two convolutions", check=each(at_least(1)),
                            applies=("model.kind", ("cnn",)))
-    seed: int = _key(0, INTEGER, "parameter initialisation (and the dropout stream)", check=at_least(0))
+    seed: int = _key(0, INTEGER, "parameter initialisation (and the dropout masks)", check=at_least(0))
 
 
 @dataclass(frozen=True)
 class DataSection:
     kind: str = _key("text", STRING, "text (HDF5 byte tokens, for gpt) or digits (sklearn 8x8, for cnn)",
                      choices=("text", "digits"))
-    path: str = _key("data/stdlib.h5", STRING, "HDF5 token file from `hpcpar data prepare`", applies=TEXT_ONLY)
-    prepare_if_missing: bool = _key(True, BOOLEAN, "build data.path from the Python standard library if absent",
-                                    applies=TEXT_ONLY)
+    path: str = _key(defaults.TEXT_CORPUS, STRING, "HDF5 token file from `hpcpar data prepare`", applies=TEXT_ONLY)
+    prepare_if_missing: bool = _key(True, BOOLEAN, f"prepare the built-in corpus (the Python standard library) when "
+                                                   f"data.path is its default {defaults.TEXT_CORPUS} and absent; any "
+                                                   f"other missing data.path is an error", applies=TEXT_ONLY)
     batch_size: int = _key(32, INTEGER, "global batch: samples per optimizer step, over all dp replicas",
                            check=at_least(1))
     eval_batches: int = _key(8, INTEGER, "validation batches (of batch_size windows) per evaluation",
@@ -302,13 +311,17 @@ class CheckpointSection:
     interval: int = _key(0, INTEGER, "steps between checkpoints; 0 = none during training", check=at_least(0))
     keep: int = _key(2, INTEGER, "checkpoints kept (older ones are removed)", check=at_least(1))
     async_: bool = _key(False, BOOLEAN, "write checkpoints in a background thread", name="async")
-    resume: bool = _key(True, BOOLEAN, "continue from the latest checkpoint in dir when there is one")
+    resume: str = _key("auto", RESUME, "auto: continue this run from dir's latest checkpoint (fresh when dir has "
+                                       "none; refuses another run's checkpoints); never: a new run, dir must hold no "
+                                       "checkpoint (--overwrite moves them aside); must: fail unless a checkpoint "
+                                       "loads; a step folder: continue from it (--load-weights-only: its weights)",
+                       check=Check("auto, never, must or a step folder", lambda v: bool(v.strip())))
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "parallel": ParallelSection,
             "optimizer": OptimizerSection, "lr_schedule": LRScheduleSection, "train": TrainSection,
             "checkpoint": CheckpointSection}
-PATH_KEYS = ("data.path", "train.metrics", "train.trace", "train.tensorboard", "checkpoint.dir")
+PATH_KEYS = ("data.path", "train.metrics", "train.trace", "train.tensorboard", "checkpoint.dir", "checkpoint.resume")
 DEPRECATED_SECTIONS = {"schedule": "lr_schedule"}  # old name -> new name, read with a notice for one release
 
 

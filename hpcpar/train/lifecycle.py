@@ -1,6 +1,8 @@
-"""The life of a run across steps and restarts: stop signals, resume, checkpoints, requeue.
+"""The life of a run across steps and restarts: its start, stop signals, checkpoints, requeue.
 
-On SIGTERM or SIGUSR1 (SLURM's warning before the time limit, or a preemption) every rank
+``start`` begins a run by the resume policy (``resume``): the run's fingerprint (``identity``),
+the verdict every rank shares, the load, the LR schedule taken from the job, and the run
+folder's provenance. On SIGTERM or SIGUSR1 (SLURM's warning before the time limit, or a preemption) every rank
 agrees at the next step boundary (never mid-step), a checkpoint is saved, and under SLURM the
 job asks to be requeued; the requeued job resumes from that checkpoint.
 """
@@ -13,7 +15,9 @@ import time
 
 import numpy as np
 
-from .. import checkpoint, log
+from .. import log
+from . import identity, resume
+from .resume import Request
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 logger = log.get_logger(__name__)
@@ -58,12 +62,77 @@ def save_checkpoint(run, step: int, final: bool = False):
     return run.strategy.save(c.dir, step, run.checkpoint_extra(), keep=c.keep, asynchronous=c.async_ and not final)
 
 
-def load_latest(run, wanted: bool | None) -> dict | None:
-    """Load the latest valid checkpoint when the job resumes and there is one (collective)."""
-    c = run.job.checkpoint
-    if not ((c.resume if wanted is None else wanted) and checkpoint.list_steps(c.dir)):
+def start(run, request: Request) -> dict | None:
+    """Start the run by the resume policy (collective): the fingerprint, the verdict (a refusal raises
+    ``ResumeRefused`` on every rank before anything is written), the load, the run folder's provenance,
+    and rank 0's lines about it. Returns the load's info, or None for a fresh run."""
+    world, job = run.strategy.world_ctx.world, run.job
+    data = data_identity(job) if world.rank == 0 else None
+    current = identity.fingerprint(job, world.bcast_object(data, root=0))
+    decision = resume.agree(run, request, current)
+    hosts = sorted(set(world.allgather_object(os.uname().nodename)))
+    info = resume.load(run, decision)
+    resumed = info is not None and not decision.weights_only
+    schedule = adopt_job_schedule(run) if resumed and info["step"] < job.train.steps else None  # else: nothing to do
+    weights_from = info["step_dir"] if info is not None and decision.weights_only else None
+    loaded_id = ((info["extra"].get("provenance") or {}).get("run_id") if resumed else None)  # the step's own run
+    record = identity.provenance(job, loaded_id or decision.run_id, world.size, hosts, started_from=weights_from)
+    run.identity = {"fingerprint": current, "provenance": record}
+    if world.rank != 0:
+        return info
+    identity.write_run_folder(job.checkpoint.dir, job, record, current)
+    for line in decision.lines:
+        logger.info(line)
+    if info is not None:
+        say_resumed(run, info, decision, current)
+    if schedule:
+        logger.info(schedule)
+    return info
+
+
+def say_resumed(run, info: dict, decision, current: dict) -> None:
+    """Rank 0: the step folder, step and fingerprint loaded, then one line per allowed change."""
+    saved = info["extra"].get("fingerprint") or current
+    if decision.weights_only:
+        logger.info(f"initialised from the weights of {info['step_dir']} (step {info['source_step']}, {identity.describe(saved)}); "
+                    f"a new run starts at step 0 with fresh optimizer state")
+        return
+    logger.info(f"resumed from {info['step_dir']} (step {info['step']}, {identity.describe(saved)}, written by "
+                f"{identity.layout_text(info['layout'])}, run {run.identity['provenance']['run_id']})")
+    saved_job = (info["extra"].get("provenance") or {}).get("job")
+    for line in identity.changes(saved_job, run.job, info["layout"], run.ctx.layout if run.trains else info["layout"],
+                                 saved, current):
+        logger.info(line)
+
+
+def adopt_job_schedule(run) -> str | None:
+    """The job is the source of truth for the LR schedule: after a load its values replace the
+    checkpoint's (the step count stays). Returns the line naming what changed (None: nothing)."""
+    s, job = run.lr_schedule, run.job
+    if s is None:
         return None
-    return run.strategy.load_latest(c.dir, run.checkpoint_extra())
+    wanted = {"optimizer.lr": float(job.optimizer.lr), "train.steps": job.train.steps,
+              "lr_schedule.warmup_steps": min(job.lr_schedule.warmup_steps, job.train.steps),
+              "lr_schedule.min_lr": float(job.lr_schedule.min_lr)}
+    saved = {"optimizer.lr": s.base_lr, "train.steps": s.total_steps, "lr_schedule.warmup_steps": s.warmup_steps,
+             "lr_schedule.min_lr": s.min_lr}
+    changed = [f"{k} {saved[k]:g} -> {wanted[k]:g}" for k in wanted if saved[k] != wanted[k]]
+    s.base_lr, s.total_steps = wanted["optimizer.lr"], wanted["train.steps"]
+    s.warmup_steps, s.min_lr = wanted["lr_schedule.warmup_steps"], wanted["lr_schedule.min_lr"]
+    s.optimizer.lr = s.lr_at(s.step_count)
+    if not changed:
+        return None
+    return (f"learning-rate schedule from the job, not the checkpoint: {', '.join(changed)} (from step "
+            f"{s.step_count} on, lr now {s.optimizer.lr:.3g})")
+
+
+def data_identity(job) -> dict | None:
+    """The identity of the job's token file (None for the digits, which are built in)."""
+    if job.data.kind != "text":
+        return None
+    from ..data.identity import file_identity
+
+    return file_identity(job.data.path)
 
 
 def requeue_if_slurm(run, stop: StopRequest) -> None:

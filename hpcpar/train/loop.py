@@ -23,20 +23,24 @@ from ..backend import to_host
 from ..dist.context import init
 from ..dist.topology import PlacementWarning
 from ..dist.trace import Tracer
+from ..nn.dropout_keys import DropoutKey, dropout_key
 from .build import Run, build
 from .config import Job
 from .evaluate import evaluate, sample_text
-from .lifecycle import StopRequest, load_latest, requeue_if_slurm, save_checkpoint, stop_reason
+from .lifecycle import StopRequest, requeue_if_slurm, save_checkpoint, start, stop_reason
+from .resume import Request
 from .report import Logger
 
 logger = logs.get_logger(__name__)
 
 
-def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None, progress: str = "auto") -> dict:
+def train(job: Job, resume: Request | str | None = None, stop: StopRequest | None = None,
+          progress: str = "auto") -> dict:
     """Train ``job`` on every rank of the world; returns the last logged metrics (on every trainer).
 
-    ``resume`` overrides ``checkpoint.resume``; ``stop`` is the signal catcher (one is installed
-    when not given); ``progress`` is how rank 0 shows it: auto, bar, log or none (``Progress``).
+    ``resume`` is the resume policy (a ``Request``, or auto/never/must/PATH) over ``checkpoint.resume``;
+    ``stop`` is the signal catcher (one is installed when not given); ``progress`` is how rank 0
+    shows it: auto, bar, log or none (``Progress``).
     """
     stop = stop or StopRequest()
     ctx = start_context(job)
@@ -44,16 +48,18 @@ def train(job: Job, resume: bool | None = None, stop: StopRequest | None = None,
         describe(job, ctx)
         run = build(job, ctx)
         tracer = start_trace(run)
-        if not run.trains:  # a parameter server: loads with the workers, serves until each has stopped
-            load_latest(run, resume)
+        info = start(run, resume if isinstance(resume, Request) else Request(resume))
+        step = start_step = info["step"] if info is not None else 0
+        if not run.trains:  # a parameter server: loaded with the workers, serves until each has stopped
             run.strategy.serve(lambda step: save_checkpoint(run, step, final=True))
             finish_trace(run, tracer, log)
             return {}
-        info = load_latest(run, resume)
-        if info is not None:
-            log.line(f"resumed from {info['step_dir']} (written by layout {info['layout']})")
-        step = start_step = info["step"] if info is not None else 0
-        log.begin(run.ctx, start_step, info["step_dir"] if info is not None else None)
+        if start_step >= job.train.steps:
+            log.line(f"nothing to do: the checkpoint is at step {start_step}, train.steps = {job.train.steps}")
+            run.strategy.finish_training(None)
+            finish_trace(run, tracer, log)
+            return {"step": start_step, "nothing_to_do": True}
+        log.begin(run.ctx, start_step, info["step_dir"] if start_step else None, run.identity)
         last, reason, began = {"step": step}, None, time.perf_counter()
         while step < job.train.steps and reason is None:
             started = time.perf_counter()
@@ -83,7 +89,7 @@ def train_one_step(run: Run, step: int) -> tuple:
     inputs, targets = run.train_data.batch_at(step)
     run.train_data.step = step + 1
     trace = run.strategy.trace
-    with trace.step(step + 1):
+    with trace.step(step + 1), dropout_key(DropoutKey(step, run.train_data.first_sample)):  # masks by sample
         loss = run.strategy.train_step(inputs, targets)
         with trace.span("optimizer", "optimizer"):  # clip and step; the exchange of ps and local SGD
             run.strategy.finish_step(run.job.optimizer.grad_clip, loss)

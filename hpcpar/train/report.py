@@ -92,14 +92,41 @@ class Logger:
         """This rank's peak memory so far: resident on the host, plus the GPU's while training."""
         return peak_memory_mb(self.device_peak.peak)
 
-    def begin(self, ctx, start_step: int, resumed_from: str | None) -> None:
-        """The run's start record, and the progress display from ``start_step`` on."""
+    def begin(self, ctx, start_step: int, resumed_from: str | None, identity: dict | None = None) -> None:
+        """The run's start record, and the progress display from ``start_step`` on.
+
+        A fresh run starts a new metrics file (an old one is renamed with its own run id); a
+        resumed run appends a ``{"event": "resume", "step": N}`` record to its run's file."""
         name = os.path.splitext(os.path.basename(self.job.source))[0]
+        run_id = ((identity or {}).get("provenance") or {}).get("run_id")
+        if resumed_from is None:
+            self.set_aside_old_metrics()
+        else:
+            self.record({"event": "resume", "step": start_step, "from": resumed_from, "run_id": run_id,
+                         "time": time.time()})
         self.record({"event": "start", "step": start_step, "job": name, "layout": ctx.layout,
                      "unit": "tokens" if self.unit == "tok" else "images", "resumed_from": resumed_from,
-                     "time": time.time()})
+                     "run_id": run_id, "time": time.time()})
         self.progress.begin(start_step)
         self.every_loss = ctx.world.bcast_object(self.progress.live, root=0)  # a bar shows every step's loss
+
+    def set_aside_old_metrics(self) -> None:
+        """Rank 0, at a fresh start: rename an existing metrics file ``NAME.RUNID.jsonl`` (its run's id,
+        from its first record; else its time), so that one file holds one run."""
+        if not (self.rank0 and self.path and os.path.exists(self.path)):
+            return
+        try:
+            with open(self.path) as f:
+                first = json.loads(f.readline() or "{}")
+        except ValueError:
+            first = {}
+        old_id = first.get("run_id") or time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(self.path)))
+        stem, ext = os.path.splitext(self.path)
+        target, n = f"{stem}.{old_id}{ext}", 1
+        while os.path.exists(target):
+            target, n = f"{stem}.{old_id}-{n}{ext}", n + 1
+        os.rename(self.path, target)
+        logger.info(f"a new run: the previous metrics file is now {target}")
 
     def record(self, entry: dict) -> None:
         if self.rank0 and self.path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from .. import defaults
 from ..parallel.pipeline.schedules import interleaved_fit
 from .config import BYTE_VOCAB, Job, JobError, toml_value
 
@@ -148,12 +149,9 @@ def _check_batch(job: Job, dp: int | None) -> list:
 def _check_token_file(job: Job) -> list[tuple[str, str]]:
     path, m = job.data.path, job.model
     if not os.path.exists(path):
-        if job.data.prepare_if_missing:
-            info = {"vocab_size": BYTE_VOCAB}  # what `hpcpar data prepare` will make
-        else:
-            return [("data.path", f"{toml_value(path)} does not exist (relative paths start at the current folder: "
-                                  f"{os.path.abspath(path)}); make it with `hpcpar data prepare --out {path}` "
-                                  f"or set data.prepare_if_missing = true")]
+        if not prepares_builtin_corpus(job):
+            return [("data.path", missing_data_message(job))]
+        info = {"vocab_size": BYTE_VOCAB}  # what `hpcpar data prepare` will make
     else:
         from ..data.loader import dataset_info
 
@@ -170,6 +168,19 @@ def _check_token_file(job: Job) -> list[tuple[str, str]]:
             problems.append(("data.path", f"the {split} split of {path} has {info[split]} tokens, not more than "
                                           f"model.block_size = {m.block_size}; prepare more text"))
     return problems
+
+
+def prepares_builtin_corpus(job: Job) -> bool:
+    """Whether a missing ``data.path`` is prepared on first use: only the built-in corpus at its default
+    path (what ``make demo`` trains on); a missing file anywhere else is more likely a typo."""
+    return job.data.prepare_if_missing and os.path.abspath(job.data.path) == os.path.abspath(defaults.TEXT_CORPUS)
+
+
+def missing_data_message(job: Job) -> str:
+    path = job.data.path
+    return (f"{toml_value(path)} does not exist (relative paths start at the current folder: {os.path.abspath(path)}); "
+            f"make it with `hpcpar data prepare --out {path} [TEXT FILES]` (no files: the Python standard library). "
+            f"Only the built-in corpus at its default path {defaults.TEXT_CORPUS} is prepared automatically")
 
 
 def parameter_names(job: Job) -> list[str]:

@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from ... import checkpoint
+from ...nn.dropout_keys import offset_dropout_key
 from ..config import JobError
 from ...dist.trace import NO_TRACE
 
@@ -48,7 +49,7 @@ def accumulate_gradients(model, inputs, targets, micro_batches: int, backward, n
     total = 0.0
     pieces = list(zip(split_rows(inputs, micro_batches), split_rows(targets, micro_batches)))
     for k, (x, y) in enumerate(pieces):
-        with trace.span("forward", "forward", micro=k):
+        with trace.span("forward", "forward", micro=k), offset_dropout_key(k * x.shape[0]):  # the slice's own masks
             loss = model.loss(x, y) * (1.0 / micro_batches)
         with trace.span("backward", "backward", micro=k):
             if no_sync is not None and k < len(pieces) - 1:
@@ -151,12 +152,28 @@ class Strategy(ABC):
         """{parameter name: weight decay} that this rank's optimizer applies (its groups, by name)."""
 
     def load_latest(self, root: str, extra: dict) -> dict | None:
+        """Resume from the latest checkpoint under ``root`` that loads (None: none does); collective."""
+        return self._load(root, lambda *target: checkpoint.load_latest(root, *target, extra=extra))
+
+    def load_step(self, step_dir: str, extra: dict) -> dict:
+        """Resume from one step folder (of this run or another with the same fingerprint); collective."""
+        return self._load(step_dir, lambda *target: checkpoint.load(step_dir, *target, extra=extra))
+
+    def load_weights(self, step_dir: str) -> dict:
+        """The model's weights alone from a step folder (``--load-weights-only``): optimizer state,
+        schedule, data position and random streams start fresh; collective."""
+        model, _, ctx = self.checkpoint_target()
+        info = checkpoint.load(step_dir, model, None, ctx)
+        self.after_load()
+        return info
+
+    def _load(self, where: str, load) -> dict | None:
         model, optimizer, ctx = self.checkpoint_target()
         asked = self.weight_decays()
-        info = checkpoint.load_latest(root, model, optimizer, ctx, extra=extra)
+        info = load(model, optimizer, ctx)
         if info is not None:
             self.after_load()
-            self.check_weight_decays(asked, root)
+            self.check_weight_decays(asked, where)
         return info
 
     def check_weight_decays(self, asked: dict, root: str) -> None:
@@ -171,7 +188,7 @@ class Strategy(ABC):
                                               f"({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}) than "
                                               f"optimizer.weight_decay and optimizer.no_decay give; resume with the "
                                               f"settings it was trained with, or start anew with "
-                                              f"checkpoint.resume = false")])
+                                              f"--resume never in another checkpoint.dir")])
 
     # ----- serving and the end ----------------------------------------------------------
     def serve(self, save_step) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ... import checkpoint
 from ...parallel.ps import ParameterServer
+from ..config import JobError
 from .base import Strategy
 from .ingredients import MIXED, loss_scaler, optimizer_class, state_bytes
 
@@ -68,6 +69,11 @@ class ParameterServerStrategy(Strategy):
     def checkpoint_extra(self) -> dict:
         """The workers' loss scaler under fp16 (synchronous workers keep equal ones; asynchronous: rank 0's)."""
         return {} if self.ps.scaler is None else {"scaler": self.ps.scaler}
+
+    def load_weights(self, step_dir: str) -> dict:
+        raise JobError(self.job.source, [("parallel.mode", "--load-weights-only is not supported with mode = \"ps\" "
+                                                           "(the servers keep weights and optimizer state together); "
+                                                           "resume the whole checkpoint with --resume PATH")])
 
     def save(self, root: str, step: int, extra: dict, keep: int, asynchronous: bool):
         def write():  # always synchronous: the servers pause serving for it

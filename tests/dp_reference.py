@@ -1,6 +1,7 @@
 """The single-process answer for data-parallel tests: a tiny float64 GPT trained on the full batch."""
 import numpy as np
 
+from hpcpar.nn import DropoutKey, dropout_key
 from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.optim import AdamW
 
@@ -46,8 +47,8 @@ def max_difference(params_a: dict, params_b: dict) -> float:
 class DataParallelRun:
     """A resumable float64 data-parallel run of the reference model (DDP + AdamW, or ZeRO-1).
 
-    Uses dropout, a warm-up/cosine schedule and the model's random stream, so that an exact
-    resume has to restore all of them.
+    Uses dropout (masks keyed by step and sample, as the training loop keys them) and a
+    warm-up/cosine schedule, so that an exact resume has to restore the step and the schedule.
     """
 
     def __init__(self, ctx, zero=False, dropout=0.1):
@@ -58,8 +59,6 @@ class DataParallelRun:
         self.ctx = ctx
         config = GPTConfig(**{**CONFIG.to_dict(), "dropout": dropout})
         self.model = GPT(config, dtype=np.float64)
-        # Each dp rank draws its own dropout masks, as in a real run.
-        self.model.rng = np.random.default_rng([config.seed, ctx.dp_rank])
         if zero:
             self.ddp = None
             self.optimizer = ZeroRedundancyOptimizer(self.model.named_parameters(), ctx.dp, AdamW, lr=LR,
@@ -70,7 +69,7 @@ class DataParallelRun:
         self.schedule = WarmupCosine(self.optimizer, warmup_steps=2, total_steps=10)
 
     def extra(self) -> dict:
-        return {"schedule": self.schedule, "rng": self.model.rng}
+        return {"schedule": self.schedule}
 
     def train(self, steps) -> list:
         per_rank = GLOBAL_BATCH // self.ctx.dp_size
@@ -78,7 +77,8 @@ class DataParallelRun:
         losses = []
         for step in steps:
             ids, targets = global_batch(step)
-            loss = self.model.loss(ids[rows], targets[rows])
+            with dropout_key(DropoutKey(step, rows.start)):
+                loss = self.model.loss(ids[rows], targets[rows])
             loss.backward()
             if self.ddp is not None:
                 self.ddp.finish_grad_sync()

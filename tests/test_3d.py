@@ -3,7 +3,11 @@
 The model is ``PipelineParallel(GPT(config, tp=ctx.tp), ctx)``: tensor parallelism inside the
 layers, pipeline stages across pp, gradient averaging across dp; gradients are clipped by the
 global norm (each element counted once across tp and pp) before AdamW, or ZeRO-1's sharded AdamW.
+With dropout, every layout and schedule draws the masks one process draws (keyed by step and
+sample: ``hpcpar.nn.dropout_keys``).
 """
+import functools
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -11,6 +15,7 @@ from mpi4py import MPI
 import hpcpar
 from hpcpar import checkpoint
 from hpcpar.state import global_slab, slab_slices
+from hpcpar.nn import DropoutKey, dropout_key
 from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.optim import AdamW, clip_grad_norm
 from hpcpar.parallel.pipeline import PipelineParallel
@@ -27,12 +32,13 @@ def data(step):
     return ids[:, :-1], ids[:, 1:]
 
 
-def reference(no_decay=()):
-    model = GPT(CONFIG, np.float64)
+def reference(no_decay=(), config=CONFIG, steps=STEPS):
+    model = GPT(config, np.float64)
     optimizer = AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1, no_decay=no_decay)
     losses = []
-    for step in range(STEPS):
-        loss = model.loss(*data(step))
+    for step in range(steps):
+        with dropout_key(DropoutKey(step)):  # the whole batch: samples 0 .. BATCH - 1 of the step
+            loss = model.loss(*data(step))
         loss.backward()
         clip_grad_norm(model.parameters(), CLIP)
         optimizer.step()
@@ -41,12 +47,13 @@ def reference(no_decay=()):
     return dict(model.named_parameters()), losses
 
 
-def build(ctx, zero=False, sequence_parallel=False, no_decay=()):
+def build(ctx, zero=False, sequence_parallel=False, no_decay=(), config=CONFIG, schedule="1f1b"):
     """The 3D model and AdamW; with ``zero`` the optimizer state is sharded over dp (ZeRO-1),
     which then does the dp reduction of gradients instead of the pipeline."""
-    model = GPT(CONFIG, np.float64, tp=ctx.tp)
+    model = GPT(config, np.float64, tp=ctx.tp)
     model.sequence_parallel = sequence_parallel
-    pipe = PipelineParallel(model, ctx, schedule="1f1b", micro_batches=MICRO, dp_average=not zero)
+    pipe = PipelineParallel(model, ctx, schedule=schedule, micro_batches=MICRO, dp_average=not zero,
+                            chunks=2 if schedule == "interleaved" else 1)
     if zero:
         return pipe, ZeroRedundancyOptimizer(pipe.named_parameters(), ctx.dp, AdamW, lr=1e-2, weight_decay=0.1,
                                              no_decay=no_decay)
@@ -71,10 +78,24 @@ def train(ctx, steps=range(STEPS), built=None):
     losses = []
     for step in steps:
         ids, targets = data(step)
-        loss = pipe.train_step(ids[rows], targets[rows])
+        with dropout_key(DropoutKey(step, rows.start)):  # this replica's rows of the step's global batch
+            loss = pipe.train_step(ids[rows], targets[rows])
         clip_and_step(pipe, optimizer, ctx)
         losses.append(ctx.dp.allreduce(np.array([loss]), "mean")[0])
     return pipe, losses
+
+
+def assert_resume_is_bitwise(ctx, root, save_at, steps, make):
+    """Trained straight for ``steps`` and saved at ``save_at``, resumed into a fresh ``make()``: bit for bit the same."""
+    straight, _ = train(ctx, range(steps), make())
+    pipe, optimizer = make()
+    train(ctx, range(save_at), (pipe, optimizer))
+    checkpoint.save(root, save_at, pipe, optimizer, ctx)
+    pipe, optimizer = make()
+    checkpoint.load(root, pipe, optimizer, ctx)
+    resumed, _ = train(ctx, range(save_at, steps), (pipe, optimizer))
+    for (name, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters()):
+        np.testing.assert_array_equal(a.data, b.data, err_msg=name)
 
 
 def layout_context(world, dp, pp, tp):
@@ -89,6 +110,15 @@ def assert_matches(pipe, losses, expected_params, expected_losses, label, tol=1e
         _, slab = global_slab(p)
         diff = np.max(np.abs(p.data - expected_params[name].data[slab_slices(slab)]))
         assert diff <= tol, (label, name, diff)
+
+
+def max_difference(pipe, losses, expected_params, expected_losses) -> float:
+    """The largest |difference| of this rank's parameters and of the losses from one process's."""
+    diffs = [np.max(np.abs(np.subtract(losses, expected_losses)))]
+    for name, p in pipe.named_parameters():
+        _, slab = global_slab(p)
+        diffs.append(np.max(np.abs(p.data - expected_params[name].data[slab_slices(slab)])))
+    return float(max(diffs))
 
 
 def check_layout(world, dp, pp, tp, zero=False, sequence_parallel=False, no_decay=()):
@@ -125,6 +155,90 @@ def test_sequence_parallel_on_four_ranks_equals_one_process(world, layout):
 @pytest.mark.parametrize("zero, sequence_parallel", [(False, False), (True, False), (False, True)])
 def test_2x2x2_equals_one_process(world, zero, sequence_parallel):
     check_layout(world, 2, 2, 2, zero, sequence_parallel)
+
+
+# ----- dropout: the same masks in every layout and schedule -------------------------------------
+
+DROPOUT_CONFIG = GPTConfig(**{**CONFIG.to_dict(), "dropout": 0.1})
+DROPOUT_STEPS = 5
+ALL_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
+# the eight layouts packed onto 8 ranks in four rounds, the layouts of a round side by side
+ROUNDS = [[(2, 2, 2)], [(2, 2, 1), (2, 1, 2)], [(1, 2, 2), (2, 1, 1), (1, 2, 1)], [(1, 1, 2), (1, 1, 1)]]
+
+
+@functools.cache
+def dropout_reference():
+    return reference(config=DROPOUT_CONFIG, steps=DROPOUT_STEPS)
+
+
+def side_by_side(world, layouts, job) -> dict:
+    """``job(ctx)`` of each layout on its own ranks (packed from rank 0), at once; {layout: the
+    largest of its ranks' results} on every rank."""
+    starts = np.cumsum([0] + [dp * pp * tp for dp, pp, tp in layouts])
+    assert starts[-1] <= world.Get_size()
+    rank = world.Get_rank()
+    mine = next((k for k in range(len(layouts)) if starts[k] <= rank < starts[k + 1]), None)
+    group = world.Split(MPI.UNDEFINED if mine is None else mine, rank)
+    result = None
+    if mine is not None:
+        result = job(hpcpar.init(dp=layouts[mine][0], pp=layouts[mine][1], tp=layouts[mine][2], comm=group,
+                                 device="cpu"))
+    results = world.allgather((mine, result))
+    return {layout: max(r for k, r in results if k == index) for index, layout in enumerate(layouts)}
+
+
+def dropout_difference(ctx, schedule, zero=False, sequence_parallel=False) -> float:
+    params, ref_losses = dropout_reference()
+    pipe, losses = train(ctx, range(DROPOUT_STEPS), build(ctx, zero, sequence_parallel, config=DROPOUT_CONFIG,
+                                                         schedule=schedule))
+    return max_difference(pipe, losses, params, ref_losses)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb1"])
+def test_dropout_is_the_same_in_all_eight_layouts(world, schedule):
+    """Dropout 0.1, 5 steps: each of the 8 layouts (dp, pp, tp in {1, 2}) under ``schedule`` equals
+    one process to 1e-10 (parameters and losses)."""
+    differences = {}
+    for layouts in ROUNDS:
+        differences.update(side_by_side(world, layouts, lambda ctx: dropout_difference(ctx, schedule)))
+    assert sorted(differences) == sorted(ALL_LAYOUTS)
+    if world.Get_rank() == 0:  # the table of the closing note (pytest -s shows it)
+        print("".join(f"\n{schedule:12s} {dp}x{pp}x{tp}  max |difference| {d:.1e}" for (dp, pp, tp), d in
+                      sorted(differences.items())))
+    assert max(differences.values()) <= 1e-10, differences
+
+
+@pytest.mark.mpi(min_size=8)
+def test_dropout_with_sequence_parallelism_and_zero_is_the_same_in_every_layout(world):
+    """The tp layouts with sequence parallelism (each rank draws its positions of the sequence)
+    and ZeRO-1, interleaved: equal to one process with dropout."""
+    rounds = [[(2, 2, 2)], [(2, 1, 2), (1, 2, 2)]]
+    for layouts in rounds:
+        for zero, sequence_parallel in ((False, True), (True, True)):
+            differences = side_by_side(world, layouts, lambda ctx: dropout_difference(
+                ctx, "interleaved", zero=zero, sequence_parallel=sequence_parallel))
+            assert max(differences.values()) <= 1e-10, (zero, sequence_parallel, differences)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_dropout_resumes_bitwise_and_in_another_layout(world, tmp_path_factory):
+    """Dropout 0.1, saved after step 2 on 2x1x2: resumed there, bit for bit the uninterrupted run;
+    resumed on 1x2x2 (zb1), equal to one process. No random state is saved: the masks come from
+    the step and the rows."""
+    root = world.bcast(str(tmp_path_factory.mktemp("ckpt-dropout")) if world.Get_rank() == 0 else None)
+    params, ref_losses = dropout_reference()
+    ctx = layout_context(world, 2, 1, 2)
+    if ctx is not None:
+        assert_resume_is_bitwise(ctx, root, 2, DROPOUT_STEPS, lambda: build(ctx, config=DROPOUT_CONFIG))
+    world.Barrier()
+    ctx = layout_context(world, 1, 2, 2)
+    if ctx is not None:
+        pipe, optimizer = build(ctx, config=DROPOUT_CONFIG, schedule="zb1")
+        checkpoint.load(root, pipe, optimizer, ctx)
+        _, losses = train(ctx, range(2, DROPOUT_STEPS), (pipe, optimizer))
+        assert_matches(pipe, losses, params, ref_losses[2:], "2x1x2 -> 1x2x2 with dropout")
+    world.Barrier()
 
 
 @pytest.mark.mpi(min_size=4)
@@ -164,15 +278,7 @@ def test_checkpoint_keeps_weight_decay_groups_in_any_layout(world, tmp_path_fact
     params, ref_losses = reference(NO_DECAY)
     ctx = layout_context(world, 2, 1, 2)
     if ctx is not None:
-        straight, _ = train(ctx, built=build(ctx, zero=True, no_decay=NO_DECAY))
-        pipe, optimizer = build(ctx, zero=True, no_decay=NO_DECAY)
-        train(ctx, range(1), (pipe, optimizer))
-        checkpoint.save(root, 1, pipe, optimizer, ctx)
-        pipe, optimizer = build(ctx, zero=True, no_decay=NO_DECAY)
-        checkpoint.load(root, pipe, optimizer, ctx)
-        resumed, _ = train(ctx, range(1, STEPS), (pipe, optimizer))
-        for (name, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters()):
-            np.testing.assert_array_equal(a.data, b.data, err_msg=name)
+        assert_resume_is_bitwise(ctx, root, 1, STEPS, lambda: build(ctx, zero=True, no_decay=NO_DECAY))
     world.Barrier()
     ctx = layout_context(world, 1, 2, 2)
     if ctx is not None:

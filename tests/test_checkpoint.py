@@ -81,22 +81,23 @@ def test_a_failed_shard_write_fails_the_save_on_every_rank(world, tmp_path_facto
 @pytest.mark.parametrize("save_ranks, load_ranks, zero", [(None, 1, True), (None, 2, False), (1, None, False),
                                                          (2, None, True)])
 def test_load_into_another_layout(world, tmp_path_factory, save_ranks, load_ranks, zero):
-    """Save on one data-parallel width, load on another, continue: equals one process (1e-12)."""
+    """Save on one data-parallel width, load on another, continue: equals one process (1e-12), dropout
+    included (its masks are keyed by step and sample, not by rank)."""
     size = world.Get_size()
     save_ranks, load_ranks = save_ranks or size, load_ranks or size
     root = shared_dir(world, tmp_path_factory, "relayout")
-    reference = DataParallelRun(hpcpar.init(comm=MPI.COMM_SELF, device="cpu"), dropout=0.0)
+    reference = DataParallelRun(hpcpar.init(comm=MPI.COMM_SELF, device="cpu"))
     reference_losses = reference.train(range(TOTAL))
 
     ctx = sub_context(world, save_ranks)
     if ctx is not None:
-        run = DataParallelRun(ctx, zero=zero, dropout=0.0)
+        run = DataParallelRun(ctx, zero=zero)
         run.train(range(SAVE_AT))
         checkpoint.save(root, SAVE_AT, run.model, run.optimizer, ctx, extra=run.extra())
     world.Barrier()
     ctx = sub_context(world, load_ranks)
     if ctx is not None:
-        run = DataParallelRun(ctx, zero=not zero, dropout=0.0)  # ZeRO <-> plain as well
+        run = DataParallelRun(ctx, zero=not zero)  # ZeRO <-> plain as well
         checkpoint.load(root, run.model, run.optimizer, ctx, extra=run.extra())
         losses = run.train(range(SAVE_AT, TOTAL))
         np.testing.assert_allclose(losses, reference_losses[SAVE_AT:], rtol=0, atol=1e-12)
@@ -164,6 +165,22 @@ def test_damage_is_detected_by_load_naming_the_file(tmp_path, how):
         checkpoint.load(str(tmp_path), fresh.model, fresh.optimizer, ctx)
     info = checkpoint.load_latest(str(tmp_path), fresh.model, fresh.optimizer, ctx, extra=fresh.extra())
     assert info["step"] == 1
+
+
+def test_a_checkpoint_with_the_former_dropout_stream_loads_and_resumes_bitwise(tmp_path):
+    """Checkpoints of earlier versions carry each rank's dropout generator ("rng"); masks are keyed
+    now and nothing reads it, but such a checkpoint loads and the run goes on as if uninterrupted."""
+    ctx = hpcpar.init(device="cpu")
+    straight = DataParallelRun(ctx)
+    straight.train(range(TOTAL))
+    first = DataParallelRun(ctx)
+    first.train(range(SAVE_AT))
+    checkpoint.save(str(tmp_path), SAVE_AT, first.model, first.optimizer, ctx,
+                    extra={**first.extra(), "rng": np.random.default_rng(3)})
+    resumed = DataParallelRun(ctx)
+    assert checkpoint.load(str(tmp_path), resumed.model, resumed.optimizer, ctx, extra=resumed.extra())["step"] == SAVE_AT
+    resumed.train(range(SAVE_AT, TOTAL))
+    assert max_difference(resumed.parameters(), straight.parameters()) == 0.0
 
 
 def test_wrong_model_gives_a_clear_error(tmp_path):

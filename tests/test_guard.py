@@ -62,6 +62,17 @@ def test_views_share_the_last_write():
     assert row._written is a._written
 
 
+def test_writes_through_out_and_views_are_the_last_write_of_the_whole_array():
+    a, side = device(np.zeros(4)), guard.Stream()
+    side.wait_event(guard.get_current_stream().record())
+    with side:
+        xp.add(a[:2], 1.0, out=a[:2])  # a kernel on another stream writes into a view of a
+    with pytest.raises(guard.StreamOrderError):
+        guard.check_ready(a)
+    guard.get_current_stream().wait_event(side.record())
+    assert backend.to_host(a).tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
 def test_functions_cupy_lacks_fail():
     a = device([1.0, 2.0, 3.0])
     with pytest.raises(AttributeError, match="not portable CuPy"):

@@ -1,6 +1,7 @@
 """Every strategy's training step under the transfer guard (device "guard"), at 1, 2 and 4 ranks:
-GPT and CNN with DDP (also fp16, top-k and PowerSGD), ZeRO-1, tensor parallelism, a pipeline,
-3D (pp 2 x tp 2), the parameter server and local SGD; checkpoint save and load.
+GPT and CNN with DDP (also dropout, fp16, top-k and PowerSGD), ZeRO-1, tensor parallelism, pipelines
+(1F1B; zero-bubble), 3D (pp 2 x tp 2, interleaved), the parameter server and local SGD;
+checkpoint save and load.
 
 The GPU path runs on CPUs (``hpcpar.guard``): no implicit device-to-host conversion anywhere,
 no read out of stream order, and per rank and step exactly the documented host <-> device
@@ -10,6 +11,10 @@ copies (docs/architecture.md, "The transfer guard"):
   a pipeline's first stage feeds inputs, its last stage targets);
 - ``norm``: one device-to-host copy of the squared gradient norm when clipping;
 - ``loss``: one device-to-host copy of the loss, at log steps only (the loop's ``report_step``);
+- ``dropout``: with dropout, one host-to-device copy of each dropout layer's mask per forward
+  (masks are keyed draws on the host, the same in every layout);
+- ``finite``: under fp16/bf16 one device-to-host copy of the finite check (gradients and loss);
+- ``powersgd start``: at PowerSGD's first step, each matrix's starting Q (drawn on the host);
 - ``staging``, when MPI is not CUDA-aware: per communication call on a device buffer one
   device-to-host copy of what it sends and one host-to-device copy of what it receives (DDP:
   one all-reduce per bucket); none when it is (``HPCPAR_CUDA_AWARE=1``: mpi4py then hands MPI
@@ -34,6 +39,7 @@ from hpcpar import guard
 from hpcpar.autograd.ops import elementwise
 from hpcpar.backend import is_gpu_array, to_host
 from hpcpar.dist.comm import Communicator
+from hpcpar.nn.layers import Dropout, HeadDropout
 from hpcpar.train import lifecycle
 from hpcpar.train.build import build
 from hpcpar.train.config import load_job
@@ -50,6 +56,7 @@ LAYOUTS = {
     "gpt-ddp": ("gpt-dp.toml", lambda n: [*GPT, "parallel.bucket_mb=0.02"], (1, 2, 4)),
     "gpt-zero": ("gpt-dp.toml", lambda n: [*GPT, "parallel.zero=true"], (1, 2, 4)),
     "gpt-ddp-fp16": ("gpt-dp.toml", lambda n: [*GPT, "train.precision=fp16"], (1, 2)),
+    "gpt-ddp-dropout": ("gpt-dp.toml", lambda n: [*GPT, "model.dropout=0.1"], (1, 2)),
     "gpt-ddp-topk": ("gpt-dp.toml", lambda n: [*GPT, "parallel.compression=topk"], (2,)),
     "gpt-ddp-powersgd": ("gpt-dp.toml", lambda n: [*GPT, "parallel.compression=powersgd"], (2,)),
     "cnn-ddp": ("cnn-digits-dp.toml", lambda n: ["parallel.zero=false", "parallel.bucket_mb=0.01"], (1, 2, 4)),
@@ -57,6 +64,8 @@ LAYOUTS = {
     "tensor-parallel": ("gpt-tp.toml", lambda n: [*GPT, "parallel.tp=2", f"parallel.dp={n // 2}"], (2, 4)),
     "pipeline": ("gpt-pp.toml", lambda n: [*GPT, "parallel.pp=2", f"parallel.dp={n // 2}",
                                            "parallel.micro_batches=2"], (2, 4)),
+    "pipeline-zb1": ("gpt-pp.toml", lambda n: [*GPT, "parallel.pp=2", "parallel.dp=1", "parallel.micro_batches=4",
+                                               "parallel.schedule=zb1"], (2,)),
     "3d": ("gpt-3d.toml", lambda n: [*GPT, "parallel.dp=1", "parallel.micro_batches=4"], (4,)),
     "parameter-server": ("gpt-ps.toml", lambda n: GPT, (2, 4)),
     "local-sgd": ("gpt-local-sgd.toml", lambda n: [*GPT, "parallel.local_steps=2"], (2, 4)),
@@ -68,7 +77,8 @@ STAGING = {"allreduce": (1, 1), "iallreduce": (1, 1), "reduce_scatter": (1, 1), 
 SITES = {("autograd/ops/_common.py", "integer_array"): "batch", ("autograd/tensor.py", "constant"): "batch",
          ("optim/clip.py", "clip_arrays"): "norm", ("parallel/zero.py", "_counted_squares"): "norm",
          ("train/loop.py", "report_step"): "loss", ("dist/comm.py", None): "staging",
-         ("parallel/compression.py", "_compress_matrix"): "powersgd start", ("optim/amp.py", "all_finite"): "finite"}
+         ("parallel/compression.py", "_compress_matrix"): "powersgd start", ("optim/amp.py", "all_finite"): "finite",
+         ("nn/layers.py", "forward"): "dropout"}
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +188,9 @@ def documented(run, step: int) -> collections.Counter:
     logged = step % job.train.log_interval == 0 or step in (1, job.train.steps)
     expected = collections.Counter({("batch", "to_device"): batch, ("norm", "to_host"): int(job.optimizer.grad_clip > 0),
                                     ("loss", "to_host"): int(logged)})
+    if job.model.dropout > 0:  # keyed masks are drawn on the host: one copy per dropout layer and forward
+        expected["dropout", "to_device"] = micro * sum(
+            isinstance(m, (Dropout, HeadDropout)) and m.p > 0 for _, m in run.model.named_modules())
     if job.train.precision in ("fp16", "bf16"):  # the finite check of gradients and loss
         expected["finite", "to_host"] = 1
     if job.parallel.compression == "powersgd" and step == 1:  # each matrix's first Q, drawn on the host
@@ -227,7 +240,7 @@ def test_checkpoints_save_and_load_device_arrays_with_one_copy_each(tmp_path_fac
 
     fresh = build(job, start_context(job))
     guard.stats.reset()
-    assert lifecycle.load_latest(fresh, True)["step"] == 2
+    assert fresh.strategy.load_latest(folder, fresh.checkpoint_extra())["step"] == 2
     assert guard.stats.implicit == 0 and guard.stats.to_device >= len(saved)
     for name, p in fresh.strategy.named_parameters():
         assert is_gpu_array(p.data) and np.array_equal(to_host(p.data), saved[name]), name

@@ -71,6 +71,25 @@ def test_sequence_parallelism_trains_like_plain_tensor_parallelism(tmp_path, tok
     np.testing.assert_allclose(losses["true"], losses["false"], rtol=1e-5)  # float32: sums in another order
 
 
+def test_dropout_masks_are_the_same_in_every_layout_of_a_job(tmp_path, token_file):
+    """Dropout 0.1 through `hpcpar train`: dp 4 with 2 accumulation slices, and pp 2 x tp 2 with
+    sequence parallelism, interleaved, draw the same masks (the loop keys them by step and row):
+    the same losses up to float32 rounding (differing masks move them by ~1e-3)."""
+    job = os.path.join(REPO, "jobs", "gpt-dp.toml")
+    common = ["model.dropout=0.1", "model.n_layer=2", "model.n_embd=32", "data.batch_size=8", "train.steps=4",
+              "train.log_interval=1", "train.eval_interval=0", "train.sample_tokens=0", "checkpoint.interval=0"]
+    layouts = {"dp": ["parallel.micro_batches=2"],
+               "pp-tp": ["parallel.dp=1", "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                         'parallel.schedule="interleaved"', "parallel.chunks=2", "parallel.micro_batches=2"]}
+    losses = {}
+    for name, overrides in layouts.items():
+        proc = train(job, tmp_path / name, token_file, *common, *overrides)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        losses[name] = [json.loads(line)["loss"] for line in open(tmp_path / name / "metrics.jsonl") if '"loss"' in line]
+    assert len(losses["dp"]) == 4
+    np.testing.assert_allclose(losses["pp-tp"], losses["dp"], rtol=2e-6)
+
+
 def test_parameter_server_checkpoints_resume_exactly_and_load_into_all_reduce(tmp_path, token_file):
     """The servers write their ranges and optimizer state: a synchronous run stopped at step 4 and
     resumed ends bitwise where an uninterrupted one does, and the checkpoint also resumes as an
@@ -203,7 +222,7 @@ def test_bad_job_files_fail_before_any_rank_waits(tmp_path, token_file, override
 def test_stop_signal_checkpoints_and_the_resumed_run_matches(tmp_path, token_file):
     job = os.path.join(REPO, "jobs", "gpt-dp.toml")
     common = ["train.steps=30", "train.log_interval=1", "train.eval_interval=0", "checkpoint.interval=0",
-              "model.n_embd=32", "model.n_layer=1"]
+              "model.n_embd=32", "model.n_layer=1", "model.dropout=0.1"]  # the masks come from the restored step
     straight = train(job, tmp_path / "straight", token_file, *common)
     assert straight.returncode == 0, straight.stdout + straight.stderr
 

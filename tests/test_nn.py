@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from hpcpar.autograd import Parameter, Tensor
-from hpcpar.nn import (GPT, DigitsCNN, Dropout, GPTConfig, HeadDropout, Linear, Module, ModuleList, Sequential, ReLU, init)
+from hpcpar.nn import (GPT, DigitsCNN, Dropout, DropoutKey, GPTConfig, HeadDropout, Linear, Module, ModuleList, Sequential,
+                       ReLU, active_dropout_key, dropout_key, init, offset_dropout_key, replay_dropout_key)
+from hpcpar.nn.dropout_keys import keyed_uniform
 
 TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.0, seed=3)
 
@@ -240,30 +242,64 @@ def test_gpt_layers_compose_to_forward_and_backward_stage_by_stage():
         np.testing.assert_allclose(p_staged.grad, p_ref.grad, rtol=1e-12, atol=1e-15, err_msg=name)
 
 
-def test_gpt_dropout_uses_the_model_stream():
+def test_gpt_dropout_masks_are_keyed_by_step_and_sample():
     model = tiny_gpt(dropout=0.5)
-    ids, _ = batch()
-    assert all(m.rng is model.rng for _, m in model.named_modules() if isinstance(m, (Dropout, HeadDropout)))
+    ids, _ = batch(B=4)
+    assert [(m.seed, m.site) for _, m in model.named_modules() if isinstance(m, (Dropout, HeadDropout))] == \
+        [(3, site) for site in range(1 + 3 * 2)]  # embedding; per block: attention probabilities, attention, MLP
     first, second = model(ids).data, model(ids).data
-    assert not np.allclose(first, second)  # training: fresh masks
-    model.rng = np.random.default_rng(42)
-    replay = model(ids).data
-    model.rng = np.random.default_rng(42)
-    np.testing.assert_array_equal(model(ids).data, replay)
+    assert not np.allclose(first, second)  # no key: each forward draws the next step's masks
+    with dropout_key(DropoutKey(0)):
+        np.testing.assert_array_equal(model(ids).data, first)  # ... which are step 0's, then step 1's
+    with dropout_key(DropoutKey(1)):
+        np.testing.assert_array_equal(model(ids).data, second)
+    with dropout_key(DropoutKey(7, first_sample=10)):
+        whole = model(ids).data
+        with offset_dropout_key(2):  # the last two rows alone, as a micro-batch or replica holding them draws them
+            np.testing.assert_array_equal(model(ids[2:]).data, whole[2:])
+    with dropout_key(DropoutKey(7, first_sample=12)):
+        np.testing.assert_array_equal(model(ids[2:]).data, whole[2:])
+        np.testing.assert_array_equal(tiny_gpt(dropout=0.5)(ids[2:]).data, whole[2:])  # a pure function: any copy
+    with dropout_key(DropoutKey(7, first_sample=12)), offset_dropout_key(1):
+        replay = replay_dropout_key()  # what a recomputed region takes at its forward ...
+    assert active_dropout_key() is None
+    with replay:  # ... and reruns under in backward
+        assert active_dropout_key() == DropoutKey(7, first_sample=13)
     model.eval()
     np.testing.assert_array_equal(model(ids).data, tiny_gpt(dropout=0.0)(ids).data)
+    with pytest.raises(RuntimeError, match="dropout key"):
+        Dropout(0.5)(Tensor(np.ones((2, 3))))  # a layer outside a model needs a key
+    with dropout_key(DropoutKey(0)):  # any rank of input: axis 0 samples, axis 1 positions
+        for shape in ((6,), (6, 5), (6, 5, 4, 3)):
+            y = Dropout(0.5)(Tensor(np.ones(shape))).data
+            assert y.shape == shape and set(np.unique(y)) == {0.0, 2.0}
+
+
+def test_keyed_draws_of_any_rows_are_the_draws_of_the_whole():
+    for dtype in (np.float32, np.float64):
+        whole = keyed_uniform((1, 2, 3), (6, 5), range(0, 4), None, dtype)
+        assert whole.shape == (4, 6, 5) and whole.dtype == dtype and 0 <= whole.min() and whole.max() < 1
+        for samples in (range(0, 4), range(1, 3), range(3, 4)):
+            for rows in (range(0, 6), range(1, 4), range(5, 6)):  # odd starts: a float32 draw from half an output
+                got = keyed_uniform((1, 2, 3), (6, 5), samples, rows, dtype)
+                np.testing.assert_array_equal(got, whole[samples.start:samples.stop, rows.start:rows.stop])
+        assert not np.array_equal(keyed_uniform((1, 2, 4), (6, 5), range(0, 4), None, dtype), whole)
 
 
 def test_head_dropout_streams_are_per_head_and_layout_independent():
     p = 0.3
-    whole = HeadDropout(p, range(0, 4), rng=np.random.default_rng(9))
-    second_half = HeadDropout(p, range(2, 4), rng=np.random.default_rng(9))  # a tp rank holding heads 2 and 3
-    keep = whole(2, 5, np.float64, np)
-    assert keep.shape == (2, 4, 5, 5) and set(np.unique(keep)) == {0.0, 1 / (1 - p)}
-    np.testing.assert_array_equal(second_half(2, 5, np.float64, np), keep[:, 2:])
-    assert all(not np.array_equal(keep[:, 0], keep[:, h]) for h in (1, 2, 3))  # every head its own mask
-    assert not np.array_equal(whole(2, 5, np.float64, np), keep)  # each call a fresh key from the stream
-    assert abs(np.mean(keep == 0) - p) < 0.1
+    whole = HeadDropout(p, range(0, 4), seed=9, site=1)
+    second_half = HeadDropout(p, range(2, 4), seed=9, site=1)  # a tp rank holding heads 2 and 3
+    with dropout_key(DropoutKey(5)):
+        keep = whole(2, 5, np.float64, np)
+        assert keep.shape == (2, 4, 5, 5) and set(np.unique(keep)) == {0.0, 1 / (1 - p)}
+        np.testing.assert_array_equal(second_half(2, 5, np.float64, np), keep[:, 2:])
+        assert all(not np.array_equal(keep[:, 0], keep[:, h]) for h in (1, 2, 3))  # every head its own mask
+        assert abs(np.mean(keep == 0) - p) < 0.1
+    with dropout_key(DropoutKey(5, first_sample=1)):
+        np.testing.assert_array_equal(whole(1, 5, np.float64, np), keep[1:])  # the second sample alone
+    with dropout_key(DropoutKey(6)):
+        assert not np.array_equal(whole(2, 5, np.float64, np), keep)  # another step, other masks
     whole.eval()
     assert whole(2, 5, np.float64, np) is None
 

@@ -136,7 +136,7 @@ def sharded_and_full_gpt(tp, tied, sequence_parallel=False):
 @pytest.mark.parametrize("tied", [True, False])
 def test_whole_gpt_equals_unsharded(tp, tied):
     sharded, full, losses = sharded_and_full_gpt(tp, tied)
-    # dropout masks agree: a shared stream in replicated regions, per-head streams for attention
+    # dropout masks agree: keyed by sample and position in replicated regions, by head for attention
     assert abs(losses[0] - losses[1]) <= TOL
     assert_shard_grads(sharded, full)
     for (name, p), (_, q) in zip(sharded.named_parameters(), full.named_parameters()):
@@ -181,7 +181,7 @@ def test_divisibility_errors_are_clear(tp):
 @pytest.mark.parametrize("tied", [True, False])
 def test_sequence_parallel_gpt_equals_unsharded(tp, tied):
     """Norms, dropout and residuals on slices of the sequence: the same loss and gradients,
-    dropout masks included (drawn for the whole sequence, then sliced)."""
+    dropout masks included (each rank draws those of its positions of the whole sequence)."""
     sharded, full, losses = sharded_and_full_gpt(tp, tied, sequence_parallel=True)
     assert sharded.sequence_parallel == (tp.size > 1)  # with one tp rank there is nothing to split
     sync_sequence_parallel_grads(sharded.named_parameters(), tp)

@@ -1,6 +1,6 @@
 """Sharded, atomic HDF5 checkpoints written by every rank in parallel.
 
-    save("ckpt", step, model, optimizer, ctx, extra={"schedule": schedule, "rng": model.rng})
+    save("ckpt", step, model, optimizer, ctx, extra={"schedule": schedule, "data": batches})
 
 1. Every rank lists the pieces it holds; one small all-gather of their descriptions lets
    each (tensor, slab) be written by exactly one of the ranks holding it, chosen to even

@@ -126,10 +126,14 @@ class GlobalBatches(ABC):
     def fetch(self, rows: np.ndarray):
         """The data of ``rows``."""
 
+    @property
+    def first_sample(self) -> int:
+        """The place of this replica's first row in every step's global batch (what keys its dropout masks)."""
+        return self.dp_rank * self.local_batch
+
     def rows(self, step: int) -> np.ndarray:
         """This replica's part of step ``step``'s global selection."""
-        begin = self.dp_rank * self.local_batch
-        return self.global_selection(step)[begin: begin + self.local_batch]
+        return self.global_selection(step)[self.first_sample: self.first_sample + self.local_batch]
 
     def batch_at(self, step: int):
         return self.fetch(self.rows(step))

@@ -144,7 +144,7 @@ class ndarray:  # noqa: N801 - named after cupy.ndarray, which isinstance checks
     # -- explicit, counted copies -------------------------------------------------------------
     def get(self, stream=None, order="C", out=None) -> np.ndarray:
         """``cupy.ndarray.get``: an explicit device-to-host copy."""
-        return asnumpy(self, stream)
+        return asnumpy(self, stream, order, out)
 
     def set(self, arr, stream=None) -> None:
         """``cupy.ndarray.set``: an explicit host-to-device copy into this array."""
@@ -205,12 +205,17 @@ def unwrap(value, inputs: list):
 def apply(function, args: tuple, kwargs: dict):
     """Run ``function`` (a NumPy function or method) as one operation on the current stream."""
     stream = get_current_stream()
+    out = kwargs.get("out")
     inputs: list = []
     args, kwargs = unwrap(args, inputs), unwrap(kwargs, inputs)
     for array in inputs:
         check_ready(array, stream)
     result = function(*args, **kwargs)
-    return wrap_result(result, inputs, stream, stream._advance())
+    seq = stream._advance()
+    if isinstance(out, ndarray):  # written in place, perhaps through a view of another array
+        out._written.stream, out._written.seq = stream, seq
+        return out
+    return wrap_result(result, inputs, stream, seq)
 
 
 def wrap_result(result, inputs: list, stream, seq: int):

@@ -17,11 +17,13 @@ reads) are not modelled.
 """
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from dataclasses import dataclass, field
 
 _ids = iter(range(1, 1 << 62))
+LOG_LENGTH = 100_000
 _streams: "weakref.WeakSet[Stream]" = weakref.WeakSet()  # every live stream, for synchronize_device
 
 
@@ -39,7 +41,8 @@ class Stats:
     bytes_to_host: int = 0
     syncs: int = 0              # host waits: Stream/Event.synchronize, synchronize_device
     implicit: int = 0           # refused implicit conversions (__array__, float(), .item(), ...)
-    log: list = field(default_factory=list)  # (direction, nbytes, "file:line in function") per transfer
+    # (direction, nbytes, "file:line in function") of the last LOG_LENGTH transfers (a long run stays small)
+    log: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LOG_LENGTH))
 
     def reset(self) -> None:
         self.to_device = self.to_host = self.bytes_to_device = self.bytes_to_host = 0

@@ -36,9 +36,9 @@ class ufunc:  # noqa: N801 - named after cupy.ufunc
         return apply(self._numpy, args, kwargs)
 
     def __getattr__(self, method: str):
-        raise AttributeError(f"cupy.{self.name}.{method} is not portable CuPy (no ufunc methods before CuPy 13, "
-                             f"only some ufuncs after): use backend.scatter_add for add.at, a sort and a "
-                             f"scatter-add for reduceat (refused by the transfer guard)")
+        raise AttributeError(f"cupy.{self.name}.{method} is not portable CuPy (older releases have no ufunc "
+                             f"methods, newer ones only for some ufuncs): use backend.scatter_add for add.at, "
+                             f"a sort and a scatter-add for reduceat (refused by the transfer guard)")
 
     def __repr__(self) -> str:
         return f"<guard ufunc {self.name}>"

@@ -16,6 +16,7 @@ from ..autograd import ops
 from ..autograd.ops import mappings
 from ..backend import array_module, resolve_device, to_device, to_host
 from . import init, tensor_parallel
+from .dropout_keys import DropoutKey, active_dropout_key, dropout_key
 from .layers import Dropout, Embedding, HeadDropout, LayerNorm, Linear
 from .module import Module, ModuleList
 
@@ -31,7 +32,7 @@ class GPTConfig:
     attn_dropout: float | None = None  # attention probabilities; None: the same as dropout (as in GPT-2)
     bias: bool = True  # biases in Linear and LayerNorm
     tie_weights: bool = True  # the lm head reuses the token embedding
-    seed: int = 0  # parameter initialisation and the dropout stream
+    seed: int = 0  # parameter initialisation and the dropout masks
 
     def __post_init__(self):
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -187,20 +188,12 @@ class GPT(Module):
             block.attn.proj.weight.init = init.normal(residual_std)
             block.mlp.proj.weight.init = init.normal(residual_std)
         init.initialize(self, config.seed)
-        self.rng = np.random.default_rng(config.seed)  # host keys of every dropout mask (dropout_scale)
+        dropouts = [m for _, m in self.named_modules() if isinstance(m, (Dropout, HeadDropout))]
+        for site, module in enumerate(dropouts):  # numbered in module order: the same in every layout
+            module.seed, module.site = config.seed, site
+        self.has_dropout = any(m.p > 0 for m in dropouts)
+        self.unkeyed_forwards = 0  # training forwards run without a dropout key (each drew its own step's masks)
         self.sequence_parallel = False
-
-    @property
-    def rng(self):
-        """The generator every Dropout (and HeadDropout) of this model draws from; assigning it rewires them all."""
-        return self._rng
-
-    @rng.setter
-    def rng(self, generator):
-        object.__setattr__(self, "_rng", generator)
-        for _, module in self.named_modules():
-            if isinstance(module, (Dropout, HeadDropout)):
-                module.rng = generator
 
     @property
     def sequence_parallel(self) -> bool:
@@ -241,10 +234,19 @@ class GPT(Module):
         return [self.embed, *self.blocks, self.head]
 
     def forward(self, ids) -> Tensor:
-        """ids (B, T) integer array -> logits (B, T, vocab_size)."""
-        x = ids
-        for layer in self.layers():
-            x = layer(x)
+        """ids (B, T) integer array -> logits (B, T, vocab_size).
+
+        Dropout draws the masks of the active key (``dropout_keys``: the training loop sets one
+        per step). A training forward with dropout and no key takes ``DropoutKey(n)`` for its
+        n-th such call, so plain loops get fresh masks per forward, reproducibly."""
+        key = active_dropout_key()
+        if key is None and self.training and self.has_dropout:
+            key = DropoutKey(self.unkeyed_forwards)
+            self.unkeyed_forwards += 1
+        with dropout_key(key):
+            x = ids
+            for layer in self.layers():
+                x = layer(x)
         return x
 
     def loss(self, ids, targets, ignore_index: int = -100) -> Tensor:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..autograd import Parameter, Tensor
-from ..autograd import ops, precision
-from ..autograd.ops.nn_functional import dropout_scale
+from ..autograd import ops
+from ..autograd.ops.nn_functional import scale_from_uniform
 from . import init
+from .dropout_keys import DropoutKey, active_dropout_key, draw_dtype, keyed_uniform
 from .module import Module
 
 
@@ -67,35 +68,45 @@ class LayerNorm(Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-class Dropout(Module):
-    """Zeroes a fraction ``p`` of activations in training, drawing from ``rng``.
+def _key_for(layer) -> DropoutKey:
+    key = active_dropout_key()
+    if key is None:
+        raise RuntimeError(f"{type(layer).__name__} in training mode draws the masks of a dropout key: run the forward "
+                           "inside `with hpcpar.nn.dropout_key(DropoutKey(step, first_sample))` (the training loop "
+                           "does; a GPT's own forward takes one per call when none is set)")
+    return key
 
-    ``rng`` is the model's generator (``model.rng``), shared by all its Dropout layers so
-    the masks are one reproducible stream; the model reassigns it here when it changes.
+
+class Dropout(Module):
+    """Zeroes a fraction ``p`` of activations in training, with keyed masks (``dropout_keys``).
+
+    Sample ``i`` of the batch is global sample ``key.first_sample + i`` of the active key's step;
+    its mask comes from the stream of (``seed``, step, ``site``), so it is the same whichever
+    rank, replica, stage or micro-batch draws it. Models set ``seed`` (theirs) and ``site``
+    (one number per dropout layer) when they build.
     """
 
-    def __init__(self, p: float, rng=None):
+    def __init__(self, p: float, seed: int = 0, site: int = 0):
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-        self.p = p
-        self.rng = rng
-        # The tp communicator when the input is this rank's slice of the sequence (axis 1):
-        # the mask is drawn for the whole sequence and sliced, so it is the unsharded model's.
+        self.p, self.seed, self.site = p, seed, site
+        # The tp communicator when the input is this rank's slice of the sequence (axis 1): the
+        # rank draws its positions of the whole sequence's masks, so they are the unsharded model's.
         object.__setattr__(self, "sequence_shards", None)
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
-        if self.rng is None:
-            raise RuntimeError("Dropout in training mode needs a generator: set layer.rng (models set model.rng)")
+        key = _key_for(self)
+        batch, length = x.shape[0], (x.shape[1] if x.ndim > 1 else 1)  # axis 1: positions in the sample
         shards = self.sequence_shards
-        if shards is None or shards.size == 1:
-            return ops.dropout(x, self.p, self.rng, training=True)
-        length = x.shape[1]
-        whole = (x.shape[0], length * shards.size) + tuple(x.shape[2:])
-        scale = dropout_scale(self.rng, self.p, whole, x.dtype, x.xp)[:, shards.rank * length:(shards.rank + 1) * length]
-        return x * Tensor(x.xp.ascontiguousarray(scale))
+        parts = 1 if shards is None else shards.size
+        positions = range(length) if parts == 1 else range(shards.rank * length, (shards.rank + 1) * length)
+        uniform = keyed_uniform((self.seed, key.step, self.site), (length * parts,) + tuple(x.shape[2:]),
+                                range(key.first_sample, key.first_sample + batch), positions, draw_dtype(x.dtype))
+        scale = scale_from_uniform(x.xp.asarray(uniform.reshape(x.shape)), self.p, x.dtype)
+        return ops.dropout(x, self.p, scale=scale)
 
     def extra_repr(self):
         return f"p={self.p}"
@@ -105,34 +116,31 @@ class HeadDropout(Module):
     """Attention-probability dropout with one keyed stream per attention head.
 
     Heads are what tensor parallelism splits, so this is the dropout of a sharded region: a
-    tp rank draws the masks of its own heads only, and they differ from every other rank's.
-    Each call takes one key from the model's shared stream (``rng``, the same on every tp
-    rank, so the key agrees without communication); head ``g`` then draws its (B, T, T) mask
-    from a generator seeded with (key, g). The masks depend on the global head index and not
-    on the layout, so a tp = 4 model drops exactly what the unsharded model drops. (Megatron
-    seeds one generator per tp rank instead; its masks change whenever tp does.) Resuming
-    restores the shared stream, and with it every key.
+    tp rank draws the masks of its own heads only. Head ``g``'s (T, T) mask of a sample comes
+    from the stream of (``seed``, step, ``site``, g) at the sample's place (``dropout_keys``):
+    it depends on the global head and sample, not on the layout, so a tp = 4 model drops
+    exactly what the unsharded model drops. (Megatron seeds one generator per tp rank instead;
+    its masks change whenever tp does.)
     """
 
-    def __init__(self, p: float, heads: range, rng=None):
+    def __init__(self, p: float, heads: range, seed: int = 0, site: int = 0):
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-        self.p, self.heads, self.rng = p, heads, rng
+        self.p, self.heads, self.seed, self.site = p, heads, seed, site
 
     def forward(self, batch: int, steps: int, dtype, xp):
         """The (B, local heads, T, T) scales (0 or 1/(1-p)) for ``ops.attention``, or None when off."""
         if not self.training or self.p == 0.0:
             return None
-        if self.rng is None:
-            raise RuntimeError("HeadDropout in training mode needs a generator: set layer.rng (models set model.rng)")
-        key = int(self.rng.integers(2**63))
-        # 16-bit models: float32 scales, as dropout_scale gives them (1/(1-p) unrounded)
-        keep = xp.empty((batch, len(self.heads), steps, steps), dtype=precision.accumulation_dtype(np.dtype(dtype)))
+        key = _key_for(self)
+        samples = range(key.first_sample, key.first_sample + batch)
+        keep = np.empty((batch, len(self.heads), steps, steps), dtype=draw_dtype(dtype))
         for local, head in enumerate(self.heads):
-            seed = int(np.random.SeedSequence([key, head]).generate_state(1, np.uint64)[0])
-            keep[:, local] = dropout_scale(np.random.default_rng(seed), self.p, (batch, steps, steps), dtype, xp)
-        return keep
+            keep[:, local] = keyed_uniform((self.seed, key.step, self.site, head), (steps, steps), samples, None,
+                                           keep.dtype)
+        # 16-bit models: float32 scales, as dropout_scale gives them (1/(1-p) unrounded)
+        return scale_from_uniform(xp.asarray(keep), self.p, dtype)
 
     def extra_repr(self):
         return f"p={self.p}, heads={self.heads.start}..{self.heads.stop - 1}"

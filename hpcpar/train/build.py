@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from .. import log
 from ..data.loader import TextBatches, TokenDataset
 from ..data.sampler import DistributedSampler
@@ -45,11 +43,13 @@ class Run:
         return self.strategy.trains
 
     def checkpoint_extra(self) -> dict:
-        """What an exact resume needs besides parameters and optimizer state (nothing on a server)."""
+        """What an exact resume needs besides parameters and optimizer state (nothing on a server).
+
+        No random state: dropout masks are keyed by the step and the data position
+        (``nn.dropout_keys``); checkpoints that carry the random stream of earlier versions load."""
         if not self.trains:
             return {}
-        rng = getattr(self.model, "rng", None) or np.random.default_rng(self.job.model.seed)
-        return {"schedule": self.lr_schedule, "data": self.train_data, "rng": rng,
+        return {"schedule": self.lr_schedule, "data": self.train_data,
                 "model_config": self.job.to_dict()["model"], **self.identity, **self.strategy.checkpoint_extra()}
 
 

@@ -200,7 +200,7 @@ class ModelSection:
     tie_weights: bool = _key(True, BOOLEAN, "the lm head reuses the token embedding", applies=GPT_ONLY)
     channels: tuple = _key((16, 32), INTEGER_PAIR, "channels of the two convolutions", check=each(at_least(1)),
                            applies=("model.kind", ("cnn",)))
-    seed: int = _key(0, INTEGER, "parameter initialisation (and the dropout stream)", check=at_least(0))
+    seed: int = _key(0, INTEGER, "parameter initialisation (and the dropout masks)", check=at_least(0))
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from ..backend import check_precision, to_host
 from ..dist.context import init
 from ..dist.topology import PlacementWarning
 from ..dist.trace import Tracer
+from ..nn.dropout_keys import DropoutKey, dropout_key
 from .build import Run, build
 from .config import Job
 from .evaluate import evaluate, sample_text
@@ -88,7 +89,7 @@ def train_one_step(run: Run, step: int) -> tuple:
     inputs, targets = run.train_data.batch_at(step)
     run.train_data.step = step + 1
     trace = run.strategy.trace
-    with trace.step(step + 1):
+    with trace.step(step + 1), dropout_key(DropoutKey(step, run.train_data.first_sample)):  # masks by sample
         loss = run.strategy.train_step(inputs, targets)
         with trace.span("optimizer", "optimizer"):  # clip and step; the exchange of ps and local SGD
             run.strategy.finish_step(run.job.optimizer.grad_clip, loss)

@@ -206,27 +206,25 @@ class LayerNorm(Function):
 def dropout_scale(rng, p: float, shape, dtype, xp):
     """0 (probability p) or 1/(1-p) for each element of ``shape``, drawn from ``rng``.
 
-    ``rng`` is a NumPy Generator (a checkpoint saves its state). On the host it draws the mask;
-    on a GPU it draws one key, and CuPy's generator seeded with it draws the mask on the device
-    (no host-to-device copy of the mask).
-
     In ``dtype``, except for 16-bit dtypes: there the scales stay float32, so that 1/(1-p) is not
     rounded to 16 bits (bfloat16 would turn 1/0.9 into 1.109) and the product is rounded once."""
     draw_dtype = np.dtype(dtype) if np.dtype(dtype).name in ("float32", "float64") else np.float32  # what generators draw
-    if xp is np:
-        keep = rng.random(shape, dtype=draw_dtype)
-    else:
-        keep = xp.random.default_rng(int(rng.integers(2**63))).random(shape, dtype=draw_dtype)
-    # keep <- (keep >= p) / (1 - p), reusing the random buffer
-    xp.multiply(keep >= p, keep.dtype.type(1.0 / (1.0 - p)), out=keep)
-    return keep if precision.is_low(np.dtype(dtype)) else keep.astype(dtype, copy=False)
+    return scale_from_uniform(xp.asarray(rng.random(shape, dtype=draw_dtype)), p, dtype)
+
+
+def scale_from_uniform(uniform, p: float, dtype):
+    """``dropout_scale`` from uniform [0, 1) draws (float32, or float64 for float64), reusing their buffer."""
+    xp = get_array_module(uniform)
+    xp.multiply(uniform >= p, uniform.dtype.type(1.0 / (1.0 - p)), out=uniform)  # uniform <- (uniform >= p) / (1 - p)
+    return uniform if precision.is_low(np.dtype(dtype)) else uniform.astype(dtype, copy=False)
 
 
 class Dropout(Function):
     op = "dropout"
 
-    def forward(self, x, p, rng):
-        self.scale = dropout_scale(rng, p, x.shape, x.dtype, get_array_module(x))
+    def forward(self, x, p=None, rng=None, scale=None):
+        """Scales drawn from ``rng`` with probability ``p``, or the ``scale`` array given."""
+        self.scale = dropout_scale(rng, p, x.shape, x.dtype, get_array_module(x)) if scale is None else scale
         return x * self.scale
 
     def backward(self, grad):
@@ -352,12 +350,17 @@ def layer_norm(x, weight, bias, eps=1e-5):
     return LayerNorm.apply(x, *params, has_weight=weight is not None, has_bias=bias is not None, eps=eps)
 
 
-def dropout(x, p, rng, training=True):
-    """Zero each element with probability ``p`` and scale the rest by 1/(1-p); identity when not training."""
+def dropout(x, p, rng=None, training=True, scale=None):
+    """Zero each element with probability ``p`` and scale the rest by 1/(1-p); identity when not training.
+
+    The mask is drawn from ``rng``, or given as ``scale`` (0 or 1/(1-p) per element, as
+    ``dropout_scale`` gives it): ``nn.Dropout`` draws keyed masks itself."""
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout: p must be in [0, 1], got {p}")
     if not training or p == 0:
         return x
+    if scale is not None:
+        return Dropout.apply(x, scale=scale)
     if p == 1:
         return x * 0.0
     return Dropout.apply(x, p=p, rng=rng)

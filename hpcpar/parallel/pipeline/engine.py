@@ -36,6 +36,7 @@ from ...autograd import Tensor, no_grad
 from ...autograd.deferred import deferred_weight_grads
 from ...backend import get_array_module
 from ...dist.trace import Tracer
+from ...nn.dropout_keys import offset_dropout_key
 from ...state import ParameterHolder
 from ..data import DistributedDataParallel
 from ..sequence import sync_sequence_parallel_grads
@@ -171,8 +172,9 @@ class PipelineParallel(ParameterHolder):
         return array.astype(dtype, copy=False)
 
     # ----- one training step --------------------------------------------------------
-    def train_step(self, inputs, targets) -> float:
-        """Forward and backward of the whole batch through the pipeline; returns the mean loss.
+    def train_step(self, inputs, targets):
+        """Forward and backward of the whole batch through the pipeline; returns the mean loss, a
+        0-d array on the device (the same on every pipeline rank).
 
         ``inputs`` matter on the first stage and ``targets`` on the last (others may pass None).
         Gradients are left in the parameters (summed over micro-batches, averaged over dp).
@@ -187,7 +189,8 @@ class PipelineParallel(ParameterHolder):
         self._sends: list = []
         self._recv_shape: dict = {}  # per incoming channel: (shape, dtype) agreed for this step
         self._header_sent: set = set()  # outgoing channels whose header went out this step
-        self._idle, compute, self._loss, peak = 0.0, 0.0, 0.0, 0
+        self._idle, self._loss, peak = 0.0, 0.0, 0
+        by_kind = {kind: 0.0 for kind in ("F", "B", "W")}  # compute seconds per action kind
         self.trace = []
         pp_seconds_before = self.ctx.pp.stats.total_seconds
         step_start = time.perf_counter()
@@ -199,9 +202,10 @@ class PipelineParallel(ParameterHolder):
                 getattr(self, "_do_" + action.kind)(action)
                 end = time.perf_counter()
                 if action.kind in ("F", "B", "W"):  # less the wait for its input, which is idle time
-                    compute += end - start - (self._idle - idle_before)
+                    by_kind[action.kind] += end - start - (self._idle - idle_before)
                 self.trace.append((str(action), start, end))
                 peak = max(peak, len(self._saved))
+        compute = sum(by_kind.values())
         send_wait = time.perf_counter()
         for handle in self._sends:
             handle.wait()
@@ -220,7 +224,7 @@ class PipelineParallel(ParameterHolder):
         self.stats = {"step_s": step, "compute_s": compute, "idle_s": self._idle,
                       "comm_s": max(0.0, communication), "bubble": self._idle / step if step else 0.0,
                       "theoretical_bubble": theoretical_bubble(self.p, self.m, self.v),
-                      "peak_activations": peak, "step_start": step_start}
+                      "peak_activations": peak, "step_start": step_start, "compute_by_kind": by_kind}
         return loss
 
     def _do_RECV_F(self, a):
@@ -246,8 +250,9 @@ class PipelineParallel(ParameterHolder):
         else:  # p == 1: the previous stage is on this rank
             x = Tensor(self._handover.pop(("F", i, s)).data, requires_grad=True)
         out = x
-        for layer in self.stage_layers[s]:
-            out = layer(out)
+        with offset_dropout_key(i * x.shape[0]):  # micro-batch i's rows: the masks one process draws for them
+            for layer in self.stage_layers[s]:
+                out = layer(out)
         if s == self.num_virtual - 1:
             out = self.loss_fn(out, self._targets[i]) * (1.0 / self.m)
             self._loss = self._loss + out.data.astype(np.float64)  # stays on the device

@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from ...nn.dropout_keys import DropoutKey, dropout_key
+
 PARTITION_METHODS = ("uniform", "parameters", "balanced")
 
 
@@ -79,7 +81,8 @@ def measure_layer_costs(layers, sample_input, repeats: int = 3) -> list[float]:
         for _ in range(repeats):
             inp = Tensor(x.data, requires_grad=True) if isinstance(x, Tensor) else x
             start = time.perf_counter()
-            out = layer(inp)
+            with dropout_key(DropoutKey(0)):  # dropout counted: any key's masks cost the same
+                out = layer(inp)
             out.backward(out.xp.ones_like(out.data))
             times.append(time.perf_counter() - start)
         for _, p in (layer.named_parameters() if hasattr(layer, "named_parameters") else []):

@@ -5,7 +5,7 @@ A strategy owns, for one way of agreeing:
 - building what runs a step from the job: the engine (DDP, the pipeline, a parameter server,
   local SGD), the optimizer, mixed precision;
 - ``train_step(inputs, targets) -> loss``: forward, backward and the gradient exchange of one
-  step on this dp replica's rows of the global batch;
+  step on this dp replica's rows of the global batch (the loss stays on the device: a 0-d array);
 - ``finish_step(max_norm, loss) -> taken``: clipping, the optimizer step (under fp16/bf16
   skipped everywhere when the loss or a gradient is not finite on any rank), clearing the
   gradients;
@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from ... import checkpoint
+from ...nn.dropout_keys import offset_dropout_key
 from ..config import JobError
 from ...dist.trace import NO_TRACE
 
@@ -48,7 +49,7 @@ def accumulate_gradients(model, inputs, targets, micro_batches: int, backward, n
     total = 0.0
     pieces = list(zip(split_rows(inputs, micro_batches), split_rows(targets, micro_batches)))
     for k, (x, y) in enumerate(pieces):
-        with trace.span("forward", "forward", micro=k):
+        with trace.span("forward", "forward", micro=k), offset_dropout_key(k * x.shape[0]):  # the slice's own masks
             loss = model.loss(x, y) * (1.0 / micro_batches)
         with trace.span("backward", "backward", micro=k):
             if no_sync is not None and k < len(pieces) - 1:
@@ -91,7 +92,7 @@ class Strategy(ABC):
         gradient on any rank skips the step everywhere; full precision takes every step.
         """
 
-    def local_train_step(self, inputs, targets, backward) -> float:
+    def local_train_step(self, inputs, targets, backward):
         """Forward and backward with no gradient exchange (the exchange is the step's finish)."""
         start = time.perf_counter()
         loss = accumulate_gradients(self.model, inputs, targets, self.job.parallel.micro_batches, backward,

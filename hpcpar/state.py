@@ -50,12 +50,18 @@ class Piece:
 
 @dataclass(frozen=True)
 class Read:
-    """One slab a rank reads at load; ``assign(values)`` gets a host array of the slab's shape."""
+    """One slab a rank reads at load; ``assign(values)`` gets a host array of the slab's shape
+    (the receiver may keep it: it is its own). ``dtype``, when given, is the destination's
+    dtype: a checkpoint tensor of another kind (integers for floats) is a mismatch, not a cast.
+    ``target``, when given, is the array ``assign`` would fill: a loader may read the values
+    straight into it once the load can no longer fail, and then not call ``assign``."""
 
     key: str
     global_shape: tuple
     slab: Slab
     assign: Callable[[np.ndarray], None]
+    dtype: object = None
+    target: object = None  # the destination array, if the loader may fill it in place instead of assign
 
 
 @dataclass
@@ -76,11 +82,15 @@ class Saved:
     def __init__(self, tensor_keys, scalars: dict):
         self.tensor_keys = set(tensor_keys)
         self.scalars = dict(scalars)
+        self._state = {}  # parameter name -> its optimizer state keys (one pass, not one per parameter)
+        for key in sorted(self.tensor_keys | set(self.scalars)):
+            if key.startswith("optim/"):
+                name, _, state = key[len("optim/"):].rpartition("/")
+                self._state.setdefault(name, []).append(state)
 
     def state_keys(self, name: str) -> list[str]:
         """The optimizer state saved for parameter ``name`` (``exp_avg``, ``step`` ...)."""
-        prefix = f"optim/{name}/"
-        return sorted({k[len(prefix):] for k in self.tensor_keys | set(self.scalars) if k.startswith(prefix)})
+        return list(self._state.get(name, []))
 
     def weight_decays(self) -> dict:
         """{parameter name: weight decay} saved (empty for checkpoints from before decay groups)."""
@@ -218,7 +228,7 @@ def parameter_load_plan(named_parameters) -> LoadPlan:
     reads = []
     for name, param in named_parameters:
         shape, slab = global_slab(param)
-        reads.append(Read(f"model/{name}", shape, slab, into(param)))
+        reads.append(Read(f"model/{name}", shape, slab, into(param), param.dtype, param.data))
     return LoadPlan(reads)
 
 
@@ -253,7 +263,7 @@ def flat_state_load_plan(saved: Saved, slabs: list, shard, commit: Callable[[dic
         for name, _, shape, glob, local_shape, offset in slabs:
             def assign(values, flat=flat, offset=offset):
                 flat[offset: offset + values.size] = values.reshape(-1)
-            reads.append(Read(f"optim/{name}/{key}", shape, glob, assign))
+            reads.append(Read(f"optim/{name}/{key}", shape, glob, assign, shard.dtype))
 
     def finish():
         commit({key: value if np.ndim(value) == 0 else to_device(value, shard.xp) for key, value in state.items()})

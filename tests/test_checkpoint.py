@@ -65,7 +65,7 @@ def test_a_failed_shard_write_fails_the_save_on_every_rank(world, tmp_path_facto
     if ctx.rank == 1:
         def full_disk(*args):
             raise OSError(28, "No space left on device")
-        monkeypatch.setattr(writer, "write_dataset", full_disk)
+        monkeypatch.setattr(writer, "write_array", full_disk)
     with pytest.raises(CheckpointError, match=r"step-00000002 was not committed: rank 1: OSError: .*No space left"):
         checkpoint.save(root, 2, run.model, run.optimizer, ctx, extra=run.extra())
     world.Barrier()

@@ -319,3 +319,19 @@ def test_sys_exit_on_one_rank_ends_the_job_with_its_status(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stderr.count("rank 1 of 2 exited: exit status 3") == 1, proc.stderr
+
+
+def test_a_checkpoint_that_does_not_fit_is_one_line_and_exit_2(job, tmp_path, token_file):
+    """A checkpoint that carries no identity (written by a Python loop: no fingerprint, no model
+    config) whose shapes do not fit the model: the load refuses it on every rank, one line, exit 2."""
+    ok(train(job, tmp_path, token_file))
+    for step in list_steps(str(tmp_path / "ckpt")):
+        path = tmp_path / "ckpt" / step_dirname(step) / "manifest.json"
+        manifest = json.loads(path.read_text())
+        manifest["extra"].pop("fingerprint")
+        manifest["extra"].pop("model_config")
+        path.write_text(json.dumps(manifest))
+    before = state_of(tmp_path / "ckpt")
+    error = refused(train(job, tmp_path, token_file, "model.n_embd=32", "train.steps=6"))
+    assert "nothing was loaded or written" in error, error
+    assert_nothing_lost(before, tmp_path / "ckpt")

@@ -11,14 +11,15 @@ over the ranks by ZeRO-1 with ``--zero``), then, ``--repeats`` times:
   thread joined at once), next to the raw write;
 - **raw write**: each rank writes as many bytes as its shard file holds into its own file
   with ``ndarray.tofile`` and fsyncs it: the file system's speed for the same bytes;
-- **load**: ``hpcpar.checkpoint.load`` (size and CRC-32 of every file, then each rank reads
-  the tensors it holds through index.h5's virtual datasets);
+- **load**: ``hpcpar.checkpoint.load`` (each rank reads the pieces it holds straight into
+  arrays of their own, checks the CRC-32 of every MiB it read, shared with the other ranks
+  reading it, and only then assigns them);
 - **raw read**: each rank reads its raw file back with ``np.fromfile``.
 
 Each time runs from a barrier to the slowest rank's finish; the table shows medians.
 Bandwidths divide the checkpoint's shard bytes by the time. Reads come from the page cache
-(the files were just written and nothing is dropped), so the load row measures checksums,
-HDF5 and copies rather than the disk. Without ``--zero`` every rank is a replica: each
+(the files were just written and nothing is dropped), so the load row measures checksums
+and copies rather than the disk. Without ``--zero`` every rank is a replica: each
 tensor is written once (by the lowest rank holding it) but every rank reads all of it back.
 The files go to a fresh folder under ``--dir`` (default: the system temp folder), removed at the end.
 """

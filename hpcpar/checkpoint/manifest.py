@@ -4,9 +4,10 @@
       latest                  "step-00000200" (replaced atomically)
       step-00000100/
         manifest.json         format version, layout, step, tensors and their pieces, file checksums
-        index.h5              one virtual dataset per tensor at its global shape (plain h5py reads it)
-        shard-00000.h5 ...    the pieces each rank wrote (or shared.h5, written collectively with
-                              driver="mpio" where h5py has parallel HDF5: save(..., collective=True))
+        index.h5              one virtual dataset per tensor at its global shape (any HDF5 >= 1.10 reads it)
+        shard-00000.h5 ...    the pieces each rank wrote: one flat dataset per dtype, the pieces end to
+                              end (or shared.h5, written collectively with driver="mpio" where h5py
+                              has parallel HDF5: save(..., collective=True), a dataset per piece)
       step-00000200.tmp/      a save in progress or one that died: never read
 
 No pickle anywhere: arrays live in HDF5, everything else is JSON.
@@ -17,10 +18,15 @@ import json
 import os
 import re
 import threading
-import zlib
+
+import numpy as np
+
+from .crc import crc32
 
 FORMAT = "hpcpar-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: flat datasets per dtype, pieces at byte offsets, CRC-32 per MiB of each file
+READABLE_VERSIONS = (1, 2)  # 1: a dataset per piece, one CRC-32 per file (still loaded)
+CHUNK_BYTES = 1 << 20  # the unit of checksums: a load verifies exactly the MiBs it reads
 MANIFEST = "manifest.json"
 INDEX = "index.h5"
 SHARED_FILE = "shared.h5"  # the one file of a collective (driver="mpio") save, instead of shard-R.h5
@@ -30,6 +36,12 @@ STEP_PATTERN = re.compile(r"^step-(\d{8})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, damaged or does not fit the model; the message names the file."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """The checkpoint's files are damaged: missing, truncated, a wrong checksum, an unreadable
+    manifest. ``load_latest`` falls back to the previous step on this error only; any other
+    ``CheckpointError`` (a tensor of another shape, name or dtype) is a mismatch, never skipped."""
 
 
 def step_dirname(step: int) -> str:
@@ -45,21 +57,35 @@ def file_checksum(path: str, chunk: int = 8 << 20) -> str:
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
+            crc = crc32(block, crc)
     return f"{crc:08x}"
 
 
-def sync_and_checksum(path: str) -> dict:
-    """fsync a just-written file and take its size and CRC-32, the two at once.
+def chunk_checksums(data) -> list[str]:
+    """CRC-32 of each ``CHUNK_BYTES`` of ``data`` (bytes-like), the last chunk possibly shorter."""
+    view = memoryview(data).cast("B")
+    return [f"{crc32(view[at: at + CHUNK_BYTES]):08x}" for at in range(0, len(view), CHUNK_BYTES)]
 
-    The CRC reads the file back from the page cache while fsync pushes it to the disk; both
+
+def file_chunk_checksums(path: str) -> list[str]:
+    crcs, block = [], np.empty(CHUNK_BYTES, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        while size := f.readinto(block):
+            crcs.append(f"{crc32(block[:size]):08x}")
+    return crcs
+
+
+def sync_and_checksum(path: str) -> dict:
+    """fsync a just-written file and take its size and the CRC-32 of each MiB, the two at once.
+
+    The CRCs read the file back from the page cache while fsync pushes it to the disk; both
     release the GIL, so a thread for the fsync saves the shorter of the two from a save.
     """
     syncing = threading.Thread(target=fsync_path, args=(path,))
     syncing.start()
-    crc = file_checksum(path)
+    crcs = file_chunk_checksums(path)
     syncing.join()
-    return {"bytes": os.path.getsize(path), "crc32": crc}
+    return {"bytes": os.path.getsize(path), "chunks": crcs}
 
 
 def fsync_path(path: str) -> None:
@@ -71,32 +97,45 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def write_json_atomically(path: str, data) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, sort_keys=True))  # dumps uses the C encoder; dump(f) the Python one
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def fsync_together(*paths: str) -> None:
+    """fsync several files or folders at once (one thread each but the first); raises the first error."""
+    errors = []
+
+    def sync(path):
+        try:
+            fsync_path(path)
+        except OSError as error:
+            errors.append(error)
+    threads = [threading.Thread(target=sync, args=(path,)) for path in paths[1:]]
+    for thread in threads:
+        thread.start()
+    sync(paths[0])
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 def read_manifest(step_dir: str) -> dict:
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.exists(path):
-        raise CheckpointError(f"{path}: no manifest (an unfinished or foreign checkpoint)")
+        raise CheckpointDamaged(f"{path}: no manifest (an unfinished or foreign checkpoint)")
     try:
         with open(path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: unreadable manifest ({error})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointDamaged(f"{path}: unreadable manifest ({error})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointDamaged(f"{path}: unreadable manifest (not a JSON object)")
+    if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
-                              f"expected {FORMAT!r} version {VERSION}")
+                              f"expected {FORMAT!r} version {' or '.join(map(str, READABLE_VERSIONS))}")
     return manifest
 
 
-def verify_files(step_dir: str, manifest: dict, names=None) -> list[str]:
-    """Problems with the listed files (all by default): missing, wrong size, wrong checksum."""
+def verify_files(step_dir: str, manifest: dict, names=None, checksums: bool = True) -> list[str]:
+    """Problems with the listed files (all by default): missing, wrong size, wrong checksum
+    (``checksums=False``: presence and size only)."""
     problems = []
     for name, facts in sorted(manifest["files"].items()):
         if names is not None and name not in names:
@@ -106,9 +145,18 @@ def verify_files(step_dir: str, manifest: dict, names=None) -> list[str]:
             problems.append(f"{path}: missing")
         elif os.path.getsize(path) != facts["bytes"]:
             problems.append(f"{path}: {os.path.getsize(path)} bytes, the manifest says {facts['bytes']} (truncated?)")
-        elif file_checksum(path) != facts["crc32"]:
+        elif checksums and "chunks" in facts:
+            problems += chunk_problems(path, file_chunk_checksums(path), facts["chunks"], 0)
+        elif checksums and file_checksum(path) != facts["crc32"]:
             problems.append(f"{path}: checksum {file_checksum(path)} != {facts['crc32']} in the manifest (damaged)")
     return problems
+
+
+def chunk_problems(path: str, found: list[str], expected: list[str], first: int) -> list[str]:
+    """One line per chunk whose CRC-32 differs (``found`` are chunks ``first``, ``first + 1``...)."""
+    return [f"{path}: checksum {crc} != {expected[first + n]} in the manifest for bytes "
+            f"{(first + n) * CHUNK_BYTES}..{(first + n + 1) * CHUNK_BYTES} (damaged)"
+            for n, crc in enumerate(found) if crc != expected[first + n]]
 
 
 def list_steps(root: str) -> list[int]:
@@ -119,6 +167,8 @@ def list_steps(root: str) -> list[int]:
 
 
 def latest_step(root: str) -> int | None:
+    """The step ``latest`` names (the source of truth); the highest committed step only when
+    ``latest`` is absent or unreadable (a root written before it, or by hand)."""
     path = os.path.join(root, LATEST)
     if os.path.exists(path):
         with open(path) as f:
@@ -131,8 +181,9 @@ def latest_step(root: str) -> int | None:
 
 def resolve_step_dir(path: str, step: int | None = None) -> str:
     """A step folder from a checkpoint root (``latest`` or ``step``) or a step folder itself."""
-    if os.path.exists(os.path.join(path, MANIFEST)) and step is None:
-        return path
+    if step is None and (os.path.exists(os.path.join(path, MANIFEST)) or
+                         (STEP_PATTERN.match(os.path.basename(os.path.normpath(path))) and os.path.isdir(path))):
+        return path  # a step folder (one without a manifest fails as damaged when it is read)
     if step is None:
         step = latest_step(path)
         if step is None:

@@ -5,39 +5,60 @@
 1. Every rank lists the pieces it holds; one small all-gather of their descriptions lets
    each (tensor, slab) be written by exactly one of the ranks holding it, chosen to even
    out the bytes per rank (replicas share the writing; nothing goes through rank 0).
-2. Each rank writes its pieces to ``step-N.tmp/shard-R.h5`` and fsyncs it.
-3. Rank 0 gathers the file facts (names, sizes, CRC-32), writes ``index.h5`` (a virtual
-   dataset per tensor at its global shape) and ``manifest.json``, renames the folder to
-   ``step-N``, fsyncs the root, points ``latest`` at it, and removes all but the last ``keep``.
-A crash at any moment leaves at worst a ``.tmp`` folder that nothing reads.
+   Each rank checks that its file system has room for what it will write (plus a margin);
+   if any has not, the save fails on every rank, naming the rank and the numbers, before a
+   byte is written.
+2. Each rank writes its pieces to ``step-N.tmp/shard-R.h5``, end to end in one flat
+   dataset per dtype (one HDF5 call per dtype, the data itself by plain file writes at the
+   dataset's offset), and fsyncs it while reading it back for the CRC-32 of each MiB. The
+   rank with the fewest bytes also writes ``index.h5`` (a virtual dataset per tensor at its
+   global shape) from the plan alone, in a thread.
+3. Rank 0 gathers the file facts (names, sizes, CRC-32s), writes ``manifest.json``, renames
+   the folder to ``step-N``, points ``latest`` at it, fsyncs the root, and keeps the last
+   ``keep`` steps up to this one (never a step above it: those belong to another run).
+A crash at any moment leaves at worst a ``.tmp`` folder that nothing reads; a write error on
+any rank raises the same ``CheckpointError`` on every rank, removes the ``.tmp`` folder and
+leaves ``latest`` as it was.
 
 ``extra`` maps names to objects with ``state_dict()`` (schedule, loss scaler, sampler: the
 same on every rank), NumPy Generators (random streams, saved per rank), or plain JSON values.
 With ``asynchronous=True`` the state is first copied to host memory, then written and
 committed by a background thread on its own communicator; call ``wait()`` before the next
-save (``save`` does) and before exit (registered with atexit). With ``collective=True``, where
-h5py is built against parallel HDF5, all ranks write one ``shared.h5`` with ``driver="mpio"``
-instead of a file each (PyPI's h5py is serial: then it is a clear error).
+save (``save`` does) and before exit (registered with atexit). A thread may call MPI only
+where MPI gives ``MPI.THREAD_MULTIPLE``: with less, asynchronous saves are made synchronous
+with one warning (the run stays correct, training just waits for the write). With
+``collective=True``, where h5py is built against parallel HDF5, all ranks write one
+``shared.h5`` with ``driver="mpio"`` instead of a file each, a dataset per piece (PyPI's
+h5py is serial: then it is a clear error).
 """
 from __future__ import annotations
 
 import atexit
+import functools
 import io
 import json
+import math
 import os
 import shutil
 import threading
+import socket
 import time
-import zlib
 
 import h5py
 import numpy as np
 
+from .. import log
 from ..backend import to_host
 from ..dist.waiting import wait_politely
-from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, SHARED_FILE, VERSION, CheckpointError, fsync_path,
-                       list_steps, shard_filename, step_dirname, sync_and_checksum, write_json_atomically)
+from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, SHARED_FILE, VERSION, CheckpointError, chunk_checksums,
+                       fsync_path, fsync_together, list_steps, shard_filename, step_dirname, sync_and_checksum)
 from ..state import checkpointable, slab_slices
+
+logger = log.get_logger(__name__)
+# What a save may write besides its data: HDF5's headers per file, index.h5 and the manifest
+# per piece. Generous on purpose: a refused save costs a warning, a full disk mid-write more.
+MARGIN_BYTES = 1 << 20
+MARGIN_PER_PIECE = 4096
 
 
 def split_extra(extra: dict | None) -> tuple[dict, dict]:
@@ -80,37 +101,61 @@ class SaveJob:
         self.step_dir = os.path.join(root, step_dirname(step))
         self.tmp_dir = self.step_dir + ".tmp"
 
-        if self.rank == 0:  # a folder left by a save that died is stale: start clean
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)
-            os.makedirs(self.tmp_dir)
+        made = self._make_folder() if self.rank == 0 else None
         described = [(p.key, p.slab, p.global_shape, str(p.array.dtype)) for p in pieces]
-        gathered = ctx.world.allgather_object((described, self.scalars))  # also the barrier after mkdir
-        everyone = [entries for entries, _ in gathered]
-        for _, scalars in gathered:  # ZeRO ranks each know the step counts of their own parameters
+        gathered = ctx.world.allgather_object((described, self.scalars, free_space(root), made))  # the barrier after mkdir
+        everyone = [entries for entries, _, _, _ in gathered]
+        for _, scalars, _, _ in gathered:  # ZeRO ranks each know the step counts of their own parameters
             self.scalars.update(scalars)
-        owner, load = assign_writers(everyone)
+        plan = Plan.of(everyone, SHARED_FILE if collective else None, ctx.layout)
+        owner, load = plan.owner, plan.load
+        short = space_shortfalls([space for _, _, space, _ in gathered], load, everyone)
+        if short or gathered[0][3]:  # the same verdict on every rank, from the same gathered numbers
+            if self.rank == 0:
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {self.step_dir} was not written: " +
+                                  (gathered[0][3] or "not enough free space: " + "; ".join(short)))
         # index.h5 needs only the plan, not the data: the rank with the fewest bytes to write
-        # makes it while the others write their shards.
+        # makes it (in a thread, while it writes its own shard).
         self.index_writer = min(range(len(everyone)), key=lambda r: (load[r], -r))  # ties: not rank 0, which commits
-        self.tensors = (_tensor_table(everyone, owner, SHARED_FILE if collective else None)
-                        if collective or self.rank in (0, self.index_writer) else None)
+        self.tensors = plan.tensors() if collective or self.rank in (0, self.index_writer) else None
+        self.plan = plan
         mine = [p for p in pieces if owner[(p.key, p.slab)] == self.rank]
         # Host arrays to write: copies when the writer runs later (async), views otherwise.
         self.pieces = [(p, np.array(to_host(p.array), copy=True) if copy else to_host(p.array)) for p in mine]
+
+    def _make_folder(self) -> str | None:
+        """Rank 0: a clean ``step-N.tmp`` (one left by a save that died is stale); the error, if any,
+        goes to every rank with the plan instead of leaving them waiting."""
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            os.makedirs(self.tmp_dir)
+        except OSError as error:
+            return f"rank 0 cannot make {self.tmp_dir}: {error}"
+        return None
 
     def run(self, comm) -> str:
         """Write this rank's shard, then commit on rank 0; collective over ``comm``."""
         start = time.perf_counter()
         facts = {"files": {}, "rank_state": self.rank_state, "error": None}
+        # Rank 0 prepares the new ``latest`` (a small fsync'd file) while the shards are written.
+        self.latest_ready = (DurableFile(os.path.join(self.root, LATEST + ".tmp"), (step_dirname(self.step) + "\n").encode())
+                             if self.rank == 0 else None)
+        index = None
         try:
-            if self.rank == self.index_writer:
-                facts["files"][INDEX] = self._write_index()
+            index = self._write_index() if self.rank == self.index_writer else None  # in a thread, meanwhile:
             if self.collective:
                 self._write_shared_file(comm, facts)
             else:
                 self._write_shard(facts)
+            if index is not None:
+                index.path()
+                facts["files"][INDEX] = {"bytes": len(index.data), "chunks": chunk_checksums(index.data)}
         except (OSError, ValueError, RuntimeError) as exc:  # a full disk, a quota: every rank must hear of it
             facts["error"] = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            if index is not None:
+                index.thread.join()  # nothing may still write into the folder rank 0 removes
         # Ranks finish their shards at different times; waiting politely first keeps the early
         # ones from spinning in gather on the cores the late ones still write from.
         wait_politely(comm.Ibarrier())
@@ -120,11 +165,12 @@ class SaveJob:
             failed = [f["error"] for f in gathered if f["error"]]
             try:
                 if failed:  # nothing is committed: the previous checkpoint stays the latest
-                    shutil.rmtree(self.tmp_dir, ignore_errors=True)
                     raise CheckpointError("; ".join(failed))
                 self._commit(gathered)
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
-                error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+                error = str(exc) if isinstance(exc, CheckpointError) else f"rank 0: {type(exc).__name__}: {exc}"
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                self.latest_ready.discard()
         wait_politely(comm.Ibarrier())  # while rank 0 commits
         error = comm.bcast(error, root=0)
         if error:
@@ -133,12 +179,29 @@ class SaveJob:
         return self.step_dir
 
     def _write_shard(self, facts: dict) -> None:
+        """One flat dataset per dtype holding this rank's pieces end to end (in plan order).
+
+        HDF5 only lays the file out (datasets allocated at creation, never filled); the bytes
+        go in with plain writes at each dataset's offset: no HDF5 call per piece, no copy.
+        """
         name = shard_filename(self.rank)
         path = os.path.join(self.tmp_dir, name)
-        with h5py.File(path, "w", libver="latest") as f:
-            for n, (piece, array) in enumerate(self.pieces):
-                write_dataset(f, dataset_name(n, piece.key), array)
-        facts["files"][name] = sync_and_checksum(path)
+        blobs: dict = {}
+        for _, array in self.pieces:
+            blobs.setdefault(array.dtype.name, []).append(np.ascontiguousarray(array))
+        offsets = {}
+        # 64-byte alignment: each dataset, so every piece a load reads, starts on a cache line.
+        with h5py.File(path, "w", libver=("v110", "v110"), alignment_threshold=1, alignment_interval=64) as f:
+            for dtype, arrays in blobs.items():
+                offsets[dtype] = allocate_flat_dataset(f, dtype, sum(a.size for a in arrays))
+        with open(path, "r+b") as f:
+            for dtype, arrays in blobs.items():
+                if offsets[dtype] is None:
+                    continue
+                f.seek(offsets[dtype])
+                for array in arrays:
+                    write_array(f, array)
+        facts["files"][name] = sync_and_checksum(path) | {"blobs": offsets}
 
     def _write_shared_file(self, comm, facts: dict) -> None:
         """All pieces in one file written collectively (``driver="mpio"``, parallel HDF5 only).
@@ -160,19 +223,12 @@ class SaveJob:
             facts["files"][SHARED_FILE] = sync_and_checksum(path)
 
     # ----- the index writer and rank 0 --------------------------------------------------
-    def _write_index(self) -> dict:
-        """index.h5: one virtual dataset per tensor at its global shape, over the planned shard datasets."""
-        plan = json.dumps([self.layout, self.tensors], sort_keys=True)
-        if plan not in _index_images:  # the index depends on the plan only: built once per layout
-            _index_images.clear()
-            _index_images[plan] = index_image(self.tensors, self.layout)
-        image = _index_images[plan]
-        index_path = os.path.join(self.tmp_dir, INDEX)
-        with open(index_path, "wb") as f:
-            f.write(image)
-            f.flush()
-            os.fsync(f.fileno())
-        return {"bytes": len(image), "crc32": f"{zlib.crc32(image):08x}"}
+    def _write_index(self) -> "DurableFile":
+        """index.h5 (one virtual dataset per tensor at its global shape, over the planned shard
+        datasets), written and fsynced by a thread while this rank writes its shard."""
+        if self.plan.index is None:  # the index depends on the plan only: built once per layout
+            self.plan.index = index_image(self.tensors, self.layout)
+        return DurableFile(os.path.join(self.tmp_dir, INDEX), self.plan.index)
 
     def _commit(self, gathered: list) -> None:
         files, rank_state = {}, {}
@@ -183,28 +239,78 @@ class SaveJob:
         manifest = {"format": FORMAT, "version": VERSION, "step": self.step, "layout": self.layout,
                     "created": time.time(), "tensors": self.tensors, "scalars": self.scalars,
                     "files": files, "extra": self.shared_extra, "rank_state": rank_state}
-        write_json_atomically(os.path.join(self.tmp_dir, MANIFEST), manifest)
-        fsync_path(self.tmp_dir)
+        # The folder's rename makes the manifest appear atomically; it and the folder's entries
+        # must be on disk first (the two fsyncs at once). dumps uses the C encoder, dump(f) Python's.
+        with open(os.path.join(self.tmp_dir, MANIFEST), "w") as f:
+            f.write(json.dumps(manifest, sort_keys=True))
+        fsync_together(os.path.join(self.tmp_dir, MANIFEST), self.tmp_dir)
+        latest_tmp = self.latest_ready.path()  # written before the rename: a full disk fails here, nothing renamed
         replaced = self.step_dir + ".old"
         if os.path.exists(self.step_dir):  # re-saving a step: the old copy goes once the new one is in place
             shutil.rmtree(replaced, ignore_errors=True)
             os.rename(self.step_dir, replaced)
         os.rename(self.tmp_dir, self.step_dir)
-        fsync_path(self.root)
-        shutil.rmtree(replaced, ignore_errors=True)
-        latest_tmp = os.path.join(self.root, LATEST + ".tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(step_dirname(self.step) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(latest_tmp, os.path.join(self.root, LATEST))
-        fsync_path(self.root)
+        fsync_path(self.root)  # both renames at once (a crash between them leaves the previous latest)
+        shutil.rmtree(replaced, ignore_errors=True)
         if self.keep:
-            for old in list_steps(self.root)[:-self.keep]:
+            for old in retired_steps(list_steps(self.root), self.step, self.keep):
                 shutil.rmtree(os.path.join(self.root, step_dirname(old)), ignore_errors=True)
 
 
-_index_images: dict = {}  # plan -> the bytes of its index.h5
+class DurableFile:
+    """A small file (index.h5, ``latest.tmp``) written and fsynced by a thread while the shards
+    are written; ``path()`` waits for it (and raises its error)."""
+
+    def __init__(self, path: str, data: bytes):
+        self.file, self.data, self.error = path, data, None
+        self.thread = threading.Thread(target=self._write)
+        self.thread.start()
+
+    def _write(self) -> None:
+        try:
+            with open(self.file, "wb") as f:
+                f.write(self.data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as error:
+            self.error = error
+
+    def path(self) -> str:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.file
+
+    def discard(self) -> None:
+        self.thread.join()
+        if os.path.exists(self.file):
+            os.remove(self.file)
+
+
+class Plan:
+    """Who writes which piece, the manifest's tensor table and the index.h5 image: all follow
+    from what every rank holds, the same at every save of a run, so they are made once."""
+
+    _last = None  # the plan of the last save (a run saves the same layout again and again)
+
+    def __init__(self, everyone: list, shared_file: str | None, layout: dict):
+        self.everyone, self.shared_file, self.layout = everyone, shared_file, layout
+        self.owner, self.load = assign_writers(everyone)
+        self._tensors, self.index = None, None
+
+    @classmethod
+    def of(cls, everyone: list, shared_file: str | None, layout: dict) -> "Plan":
+        last = cls._last
+        if last is None or (last.everyone, last.shared_file, last.layout) != (everyone, shared_file, layout):
+            last = cls._last = cls(everyone, shared_file, layout)
+        return last
+
+    def tensors(self) -> dict:
+        if self._tensors is None:
+            self._tensors = tensor_table(self.everyone, self.owner, self.shared_file)
+        return self._tensors
+
 
 
 def index_image(tensors: dict, layout: dict) -> bytes:
@@ -215,14 +321,31 @@ def index_image(tensors: dict, layout: dict) -> bytes:
     ~0.4 ms each, which made up half of a save before the image was reused.
     """
     buffer = io.BytesIO()
-    with h5py.File(buffer, "w", libver="latest") as index:
+    blob_sizes: dict = {}  # (file, flat dataset) -> elements
+    for table in tensors.values():
+        for piece in table["pieces"]:
+            if "start" in piece:
+                blob = (piece["file"], piece["dataset"])
+                blob_sizes[blob] = max(blob_sizes.get(blob, 0), piece["start"] + slab_size(piece["slab"]))
+    # The oldest format with virtual datasets (HDF5 1.10), so Debian's h5ls/h5dump read it too.
+    with h5py.File(buffer, "w", libver=("v110", "v110")) as index:
         index.attrs["layout"] = json.dumps(layout)
         for key, table in tensors.items():
-            virtual = h5py.VirtualLayout(shape=tuple(table["shape"]), dtype=table["dtype"])
+            dtype = np.dtype(table["dtype"])
+            virtual = h5py.VirtualLayout(shape=tuple(table["shape"]), dtype=dtype)
             for piece in table["pieces"]:
                 shape = tuple(stop - start for start, stop in piece["slab"])
-                virtual[slab_slices(piece["slab"])] = h5py.VirtualSource(piece["file"], piece["dataset"], shape=shape)
-            index.create_virtual_dataset(key, virtual)
+                if "start" not in piece:  # a dataset of its own (a collective save's shared file)
+                    source = h5py.VirtualSource(piece["file"], piece["dataset"], shape=shape)
+                elif 0 in shape:
+                    continue
+                else:  # a range of the flat dataset, mapped onto the N-D block (row-major on both sides)
+                    start, flat = piece["start"], (blob_sizes[(piece["file"], piece["dataset"])],)
+                    source = h5py.VirtualSource(piece["file"], piece["dataset"], shape=flat)[
+                        start: start + slab_size(piece["slab"])]
+                virtual[slab_slices(piece["slab"])] = source
+            # NaN where no source is readable: a missing shard shows in plain readers instead of zeros.
+            index.create_virtual_dataset(key, virtual, fillvalue=np.nan if dtype.kind == "f" else None)
     return buffer.getvalue()
 
 
@@ -238,7 +361,7 @@ def assign_writers(everyone: list) -> dict:
         for key, slab, _, dtype in entries:
             piece = (key, tuple(map(tuple, slab)))
             holders.setdefault(piece, []).append(rank)
-            sizes[piece] = int(np.prod([b - a for a, b in piece[1]])) * np.dtype(dtype).itemsize
+            sizes[piece] = slab_size(piece[1]) * itemsize(dtype)
     load = [0] * len(everyone)
     owner = {}
     for piece in sorted(holders, key=lambda p: (-sizes[p], p[0])):
@@ -248,46 +371,113 @@ def assign_writers(everyone: list) -> dict:
     return owner, load
 
 
-def write_dataset(file, name: str, array: np.ndarray) -> None:
-    """A contiguous dataset holding ``array``, through h5py's low-level API: a third of the
-    per-dataset cost of ``create_dataset``, which dominated the save of a small model."""
-    array = np.ascontiguousarray(array)
-    space = h5py.h5s.create_simple(array.shape) if array.ndim else h5py.h5s.create(h5py.h5s.SCALAR)
-    dataset = h5py.h5d.create(file.id, name.encode(), h5py.h5t.py_create(array.dtype), space)
+def allocate_flat_dataset(file, dtype: str, size: int) -> int | None:
+    """Create the 1-D dataset ``dtype`` of ``size`` elements, its space allocated now and never
+    filled (the caller writes every byte); its byte offset in the file (None when empty)."""
+    plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    plist.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    plist.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    space = h5py.h5s.create_simple((size,))
+    dataset = h5py.h5d.create(file.id, dtype.encode(), h5py.h5t.py_create(np.dtype(dtype)), space, dcpl=plist)
+    return dataset.get_offset() if size else None
+
+
+def write_array(file, array: np.ndarray) -> None:
+    """Write a contiguous array's bytes at the file's position (a full disk raises OSError)."""
     if array.size:
-        dataset.write(h5py.h5s.ALL, h5py.h5s.ALL, array)
+        file.write(memoryview(array).cast("B"))
+
+
+def free_space(folder: str) -> dict:
+    """Where this rank writes and how much room there is: the file system (host, fsid) and free
+    bytes (None when it cannot be told: the writes will say)."""
+    folder = os.path.abspath(folder)
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)  # rank 0 may not have made it yet: its parent tells the same
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return {"fs": (socket.gethostname(), None), "free": None}
+    return {"fs": (socket.gethostname(), stat.f_fsid), "free": stat.f_bavail * stat.f_frsize}
+
+
+def space_shortfalls(spaces: list, load: list, everyone: list) -> list[str]:
+    """One line per file system (ranks that share one add up) where the planned bytes plus the
+    margin exceed the free bytes, naming the ranks and the numbers; empty when all fit."""
+    pieces = sum(len(entries) for entries in everyone)
+    need: dict = {}
+    for rank, space in enumerate(spaces):
+        if space["free"] is None:
+            continue
+        extra = MARGIN_BYTES + MARGIN_PER_PIECE * (len(everyone[rank]) + (pieces if rank == 0 else 0) * 2)
+        fs = need.setdefault(tuple(space["fs"]), {"ranks": [], "bytes": 0, "free": space["free"]})
+        fs["ranks"].append(rank)
+        fs["bytes"] += load[rank] + extra
+        fs["free"] = min(fs["free"], space["free"])
+    return [f"rank{'s' if len(fs['ranks']) > 1 else ''} {', '.join(map(str, fs['ranks']))} on {host} need "
+            f"{fs['bytes']} bytes (data and a margin for metadata), {fs['free']} bytes are free"
+            for (host, _), fs in need.items() if fs["bytes"] > fs["free"]]
+
+
+def retired_steps(steps: list[int], written: int, keep: int) -> list[int]:
+    """The steps a save of ``written`` removes: all but the last ``keep`` up to and including it.
+    Steps above it are left alone (another run's, or a run that went further before a restart)."""
+    mine = [s for s in steps if s <= written]
+    return mine[:-keep] if keep > 0 else []
+
+
+@functools.lru_cache(maxsize=None)
+def itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_name(dtype: str) -> str:
+    return np.dtype(dtype).name
+
+
+def slab_size(slab) -> int:
+    return math.prod(stop - start for start, stop in slab)
 
 
 def dataset_name(n: int, key: str) -> str:
-    """The name of a rank's n-th piece in its shard file: flat, in the root group (creating the
-    intermediate groups of "model/x/y" took half the time of a save; index.h5 has the hierarchy)."""
+    """The name of the n-th piece in a collective save's shared file (one dataset per piece)."""
     return f"{n:05d}:{key.replace('/', '|')}"
 
 
-def _tensor_table(everyone: list, owner: dict, shared_file: str | None = None) -> dict:
-    """``{key: {shape, dtype, pieces: [{slab, rank, file, dataset}]}}``, each distinct slab once; checks coverage.
+def tensor_table(everyone: list, owner: dict, shared_file: str | None = None) -> dict:
+    """``{key: {shape, dtype, pieces: [{slab, rank, file, dataset, start}]}}``, each distinct slab once;
+    checks coverage.
 
-    The dataset names are the ones each writer will give its pieces (in its own order), in its
-    shard file, or in ``shared_file`` when all ranks write one file collectively.
+    A piece is the range from element ``start`` of the flat dataset ``dataset`` (its dtype's
+    name) of its writer's shard file: each writer lays its pieces end to end per dtype, in the
+    order it holds them. In ``shared_file`` (a collective save) each piece is a dataset of its own.
     """
     tensors = {}
     for rank, entries in enumerate(everyone):
         written = 0 if shared_file is None else sum(1 for e in everyone[:rank] for _ in e)  # unique names
+        filled: dict = {}  # dtype -> elements laid out so far in this rank's shard
         for key, slab, shape, dtype in entries:
             table = tensors.setdefault(key, {"shape": list(shape), "dtype": dtype, "pieces": []})
             if list(shape) != table["shape"]:
                 raise CheckpointError(f"{key}: ranks disagree on its global shape ({table['shape']} vs {list(shape)})")
             slab = tuple(map(tuple, slab))
-            if owner[(key, slab)] == rank:
-                table["pieces"].append({"slab": [list(s) for s in slab], "rank": rank,
-                                        "file": shared_file or shard_filename(rank),
-                                        "dataset": dataset_name(written, key)})
+            if owner[(key, slab)] != rank:
+                continue
+            piece = {"slab": [list(s) for s in slab], "rank": rank, "file": shared_file or shard_filename(rank)}
+            if shared_file is None:
+                name = dtype_name(dtype)
+                piece |= {"dataset": name, "start": filled.get(name, 0)}
+                filled[name] = filled.get(name, 0) + slab_size(slab)
+            else:
+                piece["dataset"] = dataset_name(written, key)
                 written += 1
+            table["pieces"].append(piece)
     for key, table in tensors.items():
-        covered = sum(int(np.prod([b - a for a, b in p["slab"]])) for p in table["pieces"])
-        if covered != int(np.prod(table["shape"])):
+        covered = sum(slab_size(p["slab"]) for p in table["pieces"])
+        if covered != math.prod(table["shape"]):
             raise CheckpointError(f"{key}: the pieces held by the ranks cover {covered} of "
-                                  f"{int(np.prod(table['shape']))} elements (overlapping or missing shards)")
+                                  f"{math.prod(table['shape'])} elements (overlapping or missing shards)")
     return tensors
 
 
@@ -323,6 +513,22 @@ def wait() -> None:
 atexit.register(wait)
 
 
+_warned_threads = []
+
+
+def threads_may_call_mpi() -> bool:
+    """Whether a writer thread may call MPI (``MPI.THREAD_MULTIPLE``); warns once when it may not."""
+    from mpi4py import MPI
+
+    if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+        return True
+    if not _warned_threads:
+        _warned_threads.append(True)
+        logger.warning("asynchronous checkpoints need MPI.THREAD_MULTIPLE (the writer thread calls MPI), and this "
+                       f"MPI gives thread level {MPI.Query_thread()}: checkpoints are written synchronously")
+    return False
+
+
 def save(root: str, step: int, model, optimizer, ctx, extra: dict | None = None, keep: int | None = None,
          asynchronous: bool = False, collective: bool = False):
     """Write a checkpoint of ``model`` and ``optimizer`` (Checkpointables of ``hpcpar.state``, or
@@ -331,8 +537,8 @@ def save(root: str, step: int, model, optimizer, ctx, extra: dict | None = None,
     Returns the committed step folder, or an ``AsyncSave`` whose ``wait()`` returns it.
     """
     wait()  # one save at a time: the previous asynchronous one must be committed first
-    if ctx.rank == 0:
-        os.makedirs(root, exist_ok=True)
+    if asynchronous and not threads_may_call_mpi():
+        asynchronous = False
     job = SaveJob(root, step, model, optimizer, ctx, extra, keep, copy=asynchronous, collective=collective)
     if not asynchronous:
         return job.run(ctx.world.mpi)

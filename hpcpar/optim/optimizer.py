@@ -151,8 +151,14 @@ class Optimizer(Checkpointable):
                     continue
 
                 def assign(values, state=state, key=key, param=param):
-                    state[key] = to_device(values, param.xp).astype(param.dtype)
-                reads.append(Read(full, shape, slab, assign))
+                    state[key] = to_device(values, param.xp).astype(param.dtype, copy=False)  # values are its own
+                # The current array, if any, may be filled in place once the load can no longer fail.
+                current = self.state.get(name, {}).get(key)
+                if isinstance(current, np.ndarray) and current.shape == param.shape and current.dtype == param.dtype:
+                    state[key] = current
+                else:
+                    current = None
+                reads.append(Read(full, shape, slab, assign, param.dtype, current))
         decays = saved.weight_decays()
 
         def finish():

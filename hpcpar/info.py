@@ -7,7 +7,9 @@ import warnings
 from mpi4py import MPI
 
 from . import backend
+from .dist.comm import device_nonblocking_supported, library_version, query_cuda_aware
 from .dist.context import LayoutError, init, resolve_layout
+from .dist.nccl import BACKENDS, choose_backend, describe_backend, nccl_available
 from .dist.failfast import UsageError
 from .dist.topology import PlacementWarning
 
@@ -16,18 +18,25 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: the world / (pp x tp))")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel shards")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                        help="auto: a GPU when CuPy sees one")
+    parser.add_argument("--device", default="auto", choices=backend.DEVICES,
+                        help="auto: HPCPAR_DEVICE if set, else a GPU when CuPy sees one (default: auto)")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="what moves GPU buffers, as parallel.backend: auto = NCCL on GPUs when CuPy has it, "
+                             "else MPI (default: auto)")
     parser.set_defaults(func=run)
 
 
 def run(args) -> None:
     try:  # checked before any rank waits on another: every rank reaches the same verdict
         resolve_layout(MPI.COMM_WORLD.Get_size(), args.dp, args.pp, args.tp)
-        backend.resolve_device(args.device)
+        choose_backend(args.backend, backend.resolve_device(args.device), query_cuda_aware())
     except (LayoutError, RuntimeError) as error:
         raise UsageError(f"hpcpar info: error: {error}") from None
-    print_info(dp=args.dp, pp=args.pp, tp=args.tp, device=args.device)
+    print_info(dp=args.dp, pp=args.pp, tp=args.tp, device=args.device, comm_backend=args.backend)
+
+
+def cupy_state(facts: dict) -> str:
+    return f"broken ({facts['cupy_error']})" if facts["cupy_error"] else "not installed"
 
 
 def parallel_hdf5() -> bool:
@@ -36,10 +45,10 @@ def parallel_hdf5() -> bool:
     return bool(h5py.get_config().mpi)
 
 
-def print_info(dp=None, pp=1, tp=1, device="auto") -> None:
+def print_info(dp=None, pp=1, tp=1, device="auto", comm_backend="auto") -> None:
     with warnings.catch_warnings():  # the placement report below carries the warning
         warnings.simplefilter("ignore", PlacementWarning)
-        ctx = init(dp=dp, pp=pp, tp=tp, device=device)
+        ctx = init(dp=dp, pp=pp, tp=tp, device=device, backend=comm_backend)
     placement = ctx.world.gather_object((ctx.rank, os.uname().nodename, ctx.node_rank, os.getpid()))
     if ctx.rank != 0:
         return
@@ -47,13 +56,20 @@ def print_info(dp=None, pp=1, tp=1, device="auto") -> None:
     import mpi4py
 
     facts = backend.describe()
+    name, version = library_version()
+    library = f"{name} {'.'.join(map(str, version))}"
     lines = [
         f"hpcpar        {__import__('hpcpar').__version__}",
         f"MPI library   {MPI.Get_library_version().splitlines()[0].strip()}",
         f"MPI standard  {'.'.join(map(str, MPI.Get_version()))} (mpi4py {mpi4py.__version__})",
         f"world size    {ctx.world_size}   layout dp={ctx.dp_size} pp={ctx.pp_size} tp={ctx.tp_size}",
-        f"device        {ctx.device}   CUDA-aware MPI: {'yes' if ctx.cuda_aware else 'no (GPU buffers staged through host)'}",
-        f"backends      numpy {facts['numpy']}, cupy {facts['cupy'] or 'not installed'}, GPUs visible: {facts['gpus']}",
+        f"device        {backend.device_choice(device, ctx.device).removeprefix('device ')}   CUDA-aware MPI: "
+        f"{'yes' if ctx.cuda_aware else 'no (GPU buffers staged through host)'}",
+        *(f"comm {name:<8} {describe_backend(comm, ctx.device)}" for name, comm in ctx.communicators().items()),
+        f"GPU MPI       non-blocking collectives on device buffers: "
+        f"{'yes' if device_nonblocking_supported() else 'no (blocking)'} for {library} (docs/gpu.md)",
+        f"backends      numpy {facts['numpy']}, cupy {facts['cupy'] or cupy_state(facts)}, GPUs visible: "
+        f"{facts['gpus']}, NCCL: {'yes' if nccl_available() else 'no'}",
         f"bfloat16 CPU  {'yes (ml_dtypes)' if facts['bfloat16_on_cpu'] else 'no (pip install ml_dtypes)'}",
         f"h5py          {h5py.__version__}, HDF5 {h5py.version.hdf5_version}, parallel HDF5: {'yes' if parallel_hdf5() else 'no (file-per-rank checkpoints)'}",
         f"wait policy   {ctx.wait_policy} ({ctx.node_size} ranks on this node, {ctx.node_cpus} usable CPUs: "

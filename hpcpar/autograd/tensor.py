@@ -35,12 +35,14 @@ class Tensor:
         if like is None:
             return Tensor(np.asarray(value))
         xp = like.xp
-        array = xp.asarray(value)
+        number = isinstance(value, (bool, int, float, np.generic))
+        # a number is filled in on the device (a kernel argument), not copied there
+        array = xp.full((), value, dtype=np.result_type(value)) if number else xp.asarray(value)
         floating = like.dtype.kind in "fc" or precision.is_low(like.dtype)  # int tensor * 0.5 must not truncate 0.5
-        if floating and (array.dtype.kind in "fc" or array.dtype.kind in "iub" and np.ndim(value) == 0):
+        if floating and (array.dtype.kind in "fc" or array.dtype.kind in "iub" and array.ndim == 0):
             # A number next to a 16-bit tensor stays float32 (the op rounds its result once, as a GPU's
             # float32 "opmath" does); arrays take the tensor's dtype.
-            dtype = precision.accumulation_dtype(like.dtype) if np.ndim(value) == 0 else like.dtype
+            dtype = precision.accumulation_dtype(like.dtype) if array.ndim == 0 else like.dtype
             array = array.astype(dtype, copy=False)
         return Tensor(array)
 
@@ -82,7 +84,10 @@ class Tensor:
         return to_host(self.data)
 
     def item(self) -> float:
-        return float(self.data.reshape(-1)[0]) if self.data.size == 1 else self._not_scalar("item")
+        """The one element as a Python number: an explicit device-to-host copy on a GPU."""
+        from ..backend import to_host
+
+        return to_host(self.data.reshape(-1)[:1])[0].item() if self.data.size == 1 else self._not_scalar("item")
 
     def _not_scalar(self, what):
         raise ValueError(f"{what}() needs a tensor with one element, got shape {self.shape}")

@@ -66,10 +66,12 @@ def _batches(config: GPTConfig, batch_size: int, seed: int = 0):
         yield ids[:, :-1], ids[:, 1:]
 
 
-def hpcpar_step(config: GPTConfig, batch_size: int, precision: str = "fp32", phases: str = "step"):
+def hpcpar_step(config: GPTConfig, batch_size: int, precision: str = "fp32", phases: str = "step",
+                device: str = "cpu"):
     """One training step of a fresh GPT in ``precision`` (16 bits: float32 masters, skips counted), or
-    with ``phases="forward+backward"`` only that part (what the activation peak is measured on)."""
-    model = GPT(config, dtype=precision_dtype(precision))
+    with ``phases="forward+backward"`` only that part (what the activation peak is measured on);
+    ``device``: where the model lives (``hpcpar.bench.gpu_check`` times it on a GPU)."""
+    model = GPT(config, dtype=precision_dtype(precision), device=device)
     amp = None
     if precision in ("bf16", "fp16"):
         amp = MixedPrecision(model, DynamicLossScaler(init_scale=1024.0) if precision == "fp16" else None)
@@ -114,15 +116,19 @@ def activation_peak(config: GPTConfig, batch_size: int, precision: str) -> int:
     return traced_peak(step)
 
 
-def torch_step(config: GPTConfig, batch_size: int):
-    """The same GPT in PyTorch (pre-norm blocks, fused qkv, SDPA, tanh GELU, tied head), or None."""
+def torch_step(config: GPTConfig, batch_size: int, device: str = "cpu", precision: str = "fp32"):
+    """The same GPT in PyTorch (pre-norm blocks, fused qkv, SDPA, tanh GELU, tied head), or None.
+
+    ``device="cuda"`` runs it on the GPU, in ``precision`` through autocast (float32 weights, as
+    hpcpar's float32 masters; fp16 with a GradScaler)."""
     try:
         import torch
         from torch import nn
         from torch.nn import functional as F
     except ImportError:
         return None
-    torch.set_num_threads(1)
+    if device == "cpu":
+        torch.set_num_threads(1)
     torch.manual_seed(config.seed)
     C, nh = config.n_embd, config.n_head
 
@@ -149,20 +155,29 @@ def torch_step(config: GPTConfig, batch_size: int):
             self.ln_f = nn.LayerNorm(C)
 
         def forward(self, ids, targets):
-            x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+            x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
             for block in self.blocks:
                 x = block(x)
             logits = self.ln_f(x) @ self.wte.weight.T
             return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
-    model = TorchGPT()
+    model = TorchGPT().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batches = _batches(config, batch_size)
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0) if precision == "fp16" else None
 
     def step():
-        ids, targets = next(batches)
-        model(torch.from_numpy(ids), torch.from_numpy(targets)).backward()
-        optimizer.step()
+        ids, targets = (torch.from_numpy(a).to(device) for a in next(batches))
+        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+            loss = model(ids, targets)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad()
 
     return step

@@ -1,10 +1,12 @@
 """Array communication on NumPy and CuPy buffers, with every call counted.
 
 A ``Communicator`` wraps one mpi4py communicator. Array calls take NumPy or CuPy arrays:
-CuPy buffers go straight to MPI when the MPI library is CUDA-aware (after a stream
-synchronize, since MPI reads device memory outside CuPy's stream order) and are staged
-through host memory otherwise. Calls that move pickled Python objects have their own
-names (``*_object``) so they are never mistaken for the array path.
+CuPy buffers go straight to MPI when the MPI library is CUDA-aware (after a device
+synchronize, since MPI reads device memory outside CuPy's stream order; in blocking
+collectives unless the library is known to take device buffers in non-blocking ones:
+``DEVICE_NONBLOCKING``) and are staged through reused host buffers otherwise
+(``HostStaging``); ``hpcpar.dist.nccl`` has the same API over NCCL. Calls that move pickled
+Python objects have their own names (``*_object``) so they are never mistaken for the array path.
 
 Every call adds to ``comm.stats`` (calls, the bytes it was given, the bytes this rank sends on
 the wire under ring algorithms, seconds), so the layers above can report a communication share
@@ -16,6 +18,7 @@ import ctypes
 import functools
 import os
 import pickle
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import host
-from ..backend import get_array_module, is_gpu_array, synchronize, to_host
+from ..backend import copy_to_device, copy_to_host, get_array_module, is_gpu_array, pinned_empty, synchronize
 from . import debug
 from .waiting import polite_pause, wait_politely
 from .watchdog import StallWatchdog, Waiting
@@ -54,6 +57,49 @@ def query_cuda_aware() -> bool:
         return False
     query.restype = ctypes.c_int
     return bool(query())
+
+
+# Whether a CUDA-aware MPI takes device buffers in NON-BLOCKING collectives, by library and
+# version: (library name as MPI_Get_library_version starts, first version, last version or None,
+# verdict). What is not listed counts as no: a blocking collective is always correct, a
+# non-blocking one on device memory where the library does not support it reads garbage.
+DEVICE_NONBLOCKING = (
+    # Open MPI's FAQ for v4.x and earlier (open-mpi.org/faq/?category=runcuda): device pointers
+    # work in send/receive and blocking collectives, not in non-blocking collectives.
+    ("Open MPI", (1, 7), (4, 99), False),
+    # Open MPI 5's coll/cuda component stages reductions on GPU buffers for the blocking calls;
+    # its documentation promises nothing for the non-blocking ones.
+    ("Open MPI", (5, 0), None, False),
+    # MPICH 4's GPU support (yaksa) moves and reduces device buffers in every communication
+    # call through one datatype engine, non-blocking collectives included.
+    ("MPICH", (4, 0), None, True),
+)
+
+
+def library_version(text: str | None = None) -> tuple[str, tuple[int, ...]]:
+    """(library, version) from MPI_Get_library_version's ``text``: ("MPICH", (4, 2, 0)), ("Open MPI", (4, 1, 5))."""
+    text = MPI.Get_library_version() if text is None else text
+    for name in ("Open MPI", "CRAY MPICH", "MVAPICH", "MPICH", "Intel(R) MPI"):  # Cray's MPICH numbers its own versions
+        if name in text:
+            match = re.search(r"(\d+(?:\.\d+)+)", text[text.index(name):])
+            return name, tuple(int(p) for p in match.group(1).split(".")) if match else ()
+    return text.split()[0] if text.split() else "unknown", ()
+
+
+def device_nonblocking_supported(library: str | None = None, version: tuple | None = None) -> bool:
+    """Whether non-blocking collectives may take device buffers: ``HPCPAR_DEVICE_NONBLOCKING=0|1``,
+    else ``DEVICE_NONBLOCKING`` for this library and version (unknown: no)."""
+    override = os.environ.get("HPCPAR_DEVICE_NONBLOCKING")
+    if override not in (None, ""):
+        if override not in ("0", "1"):
+            raise ValueError(f"HPCPAR_DEVICE_NONBLOCKING must be 0 or 1, got {override!r}")
+        return override == "1"
+    if library is None:
+        library, version = library_version()
+    for name, first, last, verdict in DEVICE_NONBLOCKING:
+        if library == name and tuple(version[:len(first)]) >= first and (last is None or tuple(version[:2]) <= last):
+            return verdict
+    return False
 
 
 def default_wait_policy(node_size: int, cpus: int | None = None) -> str:
@@ -229,37 +275,89 @@ def _is_bfloat16(dtype) -> bool:
     return np.dtype(dtype).name == "bfloat16"
 
 
+class HostStaging:
+    """Host buffers for staging device buffers through an MPI that is not CUDA-aware, reused.
+
+    A call takes a buffer at least as large as it needs from the free ones (the smallest that
+    fits) and gives it back when it finishes; only when none fits is one allocated (pinned
+    when CuPy is there: ``backend.pinned_empty``), rounded up to a power of two so that
+    buckets of about the same size share buffers. Non-blocking calls in flight hold theirs,
+    so DDP's overlapping buckets never share one. ``allocations``, ``reuses`` and
+    ``bytes_allocated`` count what happened (the tests check that a second step allocates
+    nothing).
+    """
+
+    def __init__(self):
+        self._free: list[np.ndarray] = []
+        self.allocations = 0
+        self.reuses = 0
+        self.bytes_allocated = 0
+
+    def acquire(self, nbytes: int) -> np.ndarray:
+        fitting = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
+        if fitting:
+            self.reuses += 1
+            return self._free.pop(min(fitting, key=lambda i: self._free[i].nbytes))
+        size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())
+        self.allocations += 1
+        self.bytes_allocated += size
+        return pinned_empty(size)
+
+    def release(self, buffer: np.ndarray) -> None:
+        self._free.append(buffer)
+
+
 class _Staged:
     """The buffer MPI actually touches for ``array``: the array itself, or a host copy.
 
     ``device`` is where results go back to on the GPU when staged; ``buffer`` is what MPI is
     handed (bfloat16 as raw 16-bit words: only data-movement calls see it, reductions of
-    bfloat16 go through float32 in the Communicator).
+    bfloat16 go through float32 in the Communicator). A staged buffer comes from the
+    communicator's ``HostStaging`` and goes back to it in ``finish``, which every user calls
+    once the call is complete (``copy_out=False``: a send buffer, nothing comes back).
+
+    Before MPI or the staging copy reads device memory the whole device is synchronized, not
+    only the current stream: CuPy arrays do not remember the stream that wrote them, so an
+    event on "the producing stream" could only be recorded on the current one, and buffers
+    here are also written on other streams (an NCCL communicator's stream when a pipeline's
+    tied-weights or a parameter server's MPI communicator shares a buffer with it, a user's
+    ``cupy.cuda.Stream``). hpcpar computes on one stream, so the device sync waits for the
+    same work a stream sync would; it only costs more where other streams are busy, and
+    those are exactly the cases a stream sync gets wrong.
     """
 
-    def __init__(self, array, cuda_aware: bool, copy_in: bool = True):
+    def __init__(self, array, comm: "Communicator", copy_in: bool = True, copy_out: bool = True):
         self.device = array if is_gpu_array(array) else None
+        self._pool, self._raw, self._copy_out = None, None, copy_out
         if self.device is None:
             self.host = array
-        elif cuda_aware:
-            synchronize(array)
+            return
+        synchronize(array)
+        if comm.cuda_aware:
             self.host = array
-        else:
-            self.host = to_host(array) if copy_in else np.empty(array.shape, dtype=array.dtype)
+            return
+        self._pool = comm.staging
+        self._raw = self._pool.acquire(array.nbytes)
+        self.host = self._raw[:array.nbytes].view(array.dtype).reshape(array.shape)
+        if copy_in:
+            copy_to_host(array, self.host)
 
     @property
     def staged(self) -> bool:
-        return self.device is not None and self.host is not self.device
+        return self._raw is not None
 
     @property
     def buffer(self):
         return self.host.view(np.uint16) if _is_bfloat16(self.host.dtype) else self.host
 
     def finish(self):
-        """Copy a staged result back to the device buffer; return the user-visible array."""
-        if self.staged:
-            self.device.set(self.host)
-            return self.device
+        """Copy a staged result back to the device buffer, free the host buffer; return the user-visible array."""
+        if self._raw is not None:
+            if self._copy_out:
+                copy_to_device(self.host, self.device)
+            self._pool.release(self._raw)
+            self._raw = None
+            self.host = self.device
         return self.host if self.device is None else self.device
 
 
@@ -308,7 +406,7 @@ class Communicator:
     """One MPI communicator with counted array collectives and point-to-point calls."""
 
     def __init__(self, mpi_comm: MPI.Comm, name: str = "world", *, cuda_aware: bool | None = None,
-                 wait_policy: str = "spin"):
+                 wait_policy: str = "spin", device_nonblocking: bool | None = None):
         if wait_policy not in WAIT_POLICIES:
             raise ValueError(f"wait_policy must be one of {WAIT_POLICIES}, got {wait_policy!r}")
         self.mpi = mpi_comm
@@ -316,6 +414,9 @@ class Communicator:
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.cuda_aware = query_cuda_aware() if cuda_aware is None else cuda_aware
+        # Device buffers in non-blocking collectives (DEVICE_NONBLOCKING); matters only when CUDA-aware.
+        self.device_nonblocking = device_nonblocking_supported() if device_nonblocking is None else device_nonblocking
+        self.staging = HostStaging()  # host buffers for device buffers when MPI is not CUDA-aware
         self.wait_policy = wait_policy
         self.stats = CommStats(size=self.size, name=name)
         self.watchdog = StallWatchdog.for_communicator(self)  # None: HPCPAR_STALL_S=0
@@ -336,6 +437,23 @@ class Communicator:
     def _blocking(self) -> bool:
         """Whether collectives may use MPI's blocking calls: spinning, and no watchdog to poll."""
         return self.wait_policy == "spin" and self.watchdog is None
+
+    def _device_blocking(self, *arrays) -> bool:
+        """Whether these buffers go to MPI as device pointers that only its blocking collectives
+        take (a CUDA-aware library not known to take them in non-blocking ones): then the call is
+        blocking and the watchdog cannot poll it."""
+        return self.cuda_aware and not self.device_nonblocking and any(is_gpu_array(a) for a in arrays)
+
+    def _collective(self, op: str, arrays, blocking, nonblocking, library_path: bool = False) -> None:
+        """Run ``blocking()`` or wait for the request ``nonblocking()`` starts (counted as collective #k).
+
+        ``library_path``: the blocking call is also what a spinning rank without a watchdog uses.
+        """
+        waiting = self._next_collective(op)
+        if self._device_blocking(*arrays) or (library_path and self._blocking()):
+            blocking()
+        else:
+            self._wait(nonblocking(), waiting)
 
     def _next_collective(self, op: str) -> Waiting:
         return self.watchdog.next_collective(op) if self.watchdog is not None else Waiting.collective(op, -1)
@@ -358,11 +476,10 @@ class Communicator:
             return result
         start = time.perf_counter()
         staged, finish = self._prepare_allreduce("allreduce", x, op, out)
-        waiting = self._next_collective("allreduce")
-        if self._blocking():  # the library's blocking path: what raw MPI users time
-            self.mpi.Allreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op])
-        else:
-            self._wait(self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op]), waiting)
+        # Spinning without a watchdog: the library's blocking path, what raw MPI users time.
+        self._collective("allreduce", [staged.buffer],
+                         lambda: self.mpi.Allreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op]),
+                         lambda: self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op]), library_path=True)
         result = finish()
         self.stats.add("allreduce", x.nbytes, time.perf_counter() - start, start=start)
         return result
@@ -378,7 +495,11 @@ class Communicator:
             return handle
         start = time.perf_counter()
         staged, finish = self._prepare_allreduce("iallreduce", x, op, out)
-        request = self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op])
+        if self._device_blocking(staged.buffer):  # done now: the library takes device buffers only in Allreduce
+            self.mpi.Allreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op])
+            request = MPI.REQUEST_NULL
+        else:
+            request = self.mpi.Iallreduce(MPI.IN_PLACE, staged.buffer, REDUCE_OPS[op])
         self.stats.add("iallreduce", x.nbytes, time.perf_counter() - start, start=start)
         return Handle(self, "iallreduce", request, finish, self._next_collective("iallreduce"), nbytes=x.nbytes)
 
@@ -390,7 +511,7 @@ class Communicator:
             out = get_array_module(x).empty(x.shape, dtype=x.dtype)
         if out is not x:
             out[...] = x
-        staged = _Staged(out, self.cuda_aware)
+        staged = _Staged(out, self)
 
         def finish():
             result = staged.finish()
@@ -414,9 +535,11 @@ class Communicator:
         xp = get_array_module(x)
         x = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
         out = xp.empty((x.shape[0] // self.size,) + x.shape[1:], dtype=x.dtype)
-        send, recv = _Staged(x, self.cuda_aware), _Staged(out, self.cuda_aware, copy_in=False)
-        self._wait(self.mpi.Ireduce_scatter_block(send.buffer, recv.buffer, mpi_op),
-                   self._next_collective("reduce_scatter"))
+        send, recv = _Staged(x, self, copy_out=False), _Staged(out, self, copy_in=False)
+        self._collective("reduce_scatter", [send.buffer, recv.buffer],
+                         lambda: self.mpi.Reduce_scatter_block(send.buffer, recv.buffer, mpi_op),
+                         lambda: self.mpi.Ireduce_scatter_block(send.buffer, recv.buffer, mpi_op))
+        send.finish()
         result = recv.finish()
         if op == "mean":
             result /= self.size
@@ -440,8 +563,10 @@ class Communicator:
         debug.check_collective(self, "allgather", x)
         start = time.perf_counter()
         out = xp.empty((self.size,) + x.shape, dtype=x.dtype) if out is None else out
-        send, recv = _Staged(x, self.cuda_aware), _Staged(out, self.cuda_aware, copy_in=False)
-        self._wait(self.mpi.Iallgather(send.buffer, recv.buffer), self._next_collective("allgather"))
+        send, recv = _Staged(x, self, copy_out=False), _Staged(out, self, copy_in=False)
+        self._collective("allgather", [send.buffer, recv.buffer], lambda: self.mpi.Allgather(send.buffer, recv.buffer),
+                         lambda: self.mpi.Iallgather(send.buffer, recv.buffer))
+        send.finish()
         result = recv.finish()
         self.stats.add("allgather", x.nbytes, time.perf_counter() - start, start=start)
         return result
@@ -451,8 +576,9 @@ class Communicator:
         debug.check_collective(self, "broadcast", x)
         _require_contiguous(x, "broadcast")
         start = time.perf_counter()
-        staged = _Staged(x, self.cuda_aware, copy_in=self.rank == root)
-        self._wait(self.mpi.Ibcast(staged.buffer, root=root), self._next_collective("broadcast"))
+        staged = _Staged(x, self, copy_in=self.rank == root, copy_out=self.rank != root)
+        self._collective("broadcast", [staged.buffer], lambda: self.mpi.Bcast(staged.buffer, root=root),
+                         lambda: self.mpi.Ibcast(staged.buffer, root=root))
         staged.finish()
         self.stats.add("broadcast", x.nbytes, time.perf_counter() - start, start=start)
         return x
@@ -468,17 +594,17 @@ class Communicator:
     def isend(self, x, dest: int, tag: int = 0, *, _op_name: str = "isend") -> Handle:
         start = time.perf_counter()
         x = x if x.flags.c_contiguous else get_array_module(x).ascontiguousarray(x)
-        staged = _Staged(x, self.cuda_aware)
+        staged = _Staged(x, self, copy_out=False)
         request = self.mpi.Isend(staged.buffer, dest=dest, tag=tag)
         self.stats.add(_op_name, x.nbytes, time.perf_counter() - start, start=start, peer=dest, tag=tag)
-        # The staged host copy must outlive the request: the handle keeps it alive.
-        return Handle(self, _op_name, request, lambda: x, Waiting.point_to_point(_op_name, dest, tag), keepalive=staged,
-                      nbytes=x.nbytes)
+        # The staged host copy must outlive the request: finish hands it back once the send is complete.
+        return Handle(self, _op_name, request, staged.finish, Waiting.point_to_point(_op_name, dest, tag),
+                      keepalive=staged, nbytes=x.nbytes)
 
     def irecv(self, buf, source: int, tag: int = 0, *, _op_name: str = "irecv") -> Handle:
         _require_contiguous(buf, _op_name)
         start = time.perf_counter()
-        staged = _Staged(buf, self.cuda_aware, copy_in=False)
+        staged = _Staged(buf, self, copy_in=False)
         request = self.mpi.Irecv(staged.buffer, source=source, tag=tag)
         self.stats.add(_op_name, buf.nbytes, time.perf_counter() - start, start=start, peer=source, tag=tag)
         return Handle(self, _op_name, request, staged.finish, Waiting.point_to_point(_op_name, source, tag),
@@ -517,8 +643,12 @@ class Communicator:
 
     # ----- structure ----------------------------------------------------------------
     def split(self, color: int, key: int, name: str) -> "Communicator":
-        return Communicator(self.mpi.Split(color, key), name, cuda_aware=self.cuda_aware,
-                            wait_policy=self.wait_policy)
+        return self.like(self.mpi.Split(color, key), name)
+
+    def like(self, mpi_comm: MPI.Comm, name: str) -> "Communicator":
+        """A communicator of the same kind and settings over ``mpi_comm`` (NCCL stays NCCL)."""
+        return Communicator(mpi_comm, name, cuda_aware=self.cuda_aware, wait_policy=self.wait_policy,
+                            device_nonblocking=self.device_nonblocking)
 
 
 def check_allreduce_args(name: str, x, op: str, out) -> None:

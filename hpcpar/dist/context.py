@@ -23,11 +23,14 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-from .. import backend, host, log
-from . import nodes
+from .. import backend as arrays, host, log
+from . import nccl, nodes
 from . import topology as _topology
 from .shm import MIN_BYTES, ShmCollectives, shm_setting
 from .comm import Communicator, default_wait_policy, query_cuda_aware
+
+
+logger = log.get_logger(__name__)
 
 
 class LayoutError(ValueError):
@@ -82,6 +85,8 @@ class ParallelContext:
     host: dict = field(default_factory=dict)  # what init changed in the process (hpcpar.host.apply)
     shm: bool = False  # the shared-memory collectives are attached (hpcpar.dist.shm)
     shm_node_size: int | None = None  # pretend nodes of this many ranks for them (None: real nodes)
+    backend: str = "mpi"  # what moves device buffers on dp, pp and tp: "mpi" or "nccl" (hpcpar.dist.nccl)
+    runtime: object = None  # the NCCL runtime when backend is "nccl" (contexts made from this one reuse it)
 
     @property
     def crossing_axes(self) -> list[str]:
@@ -94,7 +99,7 @@ class ParallelContext:
 
     @property
     def xp(self):
-        return backend.array_module(self.device)
+        return arrays.array_module(self.device)
 
     @property
     def rank(self) -> int:
@@ -157,7 +162,8 @@ def format_grid(dp: int, pp: int, tp: int) -> str:
 
 def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
          comm: MPI.Comm | None = None, wait_policy: str | None = None, tune_allocator: bool = True,
-         shm: bool | None = None, node_size: int | None = None) -> ParallelContext:
+         shm: bool | None = None, node_size: int | None = None, backend: str = "auto",
+         device_nonblocking: bool | None = None, runtime=None) -> ParallelContext:
     """Factor the world into dp x pp x tp and build the communicators.
 
     Raises LayoutError on every rank, before any communication, when the layout does not
@@ -168,11 +174,16 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
     attaches the shared-memory collectives (hpcpar.dist.shm) on CPUs; ``node_size``
     (default HPCPAR_NODE_SIZE) cuts nodes into pretend nodes for them (hpcpar.dist.nodes).
     Rank 0 warns (PlacementWarning) when tensor parallelism crosses nodes but would fit inside them.
+    ``backend`` ("auto", "mpi", "nccl": ``hpcpar.dist.nccl.choose_backend``) picks what moves
+    device buffers on the dp, pp and tp communicators (world and node stay on MPI);
+    ``device_nonblocking`` overrides the table of MPI libraries that take device buffers in
+    non-blocking collectives (``hpcpar.dist.comm.DEVICE_NONBLOCKING``); ``runtime``: the
+    NCCL runtime (default CuPy's; tests pass a double). Rank 0 logs which device it uses and why.
     """
     world_mpi = comm if comm is not None else MPI.COMM_WORLD
     dp, pp, tp = resolve_layout(world_mpi.Get_size(), dp, pp, tp)
     log.ensure_configured()  # rank 0's log lines on stdout, unless the application set up its own
-    device = backend.resolve_device(device)
+    requested_device, device = device, arrays.resolve_device(device)
     use_shm, shm_node_size = shm_setting(shm), nodes.node_size_setting(node_size)
 
     node = world_mpi.Split_type(MPI.COMM_TYPE_SHARED, key=world_mpi.Get_rank())
@@ -184,12 +195,21 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
     if world_mpi.Get_rank() == 0:
         _topology.warn_about_placement(topo, dp, pp, tp)
     if device == "cuda":
-        backend.select_gpu(node_rank)
+        arrays.select_gpu(node_rank)
     settings = host.apply(node_size, tune_allocator, set_blas_threads=device != "cuda")
 
     cuda_aware = query_cuda_aware()
     policy = wait_policy or default_wait_policy(node_size, node_cpus)
-    make = lambda mpi_comm, name: Communicator(mpi_comm, name, cuda_aware=cuda_aware, wait_policy=policy)  # noqa: E731
+    chosen = nccl.choose_backend(backend, device, cuda_aware, have_nccl=True if runtime is not None else None)
+    if requested_device == "auto" and world_mpi.Get_rank() == 0:  # say what "auto" chose
+        logger.info(arrays.device_choice(requested_device, device) + f"; communication: {chosen}")
+    options = dict(cuda_aware=cuda_aware, wait_policy=policy, device_nonblocking=device_nonblocking)
+    make = lambda mpi_comm, name: Communicator(mpi_comm, name, **options)  # noqa: E731
+    if chosen == "nccl":
+        runtime = runtime or nccl.cupy_runtime()
+        make_axis = lambda mpi_comm, name: nccl.NcclCommunicator(mpi_comm, name, runtime=runtime, **options)  # noqa: E731
+    else:
+        make_axis = make
 
     # dims in (pp, dp, tp) order: MPI's row-major cartesian numbering makes tp fastest.
     cart = world_mpi.Create_cart([pp, dp, tp], periods=[False, False, False], reorder=False)
@@ -198,9 +218,9 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
     prev_stage, next_stage = pp_comm.Shift(0, 1)
     ctx = ParallelContext(
         world=make(world_mpi, "world"),
-        dp=make(cart.Sub([False, True, False]), "dp"),
-        pp=make(pp_comm, "pp"),
-        tp=make(cart.Sub([False, False, True]), "tp"),
+        dp=make_axis(cart.Sub([False, True, False]), "dp"),
+        pp=make_axis(pp_comm, "pp"),
+        tp=make_axis(cart.Sub([False, False, True]), "tp"),
         dp_size=dp, pp_size=pp, tp_size=tp,
         dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank,
         pp_prev=None if prev_stage == MPI.PROC_NULL else prev_stage,
@@ -208,7 +228,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
         node_rank=node_rank, node_size=node_size,
         device=device, cuda_aware=cuda_aware, wait_policy=policy,
         node_cpus=node_cpus, host=settings, shm=color is not None, shm_node_size=shm_node_size,
-        node=make(node, "node"), topology=topo,
+        node=make(node, "node"), topology=topo, backend=chosen, runtime=runtime if chosen == "nccl" else None,
     )
     assert (pp_rank, dp_rank, tp_rank) == coordinates(world_mpi.Get_rank(), dp, pp, tp)
     if color is not None:

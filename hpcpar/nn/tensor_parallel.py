@@ -21,7 +21,7 @@ import numpy as np
 
 from ..autograd import Function, Parameter, Tensor
 from ..autograd import ops, precision
-from ..autograd.ops._common import scatter_add_rows
+from ..autograd.ops._common import check_host_range, integer_array, scatter_add_rows
 from ..autograd.ops.mappings import (enter_tp, gather_from_tp, leave_tp, scatter_to_tp, shard_range, tp_size)
 from ..backend import get_array_module
 from . import init
@@ -122,6 +122,8 @@ class VocabParallelEmbedding(_TensorParallelLayer):
         ids = ids.data if isinstance(ids, Tensor) else ids
         if tp_size(self.comm) == 1:
             return ops.embedding(self.weight, ids)
+        check_host_range(ids, self.num_embeddings, "embedding", "id", "rows")
+        ids = integer_array(ids, self.weight.data, "embedding", "ids")  # to the device, like ops.embedding
         rows = _MaskedEmbedding.apply(self.weight, ids=ids, start=self.start)
         return leave_tp(rows, self.comm, self.sequence_parallel)
 
@@ -150,7 +152,7 @@ class _VocabParallelCrossEntropy(Function):
         exp = xp.exp(shifted)
         sums = comm.allreduce(xp.stack([exp.sum(axis=1), picked]), "sum")
         valid = targets != ignore_index
-        self.count = max(int(valid.sum()), 1)
+        self.count = xp.maximum(xp.count_nonzero(valid), 1)  # on the device, like ops.cross_entropy
         self.softmax = exp / sums[0][:, None]
         self.mine, self.local, self.valid = mine & valid, local, valid
         losses = (xp.log(sums[0]) - sums[1]) * valid
@@ -170,4 +172,6 @@ def vocab_parallel_cross_entropy(logits, targets, comm, ignore_index: int = -100
     targets = targets.data if isinstance(targets, Tensor) else targets
     if tp_size(comm) == 1:
         return ops.cross_entropy(logits, targets, ignore_index=ignore_index)
+    check_host_range(targets, logits.shape[-1] * tp_size(comm), "cross_entropy", "target", "classes", ignore_index)
+    targets = integer_array(targets, getattr(logits, "data", logits), "cross_entropy", "targets")
     return _VocabParallelCrossEntropy.apply(logits, comm=comm, targets=targets, ignore_index=ignore_index)

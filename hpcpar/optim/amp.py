@@ -39,7 +39,7 @@ import math
 import numpy as np
 
 from ..autograd import Parameter
-from ..backend import get_array_module, to_device
+from ..backend import get_array_module, to_device, to_host
 from .optimizer import named_parameter_list
 
 
@@ -101,15 +101,16 @@ def scaled_backward(loss, scale: float) -> None:
 
 
 def all_finite(grads, loss=None) -> bool:
-    """Whether every element of ``grads`` (arrays) and the ``loss`` (a number or Tensor, when given)
-    is finite; one device-to-host transfer for the arrays."""
-    grads = list(grads)
+    """Whether every element of ``grads`` (arrays) and the ``loss`` (a number, a 0-d array or a
+    Tensor, when given) is finite; one device-to-host transfer for the arrays and an array loss."""
+    loss = loss.data if hasattr(loss, "backward") else loss  # a Tensor's array
+    arrays = list(grads) + ([loss] if loss is not None and hasattr(loss, "dtype") else [])
     finite = True
-    if grads:
-        xp = get_array_module(*grads)
-        finite = bool(xp.stack([xp.isfinite(g).all() for g in grads]).all())
-    if loss is not None:
-        finite = finite and math.isfinite(loss.item() if hasattr(loss, "item") else float(loss))
+    if arrays:
+        xp = get_array_module(*arrays)
+        finite = bool(to_host(xp.stack([xp.isfinite(a).all() for a in arrays]).all()))
+    if loss is not None and not hasattr(loss, "dtype"):
+        finite = finite and math.isfinite(loss)
     return finite
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from ..autograd import precision
-from ..backend import get_array_module
+from ..backend import get_array_module, to_host
 
 
 def clip_grad_norm(params, max_norm: float, allreduce_sum=None) -> float:
@@ -23,7 +23,7 @@ def clip_arrays(grads, max_norm: float, allreduce_sum=None) -> float:
     for grad in grads:
         flat = grad.reshape(-1).astype(precision.accumulation_dtype(grad.dtype), copy=False)
         squares.append(get_array_module(flat).dot(flat, flat))
-    local = float(sum(squares))  # one device-to-host transfer
+    local = float(to_host(sum(squares))) if squares else 0.0  # one device-to-host transfer
     total = float(allreduce_sum(local)) if allreduce_sum is not None else local
     norm = math.sqrt(total)
     scale_to_norm(grads, norm, max_norm)

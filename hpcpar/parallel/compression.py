@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from ..backend import get_array_module
+from ..backend import get_array_module, scatter_add
 
 
 class _Done:
@@ -126,7 +126,7 @@ class TopKCompression(Compressor):
         all_values = comm.allgather(values).reshape(-1)
         self._count(chosen.nbytes + values.nbytes, flat)
         flat[...] = 0
-        xp.add.at(flat, all_indices, all_values)
+        scatter_add(flat, all_indices, all_values)  # CuPy has no portable add.at
         flat /= comm.size
         return _Done(flat)
 

@@ -195,7 +195,8 @@ class ParameterServer(Checkpointable):
             self._become_server(world, group, flat, optimizer_class, optimizer_options)
 
     def _become_worker(self, ctx, group, flat, lr: float, scaler) -> None:
-        self.ctx = init(dp=self.num_workers, comm=group, device=ctx.device, wait_policy=ctx.wait_policy)
+        self.ctx = init(dp=self.num_workers, comm=group, device=ctx.device, wait_policy=ctx.wait_policy,
+                        backend=ctx.backend, runtime=ctx.runtime)  # the workers' dp: the job's backend
         self.server_comm = None
         self.lr = lr
         self.step_count = 0

@@ -25,7 +25,7 @@ import math
 import numpy as np
 
 from ..autograd import Parameter, precision
-from ..backend import get_array_module
+from ..backend import get_array_module, to_host
 from ..dist.shm import shared_zeros
 from ..optim.clip import scale_to_norm
 from ..optim.groups import flat_range_decays, flatten_groups, set_flat_range_decay
@@ -135,7 +135,7 @@ class ZeroRedundancyOptimizer(Checkpointable):
             if lo < hi and counts(p):
                 piece = grad[lo - start: hi - start].astype(precision.accumulation_dtype(grad.dtype), copy=False)
                 pieces.append(xp.dot(piece, piece))
-        return float(sum(pieces)) if pieces else 0.0  # one device-to-host transfer
+        return float(to_host(sum(pieces))) if pieces else 0.0  # one device-to-host transfer
 
     def step(self, reduce: bool = True) -> None:
         if reduce:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 from .. import defaults
+from ..backend import DEVICES
 from ..nn.gpt import RECOMPUTE
 from ..parallel.compression import COMPRESSORS
 from ..parallel.pipeline.partition import PARTITION_METHODS
@@ -251,6 +252,14 @@ class ParallelSection:
     node_size: int | None = _key(None, INTEGER, "pretend nodes of this many ranks for the shared-memory collectives "
                                                 "(their inter-node step on one machine); unset: HPCPAR_NODE_SIZE, "
                                                 "else the real nodes", check=at_least(1))
+    backend: str = _key("auto", STRING, "what moves GPU buffers: nccl (NVIDIA's NCCL through CuPy, on its own "
+                                        "stream), mpi (CUDA-aware MPI, else staged through pinned host memory); auto: "
+                                        "nccl on GPUs when CuPy has it, else mpi; CPUs always use mpi",
+                        choices=("auto", "mpi", "nccl"))
+    device_nonblocking: bool | None = _key(None, BOOLEAN, "a CUDA-aware MPI takes device buffers in non-blocking "
+                                                          "collectives (else they run blocking); unset: "
+                                                          "HPCPAR_DEVICE_NONBLOCKING, else the table of MPI "
+                                                          "libraries in hpcpar/dist/comm.py (docs/gpu.md)")
     mode: str = _key("allreduce", STRING, "how dp replicas agree", choices=("allreduce", "ps", "local_sgd"))
     staleness: int = _key(0, INTEGER, "steps a worker may run ahead of the servers", check=at_least(0),
                           applies=("parallel.mode", ("ps",)))
@@ -293,7 +302,8 @@ class TrainSection:
     seed: int = _key(0, INTEGER, "data order (and the digits train/test split)", check=at_least(0))
     precision: str = _key("fp32", STRING, "compute dtype (fp16/bf16 keep fp32 master weights)",
                           choices=("fp32", "fp16", "bf16", "fp64"))
-    device: str = _key("auto", STRING, "auto = cuda when a GPU is usable", choices=("auto", "cpu", "cuda"))
+    device: str = _key("auto", STRING, "auto = HPCPAR_DEVICE if set, else cuda when a GPU is usable, else cpu; "
+                       "guard = the CuPy path on CPUs under the transfer guard", choices=DEVICES)
     metrics: str = _key("runs/{job}/metrics.jsonl", STRING, "JSONL metrics file (written by rank 0)")
     trace: str | None = _key(None, STRING, "one Chrome/Perfetto trace-event JSON of every rank's steps "
                              "(spans of forward, backward, optimizer, communication; clocks aligned); unset = none")

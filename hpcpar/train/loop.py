@@ -19,6 +19,7 @@ import warnings
 import numpy as np
 
 from .. import checkpoint, log as logs
+from ..backend import check_precision, to_host
 from ..dist.context import init
 from ..dist.topology import PlacementWarning
 from ..dist.trace import Tracer
@@ -28,7 +29,7 @@ from .config import Job
 from .evaluate import evaluate, sample_text
 from .lifecycle import StopRequest, requeue_if_slurm, save_checkpoint, start, stop_reason
 from .resume import Request
-from .report import Logger, peak_memory_mb
+from .report import Logger
 
 logger = logs.get_logger(__name__)
 
@@ -82,8 +83,9 @@ def train(job: Job, resume: Request | str | None = None, stop: StopRequest | Non
         return {**last, **final_report(run, step, log)}
 
 
-def train_one_step(run: Run, step: int) -> tuple[float, float]:
-    """Step ``step`` (counted from 0): the strategy's step and finish, the LR schedule; (loss, lr)."""
+def train_one_step(run: Run, step: int) -> tuple:
+    """Step ``step`` (counted from 0): the strategy's step and finish, the LR schedule; (loss, lr),
+    the loss a 0-d array on the device (``report_step`` reads it at log steps)."""
     inputs, targets = run.train_data.batch_at(step)
     run.train_data.step = step + 1
     trace = run.strategy.trace
@@ -100,18 +102,20 @@ def tokens_per_step(job: Job) -> int:
     return job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
 
 
-def report_step(run: Run, log: Logger, step: int, start_step: int, loss: float, lr: float,
+def report_step(run: Run, log: Logger, step: int, start_step: int, loss, lr: float,
                 seconds: float) -> dict | None:
     """After ``step``: at a log interval (and the run's first and last step) its metrics record,
     returned (collective); the progress display moves on every step, with the dp-mean loss when
     a bar shows it (collective too: rank 0 asked for it at ``Logger.begin``)."""
     record = None
     if step % run.job.train.log_interval == 0 or step in (run.job.train.steps, start_step + 1):
-        record = step_record(run, step, loss, lr, seconds)
+        record = step_record(run, step, float(to_host(loss)), lr, seconds, log.peak_memory_mb())
         log.step(record)
         loss = record["loss"]
-    elif log.every_loss:
-        loss = float(run.ctx.dp.allreduce(np.array([loss]), "mean")[0])
+    elif log.every_loss:  # one device-to-host copy of the loss per step, only with a live bar
+        loss = float(run.ctx.dp.allreduce(np.array([float(to_host(loss))]), "mean")[0])
+    else:
+        loss = None  # not read: it stays on the device
     log.progress.step(step, loss, tokens_per_step(run.job), seconds)
     return record
 
@@ -134,8 +138,10 @@ def start_context(job: Job):
     p = job.parallel
     with warnings.catch_warnings():  # the placement report (describe) carries the warning
         warnings.simplefilter("ignore", PlacementWarning)
-        return init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device, shm=p.shm,
-                    node_size=p.node_size)
+        ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device, shm=p.shm,
+                   node_size=p.node_size, backend=p.backend, device_nonblocking=p.device_nonblocking)
+    check_precision(ctx.device, job.train.precision)  # before anything allocates: one line, every rank alike
+    return ctx
 
 
 def describe(job: Job, ctx) -> None:
@@ -168,13 +174,13 @@ def finish_trace(run: Run, tracer: Tracer | None, log: Logger) -> None:
         log.line(f"trace of every rank: {path} (open it in https://ui.perfetto.dev)")
 
 
-def step_record(run, step: int, loss: float, lr: float, step_s: float) -> dict:
+def step_record(run, step: int, loss: float, lr: float, step_s: float, peak_mb: float) -> dict:
     """The metrics of a logged step: the loss averaged over dp, peak memory of every rank (collective)."""
     stats, ctx = run.strategy.stats, run.ctx
     return {"step": step, "loss": float(ctx.dp.allreduce(np.array([loss]), "mean")[0]), "lr": lr,
             "tokens_per_s": tokens_per_step(run.job) / step_s, "step_s": step_s, "compute_s": stats.get("compute_s", 0.0),
             "comm_s": stats.get("comm_s", 0.0), "idle_s": stats.get("idle_s", 0.0),
-            "peak_mem_mb": ctx.world.allgather_object(round(peak_memory_mb(), 1)), "time": time.time(),
+            "peak_mem_mb": ctx.world.allgather_object(round(peak_mb, 1)), "time": time.time(),
             **({"skipped_steps": stats["skipped_steps"]} if "skipped_steps" in stats else {})}
 
 

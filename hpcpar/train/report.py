@@ -12,15 +12,54 @@ from .progress import Progress
 logger = log.get_logger(__name__)
 
 
-def peak_memory_mb() -> float:
-    """This process's peak resident memory (plus the CuPy pool's peak on a GPU)."""
-    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
-    try:
-        import cupy
+def peak_memory_mb(device_peak_bytes: int = 0) -> float:
+    """This process's peak resident memory plus ``device_peak_bytes`` (a GPU's, ``DevicePeak``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0 + device_peak_bytes / 2**20  # KiB on Linux
 
-        return host + cupy.get_default_memory_pool().total_bytes() / 2**20
-    except Exception:  # noqa: BLE001 - no CuPy, no GPU
-        return host
+
+class DevicePeak:
+    """The most GPU memory this process's arrays held at once while it is entered (``with``).
+
+    CuPy's pool reports only its current use (``used_bytes``) and size (``total_bytes``), so a
+    memory hook (``cupy.cuda.MemoryHook``) follows every allocation from the pool and every
+    release back to it, starting from the use at entry. Hooks are per thread: memory freed by
+    another thread is not subtracted, which can only raise the peak. 0 off a GPU.
+    """
+
+    def __init__(self, device: str):
+        self.used = self.peak = 0
+        self._hook = _peak_hook(self) if device == "cuda" else None
+
+    def add(self, nbytes: int) -> None:
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def __enter__(self) -> "DevicePeak":
+        if self._hook is not None:
+            import cupy
+
+            self.used = self.peak = cupy.get_default_memory_pool().used_bytes()
+            self._hook.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._hook is not None:
+            self._hook.__exit__(*exc)
+
+
+def _peak_hook(peak: DevicePeak):
+    import cupy
+
+    class PeakHook(cupy.cuda.MemoryHook):
+        name = "hpcpar_device_peak"
+
+        def malloc_postprocess(self, **kwargs):  # device_id, size, mem_size, mem_ptr, pmem_id
+            peak.add(kwargs["mem_size"])
+
+        def free_postprocess(self, **kwargs):  # device_id, mem_size, mem_ptr, pmem_id
+            peak.add(-kwargs["mem_size"])
+
+    return PeakHook()
 
 
 class Logger:
@@ -47,6 +86,11 @@ class Logger:
             self.tensorboard = TensorBoardWriter(job.train.tensorboard)
         self.progress = Progress(progress, total_steps, self.unit, show=self.rank0)
         self.every_loss = False  # set by begin: whether rank 0 shows a bar
+        self.device_peak = DevicePeak(ctx.device).__enter__()  # left by close
+
+    def peak_memory_mb(self) -> float:
+        """This rank's peak memory so far: resident on the host, plus the GPU's while training."""
+        return peak_memory_mb(self.device_peak.peak)
 
     def begin(self, ctx, start_step: int, resumed_from: str | None, identity: dict | None = None) -> None:
         """The run's start record, and the progress display from ``start_step`` on.
@@ -106,6 +150,7 @@ class Logger:
     def close(self) -> None:
         """The bar ends, the console is the console again, TensorBoard's file is closed (twice is fine)."""
         self.progress.close()
+        self.device_peak.__exit__(None, None, None)
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None

@@ -1,7 +1,9 @@
 """Small helpers shared by the op families (axis handling, input checks)."""
 from __future__ import annotations
 
-from ...backend import get_array_module
+import numpy as np
+
+from ...backend import get_array_module, is_gpu_array, scatter_add
 from .. import precision
 
 
@@ -43,6 +45,24 @@ def integer_array(values, like, op: str, name: str):
     return values
 
 
+def check_host_range(values, limit: int, op: str, name: str, unit: str, ignore=None) -> None:
+    """IndexError if integer ``values`` on the host (``ignore`` aside) fall outside ``[0, limit)``.
+
+    NumPy would wrap negative indices and CuPy every index, so they are checked before they
+    reach the device. Values already on a GPU pass unchecked: a check would cost a
+    device-to-host copy per call.
+    """
+    values = getattr(values, "data", values)
+    if is_gpu_array(values):
+        return
+    host = np.asarray(values)
+    if host.dtype.kind not in "iu":
+        return  # integer_array's TypeError says what is wrong
+    bad = host[((host < 0) | (host >= limit)) & (host != ignore if ignore is not None else True)]
+    if bad.size:
+        raise IndexError(f"{op}: {name} {int(bad.reshape(-1)[0])} is out of range for {limit} {unit}")
+
+
 def broadcast_error(op: str, a, b) -> ValueError:
     return ValueError(f"{op}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not broadcast")
 
@@ -50,11 +70,17 @@ def broadcast_error(op: str, a, b) -> ValueError:
 def scatter_add_rows(ids, rows, shape):
     """Zeros of ``shape`` plus ``rows[i]`` added at row ``ids[i]`` (ids in range, repeats summed).
 
-    Sort the ids, sum each run of equal ids with ``add.reduceat``, write each sum once:
-    5-10x faster than NumPy's element-by-element ``add.at`` when ids repeat.
+    On NumPy: sort the ids, sum each run of equal ids with ``add.reduceat``, write each sum
+    once: 5-10x faster than NumPy's element-by-element ``add.at`` when ids repeat. CuPy has no
+    portable ``reduceat``: on a GPU the rows are scatter-added (``backend.scatter_add``).
     16-bit rows are summed in float32 (``precision``); the result has the rows' dtype.
     """
     xp = get_array_module(rows)
+    if xp is not np:
+        total = xp.zeros(shape, dtype=precision.accumulation_dtype(rows.dtype))
+        if ids.size:
+            scatter_add(total, ids, precision.upcast(rows))
+        return total.astype(rows.dtype, copy=False)
     out = xp.zeros(shape, dtype=rows.dtype)
     if ids.size == 0:
         return out

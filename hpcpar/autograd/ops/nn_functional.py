@@ -14,7 +14,7 @@ import numpy as np
 from ...backend import get_array_module
 from .. import precision
 from ..function import Function
-from ._common import integer_array, scatter_add_rows, wants_grad
+from ._common import check_host_range, integer_array, scatter_add_rows, wants_grad
 
 
 def _softmax(x, axis, in_place=False):
@@ -88,10 +88,7 @@ class CrossEntropy(Function):
         x = precision.upcast(logits).reshape(-1, classes)  # (..., C) -> (N, C)
         t = targets.reshape(-1)
         valid = t != ignore_index
-        t = xp.where(valid, t, 0)
-        if bool(((t < 0) | (t >= classes)).any()):
-            bad = t[(t < 0) | (t >= classes)][0]
-            raise IndexError(f"cross_entropy: target {int(bad)} is out of range for {classes} classes")
+        t = xp.where(valid, t, 0)  # the range was checked by cross_entropy() (check_host_range)
         rows = xp.arange(x.shape[0])
         probs = x - x.max(axis=1, keepdims=True)
         picked = probs[rows, t]  # shifted logit of each target
@@ -132,9 +129,6 @@ class Embedding(Function):
 
     def forward(self, weight, ids):
         xp = get_array_module(weight)
-        low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
-        if low < 0 or high >= weight.shape[0]:  # NumPy would wrap negatives and CuPy all of them
-            raise IndexError(f"embedding: id {low if low < 0 else high} is out of range for {weight.shape[0]} rows")
         self.ids, self.num_rows = ids, weight.shape[0]
         return xp.take(weight, ids, axis=0)  # (...) -> (..., D)
 
@@ -330,6 +324,7 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean"):
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    check_host_range(targets, logits.shape[-1], "cross_entropy", "target", "classes", ignore=ignore_index)
     targets = integer_array(targets, getattr(logits, "data", logits), "cross_entropy", "targets")
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"cross_entropy: logits of shape {logits.shape} need targets of shape "
@@ -338,7 +333,11 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean"):
 
 
 def embedding(weight, ids):
-    """Rows of ``weight`` (V, D) picked by integer ``ids`` (...): shape (..., D)."""
+    """Rows of ``weight`` (V, D) picked by integer ``ids`` (...): shape (..., D).
+
+    Ids on the host are checked against the rows (``check_host_range``).
+    """
+    check_host_range(ids, weight.shape[0], "embedding", "id", "rows")
     return Embedding.apply(weight, ids=integer_array(ids, getattr(weight, "data", weight), "embedding", "ids"))
 
 

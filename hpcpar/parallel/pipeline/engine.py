@@ -35,7 +35,6 @@ from ... import defaults
 from ...autograd import Tensor, no_grad
 from ...autograd.deferred import deferred_weight_grads
 from ...backend import get_array_module
-from ...dist.comm import Communicator
 from ...dist.trace import Tracer
 from ...nn.dropout_keys import offset_dropout_key
 from ...state import ParameterHolder
@@ -132,7 +131,7 @@ class PipelineParallel(ParameterHolder):
             sub = self.comm.mpi.Split(0 if member else MPI.UNDEFINED, self.ctx.pp_rank)
             if member:
                 params = sorted((mine[i] for i in groups[ranks]), key=lambda p: names[id(p)])
-                comm = Communicator(sub, "pp-tied", cuda_aware=self.ctx.cuda_aware, wait_policy=self.ctx.wait_policy)
+                comm = self.comm.like(sub, "pp-tied")  # the pp communicator's kind: MPI or NCCL
                 tied.append((comm, ranks, params))
         return tied
 
@@ -173,8 +172,9 @@ class PipelineParallel(ParameterHolder):
         return array.astype(dtype, copy=False)
 
     # ----- one training step --------------------------------------------------------
-    def train_step(self, inputs, targets) -> float:
-        """Forward and backward of the whole batch through the pipeline; returns the mean loss.
+    def train_step(self, inputs, targets):
+        """Forward and backward of the whole batch through the pipeline; returns the mean loss, a
+        0-d array on the device (the same on every pipeline rank).
 
         ``inputs`` matter on the first stage and ``targets`` on the last (others may pass None).
         Gradients are left in the parameters (summed over micro-batches, averaged over dp).
@@ -255,7 +255,7 @@ class PipelineParallel(ParameterHolder):
                 out = layer(out)
         if s == self.num_virtual - 1:
             out = self.loss_fn(out, self._targets[i]) * (1.0 / self.m)
-            self._loss += out.item()
+            self._loss = self._loss + out.data.astype(np.float64)  # stays on the device
         elif self._rank_of(s + 1) == self.ctx.pp_rank:
             self._handover[("F", i, s + 1)] = out
         self._saved[(i, s)] = (x, out)
@@ -302,10 +302,13 @@ class PipelineParallel(ParameterHolder):
                 p.grad = p.xp.zeros_like(p.data) if p.grad is None else p.xp.ascontiguousarray(p.grad)
                 comm.allreduce(p.grad, "sum", out=p.grad)
 
-    def _share_loss(self) -> float:
-        """The last stage's loss, on every pipeline rank."""
-        value = np.array([self._loss if self.ctx.is_last_stage else 0.0])
-        return float(self.ctx.pp.allreduce(value, "sum")[0]) if self.p > 1 else float(value[0])
+    def _share_loss(self):
+        """The last stage's loss on every pipeline rank: a 0-d array on the device (all-reduced over
+        pp, a one-element buffer, when there are several stages)."""
+        value = self._xp().zeros(1, dtype=np.float64)
+        if self.ctx.is_last_stage:
+            value += self._loss
+        return (self.ctx.pp.allreduce(value, "sum") if self.p > 1 else value)[0]
 
     # ----- inference ------------------------------------------------------------------
     def infer(self, batches):

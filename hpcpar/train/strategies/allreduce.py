@@ -30,7 +30,7 @@ class AllReduce(SynchronousStrategy):
     def named_parameters(self) -> list:
         return list(self.model.named_parameters())
 
-    def train_step(self, inputs, targets) -> float:
+    def train_step(self, inputs, targets):
         start = time.perf_counter()
         comm_before = self.ctx.tp.stats.total_seconds + (self.ddp.sync_seconds if self.ddp else 0.0)
         loss = accumulate_gradients(self.model, inputs, targets, self.job.parallel.micro_batches,

@@ -5,7 +5,7 @@ A strategy owns, for one way of agreeing:
 - building what runs a step from the job: the engine (DDP, the pipeline, a parameter server,
   local SGD), the optimizer, mixed precision;
 - ``train_step(inputs, targets) -> loss``: forward, backward and the gradient exchange of one
-  step on this dp replica's rows of the global batch;
+  step on this dp replica's rows of the global batch (the loss stays on the device: a 0-d array);
 - ``finish_step(max_norm, loss) -> taken``: clipping, the optimizer step (under fp16/bf16
   skipped everywhere when the loss or a gradient is not finite on any rank), clearing the
   gradients;
@@ -25,6 +25,8 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 
+import numpy as np
+
 from ... import checkpoint
 from ...nn.dropout_keys import offset_dropout_key
 from ..config import JobError
@@ -37,8 +39,9 @@ def split_rows(batch, parts: int) -> list:
 
 
 def accumulate_gradients(model, inputs, targets, micro_batches: int, backward, no_sync=None,
-                         trace=NO_TRACE) -> float:
-    """Forward and backward of ``micro_batches`` slices of the rows, gradients summed; the mean loss.
+                         trace=NO_TRACE):
+    """Forward and backward of ``micro_batches`` slices of the rows, gradients summed; the mean
+    loss, a 0-d float64 array on the model's device (added there: no device-to-host copy per step).
 
     ``no_sync()`` (DDP's) wraps every backward but the last, so the all-reduce runs once.
     ``trace`` records a forward and a backward span per slice.
@@ -54,7 +57,7 @@ def accumulate_gradients(model, inputs, targets, micro_batches: int, backward, n
                     backward(loss)
             else:
                 backward(loss)
-        total += loss.item()
+        total = total + loss.data.astype(np.float64)
     return total
 
 
@@ -77,18 +80,19 @@ class Strategy(ABC):
         """What a learning-rate schedule drives (it reads and sets ``lr``)."""
 
     @abstractmethod
-    def train_step(self, inputs, targets) -> float:
-        """Forward, backward and the gradient exchange; returns this replica's mean loss."""
+    def train_step(self, inputs, targets):
+        """Forward, backward and the gradient exchange; returns this replica's mean loss as a 0-d
+        array on the device (``float(to_host(loss))`` reads it: the loop does at log steps only)."""
 
     @abstractmethod
-    def finish_step(self, max_norm: float, loss: float) -> bool:
+    def finish_step(self, max_norm: float, loss) -> bool:
         """Clip (``max_norm`` > 0), step, clear the gradients; False when the step was skipped.
 
         ``loss``: what ``train_step`` returned. Under mixed precision a non-finite loss or
         gradient on any rank skips the step everywhere; full precision takes every step.
         """
 
-    def local_train_step(self, inputs, targets, backward) -> float:
+    def local_train_step(self, inputs, targets, backward):
         """Forward and backward with no gradient exchange (the exchange is the step's finish)."""
         start = time.perf_counter()
         loss = accumulate_gradients(self.model, inputs, targets, self.job.parallel.micro_batches, backward,

@@ -27,7 +27,7 @@ class Pipeline(SynchronousStrategy):
     def named_parameters(self) -> list:
         return self.pipe.named_parameters()
 
-    def train_step(self, inputs, targets) -> float:
+    def train_step(self, inputs, targets):
         tp_before = self.ctx.tp.stats.total_seconds
         loss = self.pipe.train_step(inputs, targets)
         self.trace.add_actions(self.pipe.trace)  # F, B, W, sends and receives, as the schedule ran them

@@ -43,7 +43,7 @@ class ParameterServerStrategy(Strategy):
     def named_parameters(self) -> list:
         return list(self.model.named_parameters())
 
-    def train_step(self, inputs, targets) -> float:
+    def train_step(self, inputs, targets):
         return self.local_train_step(inputs, targets, self.ps.backward)
 
     def finish_step(self, max_norm: float, loss: float) -> bool:

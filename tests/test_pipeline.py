@@ -123,6 +123,10 @@ BUBBLE_BATCH, BUBBLE_STEPS = 16, 5
 # The measured bubble must be within this factor of the prediction, either way. Measured at 2 ranks
 # on 2 cores (other jobs running): 1.1-1.5x the prediction for gpipe, 1f1b, interleaved and zb1.
 BUBBLE_FACTOR = 2.0
+# Another process taking a core for a moment stretches one measurement (seen once: zb1 at 2.3x
+# under load 5); a regression stretches every one. The check passes on the first of these
+# attempts that is within the factor.
+BUBBLE_ATTEMPTS = 3
 
 
 def one_core_per_stage(world) -> None:
@@ -154,9 +158,13 @@ def step_bubble(pipe, ctx, ids, targets) -> tuple[float, float]:
     return measured, predicted
 
 
+def within_bubble_factor(measured: float, predicted: float) -> bool:
+    return predicted / BUBBLE_FACTOR <= measured <= predicted * BUBBLE_FACTOR
+
+
 def check_bubble(measured: float, predicted: float) -> None:
     """Within BUBBLE_FACTOR of the prediction, either way."""
-    assert predicted / BUBBLE_FACTOR <= measured <= predicted * BUBBLE_FACTOR, \
+    assert within_bubble_factor(measured, predicted), \
         f"measured bubble {measured:.3f}, the simulator predicts {predicted:.3f} for these action times"
 
 
@@ -197,7 +205,10 @@ def measured_bubbles(world, schedule, chunks, plant=None) -> tuple[float, float]
 @pytest.mark.parametrize("schedule, chunks", CASES)
 def test_measured_bubble_is_what_the_simulator_predicts(world, schedule, chunks):
     one_core_per_stage(world)
-    measured, predicted = measured_bubbles(world, schedule, chunks)
+    for _ in range(BUBBLE_ATTEMPTS):  # rank 0's verdict for all, so every rank measures as often
+        measured, predicted = measured_bubbles(world, schedule, chunks)
+        if world.bcast(within_bubble_factor(measured, predicted), root=0):
+            break
     if world.Get_rank() == 0:
         print(f"\n{schedule} p={world.Get_size()}: measured bubble {measured:.3f}, predicted {predicted:.3f}")
     check_bubble(measured, predicted)

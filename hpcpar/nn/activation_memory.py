@@ -108,5 +108,5 @@ def head_kept_bytes(batch: int, seq: int, n_embd: int, vocab_size: int, *, dtype
     if sp:
         kept += n * h * e  # the gathered LayerNorm output, the logits' input
     kept += n * vocab_size / tp * (e + f)  # logits and the loss's softmax
-    kept += n * (8 + 8 + 1) + 8 if tp == 1 else n * (1 + 8 + 1)  # target rows and masks
+    kept += (n * (8 + 8 + 1) if tp == 1 else n * (1 + 8 + 1)) + 8  # target rows, masks, the count (0-d int64)
     return kept

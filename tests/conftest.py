@@ -40,15 +40,19 @@ def venv_bin(name: str) -> str:
     return candidate if os.path.exists(candidate) else name
 
 
+def prepared_tokens(path: str, max_mb: float) -> str:
+    """``path`` made by `hpcpar data prepare` from ``max_mb`` MB of the standard library."""
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "hpcpar", "data", "prepare", "--out", path, "--max-mb", str(max_mb)],
+                   check=True, capture_output=True, timeout=120)
+    return path
+
+
 @pytest.fixture(scope="session")
 def token_file(tmp_path_factory):
     """A small token file of `hpcpar data prepare` (1 MB of the standard library), shared by the job tests."""
-    import subprocess
-
-    path = str(tmp_path_factory.mktemp("data") / "stdlib.h5")
-    subprocess.run([sys.executable, "-m", "hpcpar", "data", "prepare", "--out", path, "--max-mb", "1"], check=True,
-                   capture_output=True, timeout=120)
-    return path
+    return prepared_tokens(str(tmp_path_factory.mktemp("data") / "stdlib.h5"), 1)
 
 
 def final_parameters(ckpt_root: str) -> dict:

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import final_parameters, venv_bin
+from conftest import final_parameters, prepared_tokens, venv_bin
 from hpcpar.checkpoint.cli import check
 from hpcpar.checkpoint.manifest import latest_step, list_steps, step_dirname
 
@@ -46,10 +46,7 @@ def job(tmp_path):
 @pytest.fixture(scope="module")
 def other_token_file(tmp_path_factory):
     """A second, different token file (half a MiB of the standard library)."""
-    path = str(tmp_path_factory.mktemp("other") / "other.h5")
-    subprocess.run([sys.executable, "-m", "hpcpar", "data", "prepare", "--out", path, "--max-mb", "0.5"], check=True,
-                   capture_output=True, timeout=120)
-    return path
+    return prepared_tokens(str(tmp_path_factory.mktemp("other") / "other.h5"), 0.5)
 
 
 def train(job, folder, data, *args, ranks=1, timeout=180, launcher=None, cwd=None):

@@ -17,7 +17,7 @@ steps after two warm-up steps (the slowest rank decides a step):
 - parameter + optimizer-state memory per rank, and the peak of NumPy allocations during a
   step (activations and workspace, from tracemalloc on one extra step);
 - bytes sent per step on the network (all ranks, all communicators), as ring algorithms
-  would send them (``hpcpar.dist.comm.ring_wire_bytes``).
+  would send them (``hpcpar.dist.stats.ring_wire_bytes``).
 
 The header states the CPUs the ranks may use (their affinity masks, capped by the cgroup's
 CPU quota) and the BLAS threads per rank; when ranks x threads on a node exceed its usable

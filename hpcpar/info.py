@@ -7,7 +7,7 @@ import warnings
 from mpi4py import MPI
 
 from . import backend
-from .dist.comm import device_nonblocking_supported, library_version, query_cuda_aware
+from .dist.device_transport import device_nonblocking_supported, library_version, query_cuda_aware
 from .dist.context import LayoutError, init, resolve_layout
 from .dist.nccl import BACKENDS, choose_backend, describe_backend, nccl_available
 from .dist.failfast import UsageError

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from hpcpar import guard
-from hpcpar.dist import Communicator, comm as comm_module
-from hpcpar.dist.comm import DEVICE_NONBLOCKING, device_nonblocking_supported, library_version
+from hpcpar.dist import Communicator, device_transport
+from hpcpar.dist.device_transport import DEVICE_NONBLOCKING, device_nonblocking_supported, library_version
 
 xp = guard.xp
 mpi = pytest.mark.mpi(min_size=1)
@@ -99,7 +99,7 @@ def test_mpi_reads_device_memory_only_after_every_stream_that_wrote_it(world, mo
     side.synchronize()
     np.testing.assert_allclose(guard.asnumpy(y), sum(rank_data(k) * 3 for k in range(comm.size)), rtol=1e-14)
     # planted: synchronizing only the current stream (the old behaviour) lets MPI read z early
-    monkeypatch.setattr(comm_module, "synchronize", lambda a=None: guard.get_current_stream().synchronize())
+    monkeypatch.setattr(device_transport, "synchronize", lambda a=None: guard.get_current_stream().synchronize())
     with side:
         z = x * 4
     with pytest.raises((guard.StreamOrderError, TypeError)):  # mpi4py reports the refused interface as TypeError

@@ -73,10 +73,10 @@ LAYOUTS = {
 # What a communication call copies when it stages a device buffer: (out of the device, into it).
 STAGING = {"allreduce": (1, 1), "iallreduce": (1, 1), "reduce_scatter": (1, 1), "allgather": (1, 1),
            "send": (1, 0), "isend": (1, 0), "recv": (0, 1), "irecv": (0, 1)}
-# Where each documented copy is made: (file, function) asking for it; the staging anywhere in comm.py.
+# Where each documented copy is made: (file, function) asking for it; the staging anywhere in device_transport.py.
 SITES = {("autograd/ops/_common.py", "integer_array"): "batch", ("autograd/tensor.py", "constant"): "batch",
          ("optim/clip.py", "clip_arrays"): "norm", ("parallel/zero.py", "_counted_squares"): "norm",
-         ("train/loop.py", "report_step"): "loss", ("dist/comm.py", None): "staging",
+         ("train/loop.py", "report_step"): "loss", ("dist/device_transport.py", None): "staging",
          ("parallel/compression.py", "_compress_matrix"): "powersgd start", ("optim/amp.py", "all_finite"): "finite",
          ("nn/layers.py", "forward"): "dropout"}
 

@@ -90,7 +90,7 @@ def _gpu_name(cupy) -> str:
 def mpi_facts() -> dict:
     from mpi4py import MPI
 
-    from ..dist.comm import device_nonblocking_supported, library_version, query_cuda_aware
+    from ..dist.device_transport import device_nonblocking_supported, library_version, query_cuda_aware
 
     name, version = library_version()
     return {"library": MPI.Get_library_version().splitlines()[0].strip(), "name": name,

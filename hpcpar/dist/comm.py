@@ -5,101 +5,33 @@ CuPy buffers go straight to MPI when the MPI library is CUDA-aware (after a devi
 synchronize, since MPI reads device memory outside CuPy's stream order; in blocking
 collectives unless the library is known to take device buffers in non-blocking ones:
 ``DEVICE_NONBLOCKING``) and are staged through reused host buffers otherwise
-(``HostStaging``); ``hpcpar.dist.nccl`` has the same API over NCCL. Calls that move pickled
+(``HostStaging``; both in ``device_transport.py``); ``hpcpar.dist.nccl`` has the same API over NCCL. Calls that move pickled
 Python objects have their own names (``*_object``) so they are never mistaken for the array path.
 
-Every call adds to ``comm.stats`` (calls, the bytes it was given, the bytes this rank sends on
+Every call adds to ``comm.stats`` (``stats.py``: calls, the bytes it was given, the bytes this rank sends on
 the wire under ring algorithms, seconds), so the layers above can report a communication share
 and the traffic, and tests can assert exact counts.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 import pickle
-import re
 import time
-from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import host
-from ..backend import copy_to_device, copy_to_host, get_array_module, is_gpu_array, pinned_empty, synchronize
+from ..backend import get_array_module, is_gpu_array
 from . import debug
+from .device_transport import (HostStaging, _is_bfloat16, _require_contiguous, _Staged, device_nonblocking_supported,
+                               query_cuda_aware)
+from .stats import CommStats, ring_wire_bytes
 from .waiting import polite_pause, wait_politely
 from .watchdog import StallWatchdog, Waiting
 
 REDUCE_OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 WAIT_POLICIES = ("spin", "yield")
-
-
-# ----------------------------------------------------------------------------------------
-# Facts about the MPI library
-# ----------------------------------------------------------------------------------------
-def query_cuda_aware() -> bool:
-    """Whether MPI accepts device pointers: ``HPCPAR_CUDA_AWARE=0|1`` or the library's own answer.
-
-    mpi4py does not wrap ``MPIX_Query_cuda_support``, so it is called through ctypes on
-    the already loaded libmpi (reached through mpi4py's extension module). Unknown means no:
-    staging through host memory is always correct, only slower.
-    """
-    override = os.environ.get("HPCPAR_CUDA_AWARE")
-    if override is not None:
-        if override not in ("0", "1"):
-            raise ValueError(f"HPCPAR_CUDA_AWARE must be 0 or 1, got {override!r}")
-        return override == "1"
-    try:
-        query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
-    except (OSError, AttributeError):
-        return False
-    query.restype = ctypes.c_int
-    return bool(query())
-
-
-# Whether a CUDA-aware MPI takes device buffers in NON-BLOCKING collectives, by library and
-# version: (library name as MPI_Get_library_version starts, first version, last version or None,
-# verdict). What is not listed counts as no: a blocking collective is always correct, a
-# non-blocking one on device memory where the library does not support it reads garbage.
-DEVICE_NONBLOCKING = (
-    # Open MPI's FAQ for v4.x and earlier (open-mpi.org/faq/?category=runcuda): device pointers
-    # work in send/receive and blocking collectives, not in non-blocking collectives.
-    ("Open MPI", (1, 7), (4, 99), False),
-    # Open MPI 5's coll/cuda component stages reductions on GPU buffers for the blocking calls;
-    # its documentation promises nothing for the non-blocking ones.
-    ("Open MPI", (5, 0), None, False),
-    # MPICH 4's GPU support (yaksa) moves and reduces device buffers in every communication
-    # call through one datatype engine, non-blocking collectives included.
-    ("MPICH", (4, 0), None, True),
-)
-
-
-def library_version(text: str | None = None) -> tuple[str, tuple[int, ...]]:
-    """(library, version) from MPI_Get_library_version's ``text``: ("MPICH", (4, 2, 0)), ("Open MPI", (4, 1, 5))."""
-    text = MPI.Get_library_version() if text is None else text
-    for name in ("Open MPI", "CRAY MPICH", "MVAPICH", "MPICH", "Intel(R) MPI"):  # Cray's MPICH numbers its own versions
-        if name in text:
-            match = re.search(r"(\d+(?:\.\d+)+)", text[text.index(name):])
-            return name, tuple(int(p) for p in match.group(1).split(".")) if match else ()
-    return text.split()[0] if text.split() else "unknown", ()
-
-
-def device_nonblocking_supported(library: str | None = None, version: tuple | None = None) -> bool:
-    """Whether non-blocking collectives may take device buffers: ``HPCPAR_DEVICE_NONBLOCKING=0|1``,
-    else ``DEVICE_NONBLOCKING`` for this library and version (unknown: no)."""
-    override = os.environ.get("HPCPAR_DEVICE_NONBLOCKING")
-    if override not in (None, ""):
-        if override not in ("0", "1"):
-            raise ValueError(f"HPCPAR_DEVICE_NONBLOCKING must be 0 or 1, got {override!r}")
-        return override == "1"
-    if library is None:
-        library, version = library_version()
-    for name, first, last, verdict in DEVICE_NONBLOCKING:
-        if library == name and tuple(version[:len(first)]) >= first and (last is None or tuple(version[:2]) <= last):
-            return verdict
-    return False
 
 
 def default_wait_policy(node_size: int, cpus: int | None = None) -> str:
@@ -116,249 +48,6 @@ def default_wait_policy(node_size: int, cpus: int | None = None) -> str:
             raise ValueError(f"HPCPAR_WAIT must be one of {WAIT_POLICIES}, got {policy!r}")
         return policy
     return "yield" if node_size > (host.usable_cpus() if cpus is None else cpus) else "spin"
-
-
-# ----------------------------------------------------------------------------------------
-# Counters
-# ----------------------------------------------------------------------------------------
-# Every operation a Communicator records, and the families a name stands for in the queries:
-# ``calls("allreduce")`` counts blocking and non-blocking all-reduces, ``calls("iallreduce")``
-# the non-blocking ones alone.
-OPS = ("barrier", "allreduce", "iallreduce", "reduce_scatter", "allgather", "broadcast",
-       "send", "isend", "recv", "irecv", "bcast_object", "allgather_object", "gather_object",
-       "allreduce_object", "send_object", "recv_object")
-FAMILIES = {"allreduce": ("allreduce", "iallreduce"), "send": ("send", "isend"), "recv": ("recv", "irecv")}
-
-
-def ring_wire_bytes(op: str, nbytes: int, size: int) -> int:
-    """Bytes one rank sends over the network for ``op`` given ``nbytes``, under ring algorithms.
-
-    With n = ``size`` ranks and B the bytes the call was given on this rank:
-
-    - all-reduce (B = the whole buffer): reduce-scatter then all-gather, 2(n-1)/n x B;
-    - reduce-scatter (B = the whole input): (n-1)/n x B; all-gather (B = this rank's piece,
-      n x B the result): (n-1) x B, that is (n-1)/n of the full size;
-    - broadcast (B = the buffer): pipelined along a chain, (n-1)/n x B per rank on average;
-    - send: B; receive: 0 (counted on the sender); barrier: 0;
-    - pickled objects as their array counterparts, with B their pickled size (a gather's
-      root receives, the others send B).
-
-    Rounded down to whole bytes; 0 when n = 1. A model of the traffic, not a measurement:
-    MPI libraries pick other algorithms for small messages (recursive doubling, trees).
-    """
-    n = size
-    if n <= 1 or op in ("barrier", "recv", "irecv", "recv_object"):
-        return 0
-    if op in ("allreduce", "iallreduce", "allreduce_object"):
-        return 2 * (n - 1) * nbytes // n
-    if op in ("reduce_scatter", "broadcast", "bcast_object"):
-        return (n - 1) * nbytes // n
-    if op in ("allgather", "allgather_object"):
-        return (n - 1) * nbytes
-    return nbytes  # send, isend, send_object, gather_object (a non-root rank's contribution)
-
-
-@dataclass
-class CallRecord:
-    """One finished call (or the wait of a non-blocking one), as a listener of CommStats hears it."""
-
-    comm: str  # the communicator's name: world, dp, pp, tp, ...
-    op: str
-    start: float  # time.perf_counter() of this rank
-    end: float
-    nbytes: int  # given to the call
-    wire_bytes: int  # sent by this rank under ring algorithms (0 for a wait)
-    peer: int = -1  # point-to-point: the other rank, in this communicator
-    tag: int = -1
-    wait: bool = False  # the wait that completed a non-blocking call
-
-
-@dataclass
-class OpCount:
-    calls: int = 0
-    bytes: int = 0  # what the calls were given on this rank
-    wire_bytes: int = 0  # what this rank sends on the network under ring algorithms (ring_wire_bytes)
-    seconds: float = 0.0
-
-
-@dataclass
-class CommStats:
-    """Per-operation counters of one communicator of ``size`` ranks.
-
-    ``bytes(op)`` is what the calls were given on this rank (the buffer of an all-reduce, this
-    rank's piece of an all-gather); ``wire_bytes(op)`` is what this rank sends on the network for
-    them under ring algorithms (``ring_wire_bytes``). Queries take an operation of ``OPS`` or a
-    family of ``FAMILIES``; any other name raises ValueError listing the known ones.
-    """
-
-    size: int = 1
-    name: str = ""
-    ops: dict = field(default_factory=dict)
-    listener: Callable[[CallRecord], None] | None = None  # hears every call: a trace (hpcpar.dist.trace)
-
-    def add(self, op: str, nbytes: int, seconds: float, wire: int | None = None, peer: int = -1,
-            tag: int = -1, start: float | None = None) -> None:
-        """One call of ``seconds``; ``start`` (its ``time.perf_counter()`` at the start) places it
-        in a listener's timeline, which would otherwise end it now."""
-        count = self.ops.setdefault(op, OpCount())
-        wire = ring_wire_bytes(op, int(nbytes), self.size) if wire is None else int(wire)
-        count.calls += 1
-        count.bytes += int(nbytes)
-        count.wire_bytes += wire
-        count.seconds += seconds
-        if self.listener is not None:
-            begin = time.perf_counter() - seconds if start is None else start
-            self.listener(CallRecord(self.name, op, begin, begin + seconds, int(nbytes), wire, peer, tag))
-
-    def add_seconds(self, op: str, seconds: float, peer: int = -1, tag: int = -1, nbytes: int = 0,
-                    start: float | None = None) -> None:
-        """The time a non-blocking call spent in its wait (``start`` as for ``add``)."""
-        self.ops.setdefault(op, OpCount()).seconds += seconds
-        if self.listener is not None:
-            begin = time.perf_counter() - seconds if start is None else start
-            self.listener(CallRecord(self.name, op, begin, begin + seconds, nbytes, 0, peer, tag, wait=True))
-
-    def _counts(self, op: str) -> list[OpCount]:
-        names = FAMILIES.get(op, (op,))
-        if op not in FAMILIES and op not in OPS and op not in self.ops:
-            known = ", ".join(sorted(set(OPS) | set(self.ops)))
-            raise ValueError(f"unknown communication op {op!r}; known: {known}")
-        return [self.ops[name] for name in names if name in self.ops]
-
-    def calls(self, op: str) -> int:
-        return sum(c.calls for c in self._counts(op))
-
-    def bytes(self, op: str) -> int:
-        return sum(c.bytes for c in self._counts(op))
-
-    def wire_bytes(self, op: str) -> int:
-        return sum(c.wire_bytes for c in self._counts(op))
-
-    def seconds(self, op: str) -> float:
-        return sum(c.seconds for c in self._counts(op))
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(c.seconds for c in self.ops.values())
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(c.bytes for c in self.ops.values())
-
-    @property
-    def total_wire_bytes(self) -> int:
-        return sum(c.wire_bytes for c in self.ops.values())
-
-    def reset(self) -> None:
-        self.ops.clear()
-
-    def as_dict(self) -> dict:
-        return {op: vars(c).copy() for op, c in sorted(self.ops.items())}
-
-
-# ----------------------------------------------------------------------------------------
-# Buffers: contiguity and host staging
-# ----------------------------------------------------------------------------------------
-def _require_contiguous(array, what: str) -> None:
-    if not array.flags.c_contiguous:
-        raise ValueError(
-            f"{what}: the buffer must be C-contiguous (shape {array.shape}, strides {array.strides}); "
-            "pass xp.ascontiguousarray(x) and read the result from the returned array")
-
-
-@functools.lru_cache(maxsize=None)
-def _is_bfloat16(dtype) -> bool:
-    """bfloat16 (ml_dtypes on CPUs) has no MPI datatype: it moves as 16-bit words, reduces in float32.
-
-    Cached: NumPy computes ``dtype.name`` anew each time, ~3 us, more than a small all-reduce.
-    """
-    return np.dtype(dtype).name == "bfloat16"
-
-
-class HostStaging:
-    """Host buffers for staging device buffers through an MPI that is not CUDA-aware, reused.
-
-    A call takes a buffer at least as large as it needs from the free ones (the smallest that
-    fits) and gives it back when it finishes; only when none fits is one allocated (pinned
-    when CuPy is there: ``backend.pinned_empty``), rounded up to a power of two so that
-    buckets of about the same size share buffers. Non-blocking calls in flight hold theirs,
-    so DDP's overlapping buckets never share one. ``allocations``, ``reuses`` and
-    ``bytes_allocated`` count what happened (the tests check that a second step allocates
-    nothing).
-    """
-
-    def __init__(self):
-        self._free: list[np.ndarray] = []
-        self.allocations = 0
-        self.reuses = 0
-        self.bytes_allocated = 0
-
-    def acquire(self, nbytes: int) -> np.ndarray:
-        fitting = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
-        if fitting:
-            self.reuses += 1
-            return self._free.pop(min(fitting, key=lambda i: self._free[i].nbytes))
-        size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())
-        self.allocations += 1
-        self.bytes_allocated += size
-        return pinned_empty(size)
-
-    def release(self, buffer: np.ndarray) -> None:
-        self._free.append(buffer)
-
-
-class _Staged:
-    """The buffer MPI actually touches for ``array``: the array itself, or a host copy.
-
-    ``device`` is where results go back to on the GPU when staged; ``buffer`` is what MPI is
-    handed (bfloat16 as raw 16-bit words: only data-movement calls see it, reductions of
-    bfloat16 go through float32 in the Communicator). A staged buffer comes from the
-    communicator's ``HostStaging`` and goes back to it in ``finish``, which every user calls
-    once the call is complete (``copy_out=False``: a send buffer, nothing comes back).
-
-    Before MPI or the staging copy reads device memory the whole device is synchronized, not
-    only the current stream: CuPy arrays do not remember the stream that wrote them, so an
-    event on "the producing stream" could only be recorded on the current one, and buffers
-    here are also written on other streams (an NCCL communicator's stream when a pipeline's
-    tied-weights or a parameter server's MPI communicator shares a buffer with it, a user's
-    ``cupy.cuda.Stream``). hpcpar computes on one stream, so the device sync waits for the
-    same work a stream sync would; it only costs more where other streams are busy, and
-    those are exactly the cases a stream sync gets wrong.
-    """
-
-    def __init__(self, array, comm: "Communicator", copy_in: bool = True, copy_out: bool = True):
-        self.device = array if is_gpu_array(array) else None
-        self._pool, self._raw, self._copy_out = None, None, copy_out
-        if self.device is None:
-            self.host = array
-            return
-        synchronize(array)
-        if comm.cuda_aware:
-            self.host = array
-            return
-        self._pool = comm.staging
-        self._raw = self._pool.acquire(array.nbytes)
-        self.host = self._raw[:array.nbytes].view(array.dtype).reshape(array.shape)
-        if copy_in:
-            copy_to_host(array, self.host)
-
-    @property
-    def staged(self) -> bool:
-        return self._raw is not None
-
-    @property
-    def buffer(self):
-        return self.host.view(np.uint16) if _is_bfloat16(self.host.dtype) else self.host
-
-    def finish(self):
-        """Copy a staged result back to the device buffer, free the host buffer; return the user-visible array."""
-        if self._raw is not None:
-            if self._copy_out:
-                copy_to_device(self.host, self.device)
-            self._pool.release(self._raw)
-            self._raw = None
-            self.host = self.device
-        return self.host if self.device is None else self.device
 
 
 # ----------------------------------------------------------------------------------------

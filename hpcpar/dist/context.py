@@ -27,7 +27,8 @@ from .. import backend as arrays, host, log
 from . import nccl, nodes
 from . import topology as _topology
 from .shm import MIN_BYTES, ShmCollectives, shm_setting
-from .comm import Communicator, default_wait_policy, query_cuda_aware
+from .comm import Communicator, default_wait_policy
+from .device_transport import query_cuda_aware
 
 
 logger = log.get_logger(__name__)
@@ -177,7 +178,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
     ``backend`` ("auto", "mpi", "nccl": ``hpcpar.dist.nccl.choose_backend``) picks what moves
     device buffers on the dp, pp and tp communicators (world and node stay on MPI);
     ``device_nonblocking`` overrides the table of MPI libraries that take device buffers in
-    non-blocking collectives (``hpcpar.dist.comm.DEVICE_NONBLOCKING``); ``runtime``: the
+    non-blocking collectives (``hpcpar.dist.device_transport.DEVICE_NONBLOCKING``); ``runtime``: the
     NCCL runtime (default CuPy's; tests pass a double). Rank 0 logs which device it uses and why.
     """
     world_mpi = comm if comm is not None else MPI.COMM_WORLD

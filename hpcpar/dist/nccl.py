@@ -49,7 +49,8 @@ import numpy as np
 
 from .. import backend
 from . import debug
-from .comm import Communicator, Handle, Waiting, _into, _reduce_op, _require_contiguous, check_allreduce_args
+from .comm import Communicator, Handle, Waiting, _into, _reduce_op, check_allreduce_args
+from .device_transport import _require_contiguous
 
 BACKENDS = ("auto", "mpi", "nccl")
 

@@ -60,7 +60,8 @@ from mpi4py import MPI
 
 from ..backend import is_gpu_array
 from . import debug
-from .comm import REDUCE_OPS, CommStats, Handle, check_allreduce_args
+from .comm import REDUCE_OPS, Handle, check_allreduce_args
+from .stats import CommStats
 from .waiting import polite_pause
 from .shm_reduce import chunks, combine, slices, temporaries
 from .shm_windows import SharedWindows, ShmUnavailable

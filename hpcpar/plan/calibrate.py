@@ -162,7 +162,8 @@ def measure_collectives(world, sizes=SIZES, repeats: int = 5) -> dict:
     """{(op, ranks): Link} for every group size 2..world size (collective over ``world``)."""
     from mpi4py import MPI
 
-    from ..dist.comm import Communicator, ring_wire_bytes
+    from ..dist.comm import Communicator
+    from ..dist.stats import ring_wire_bytes
     from ..dist.context import init
 
     waiting = Communicator(world, "world", wait_policy="yield")  # ranks outside a group must not spin

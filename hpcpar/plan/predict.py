@@ -27,7 +27,7 @@ import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..dist.comm import ring_wire_bytes
+from ..dist.stats import ring_wire_bytes
 from ..parallel.pipeline.partition import counts_to_bounds, min_max_bounds, uniform_bounds
 from ..parallel.pipeline.schedules import make_schedule, peak_activations, simulate
 from .machine import Machine

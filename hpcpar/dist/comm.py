@@ -5,11 +5,12 @@ CuPy buffers go straight to MPI when the MPI library is CUDA-aware (after a devi
 synchronize, since MPI reads device memory outside CuPy's stream order; in blocking
 collectives unless the library is known to take device buffers in non-blocking ones:
 ``DEVICE_NONBLOCKING``) and are staged through reused host buffers otherwise
-(``HostStaging``; both in ``device_transport.py``); ``hpcpar.dist.nccl`` has the same API over NCCL. Calls that move pickled
-Python objects have their own names (``*_object``) so they are never mistaken for the array path.
+(``HostStaging``; both in ``device_transport.py``); ``hpcpar.dist.nccl`` has the same API
+over NCCL. Calls that move pickled Python objects have their own names (``*_object``) so they
+are never mistaken for the array path.
 
-Every call adds to ``comm.stats`` (``stats.py``: calls, the bytes it was given, the bytes this rank sends on
-the wire under ring algorithms, seconds), so the layers above can report a communication share
+Every call adds to ``comm.stats`` (``stats.py``: calls, the bytes it was given, the bytes this
+rank sends on the wire under ring algorithms, seconds), so the layers above can report a communication share
 and the traffic, and tests can assert exact counts.
 """
 from __future__ import annotations

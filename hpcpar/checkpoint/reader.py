@@ -20,13 +20,17 @@ optimizer and every ``extra`` (scaler, data position, random streams) exactly as
 
 Tensors are read without HDF5: a piece is a byte range of its shard's flat dataset (offsets
 in the manifest). A piece that is exactly what a read wants, into a destination that offers
-itself (``Read.target``: a parameter, an optimizer's current state), is read straight into
-it at step 3, after its MiBs were checked (from the page cache, into one reused buffer): no
-new memory, no copy. Any other piece is read into an array of its own at step 2 (pieces
-that lie end to end in one request) and checked from there; a rank that now holds part of
-a piece (another layout) copies its part out. ``index.h5`` stays the global view for other
-readers. Checkpoints of format 1 (a dataset per piece) load through h5py. (A file that
-changes or fails between its check and step 3 is reported as damage after the load began.)
+itself (``Read.target``: a parameter, an optimizer's current state), is copied straight into
+it at step 3 from the file's pages, mapped (the page cache's own pages, nothing read twice),
+whose MiBs were checked at step 2 in the same mapping: no new memory, one copy (native, with
+streaming stores; ``fastcopy``). Any other piece is read into an array of its own at step 2
+(pieces that lie end to end in one request) and checked from there; a rank that now holds
+part of a piece (another layout) copies its part out. The chunks are checked last file and
+last MiB first, so that the copy, which goes first to last, finds the bytes checked last
+still in the cache. ``index.h5`` stays the global view for other readers. Checkpoints of
+format 1 (a dataset per piece) load through h5py. (A file that changes between its check and
+step 3 is reported as damage after the load began, or, cut short while being copied, ends
+the process with SIGBUS.)
 """
 from __future__ import annotations
 
@@ -239,14 +243,20 @@ class RawSource:
                 values[tuple(slice(a - p, b - p) for (a, b), (p, _) in zip(both, piece["slab"]))]
         return out if out is not None else np.empty(tuple(b - a for a, b in slab), dtype=dtype)
 
-    def fill_targets(self) -> None:
+    def fill_targets(self) -> list[str]:
         """Copy the direct pieces into their destinations, in file order (after the load committed:
-        from the mapped pages whose chunks were checked against the manifest)."""
+        from the mapped pages whose chunks were checked against the manifest); the files that
+        shrank since (then nothing is copied)."""
+        shrunk = [f"{os.path.join(self.step_dir, name)}: shorter than when it was checked"
+                  for name, mapped in self.maps.items() if mapped.shrunk()]
+        if shrunk:
+            return shrunk
         pairs = []
         for (name, begin), target in sorted(self.direct.items(), key=lambda item: item[0]):
             raw = target.reshape(-1).view(np.uint8)
             pairs.append((raw, self.maps[name].bytes(begin, begin + raw.size)))
         copy_pieces(pairs)
+        return []
 
     def close(self) -> None:
         for f in self.h5files.values():
@@ -258,19 +268,30 @@ class RawSource:
 
 class FileMap:
     """Bytes [begin, end) of an open file, mapped read-only: the page cache's pages themselves,
-    their page-table entries made at once (``MAP_POPULATE``: no fault per page)."""
+    their page-table entries made at once (``MAP_POPULATE``: no fault per page). Where the file
+    system cannot map files, the bytes are read into an array instead."""
 
     def __init__(self, fd: int, span: tuple[int, int]):
         self.begin = span[0] - span[0] % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
         self.mapped, self.data = None, np.empty(0, dtype=np.uint8)
-        if span[1] > span[0]:
-            self.mapped = mmap.mmap(fd, span[1] - self.begin, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                                    prot=mmap.PROT_READ, offset=self.begin)
+        if span[1] <= span[0]:
+            return
+        try:
+            self.mapped = mmap.mmap(fd, span[1] - self.begin, prot=mmap.PROT_READ, offset=self.begin,
+                                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             self.data = np.frombuffer(self.mapped, dtype=np.uint8)
+        except (OSError, ValueError):
+            self.data = np.empty(span[1] - self.begin, dtype=np.uint8)
+            self.data = self.data[:os.preadv(fd, [self.data], self.begin)]
 
     def bytes(self, begin: int, end: int) -> np.ndarray:
         """The file's bytes [begin, end), inside the mapped span."""
         return self.data[begin - self.begin: end - self.begin]
+
+    def shrunk(self) -> bool:
+        """Whether the file is now shorter than the mapped span (reading past its end would kill
+        the process with SIGBUS, not raise)."""
+        return self.mapped is not None and self.mapped.size() < self.begin + self.data.size
 
     def close(self) -> None:
         self.data = np.empty(0, dtype=np.uint8)  # no view may outlive the mapping
@@ -437,9 +458,11 @@ def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: 
                 target.load_state_dict(before)
             raise_if_any([d for d, _ in everyone], what, CheckpointDamaged)
             raise_if_any([r for _, r in everyone], what, CheckpointError)
-        source.fill_targets()  # the point of no return: the checked bytes, into their places
+        failed = source.fill_targets()  # the point of no return: the checked bytes, into their places
     finally:
         source.close()
+    if failed:
+        raise CheckpointDamaged(f"{what}: {'; '.join(failed)} (the model is partly loaded: load again)")
     for read, value in zip(plan.reads, values):
         if value is not None:
             read.assign(value)

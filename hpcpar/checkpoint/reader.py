@@ -107,9 +107,10 @@ class RawSource:
         uses: dict = {}
         exact: dict = {}
         self.exact: list = []  # per read: (file, first byte) of the piece that is exactly its slab, or None
+        files = manifest["files"]
         for read in reads:  # one pass: the pieces each read overlaps, their bytes, whether direct
             table = manifest["tensors"][read.key]
-            dtype, parts, exactly = np.dtype(table["dtype"]), [], None
+            dtype, parts, exactly = dtype_named(table["dtype"]), [], None
             wanted = [list(map(int, bounds)) for bounds in read.slab]
             for piece in table["pieces"]:
                 same = piece["slab"] == wanted
@@ -120,12 +121,13 @@ class RawSource:
                 if "start" not in piece:
                     self.legacy.add(piece["file"])
                     continue
-                begin, end = self.byte_range(piece, dtype)
-                if end == begin:
+                shape = tuple(b - a for a, b in piece["slab"])
+                nbytes = math.prod(shape) * dtype.itemsize
+                if not nbytes:
                     continue
+                begin = files[piece["file"]]["blobs"][piece["dataset"]] + piece["start"] * dtype.itemsize
                 where = (piece["file"], begin)
-                shape = tuple(b - a for a, b in wanted) if same else tuple(b - a for a, b in piece["slab"])
-                self.needed.setdefault(piece["file"], {})[begin] = (end, shape, dtype)
+                self.needed.setdefault(piece["file"], {})[begin] = (begin + nbytes, shape, dtype)
                 uses[where] = uses.get(where, 0) + 1
                 if same:
                     exactly = where
@@ -298,6 +300,11 @@ class FileMap:
         if self.mapped is not None:
             self.mapped.close()
             self.mapped = None
+
+
+@functools.lru_cache(maxsize=64)
+def dtype_named(name: str) -> np.dtype:
+    return np.dtype(name)
 
 
 def fits(target, dtype, shape: tuple) -> bool:

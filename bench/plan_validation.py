@@ -53,11 +53,18 @@ HELD_OUT = [("deep-narrow GPT 8x64", GPT.format(s=64, L=8, a=4, h=64, b=16)),
             ("digits CNN 32/64", CNN)]
 
 
-def job_from(text: str, folder: str, name: str):
-    path = os.path.join(folder, name.split()[0] + ".toml")
-    with open(path, "w") as f:
-        f.write(text)
-    return load_job(path)
+def job_from(text: str, name: str):
+    """The job of ``text``, read by this rank from a file of its own.
+
+    Not one file shared by the ranks: each rewrote it while others read it, and a rank that read
+    it half written built the defaults' model (width 256 for 64); its parameter broadcast then
+    failed in MPICH ("Other MPI error" in MPIDU_Sched_progress_state) or its layouts went out of
+    step with the other ranks'. A rank's own folder also exists on every node."""
+    with tempfile.TemporaryDirectory(prefix="plan-validation-") as folder:
+        path = os.path.join(folder, name.split()[0] + ".toml")
+        with open(path, "w") as f:
+            f.write(text)
+        return load_job(path)
 
 
 def run_layouts(job, machine, world, ranks: int, steps: int, waiting) -> list:
@@ -142,8 +149,6 @@ def main(argv) -> int:
         return 0
     world = MPI.COMM_WORLD
     waiting = Communicator(world, "world", wait_policy="yield")
-    folder = tempfile.mkdtemp(prefix="plan-validation-") if world.Get_rank() == 0 else None
-    folder = world.bcast(folder, root=0)
     machine, comments = calibrate(world)  # its model_factor: the calibration GPT, 4 layers of width 128, one rank
     if world.Get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
@@ -154,7 +159,7 @@ def main(argv) -> int:
     cores = host.usable_cpus()
     summaries, texts = [], []
     for name, text in [HELD_OUT[int(i)] for i in args.models.split(",")]:
-        job = job_from(text, folder, name)
+        job = job_from(text, name)
         for ranks in (2, 4):
             if ranks > world.Get_size():
                 continue

@@ -32,7 +32,6 @@ import statistics
 import time
 from dataclasses import replace
 
-import numpy as np
 from mpi4py import MPI
 
 from . import host, log
@@ -143,6 +142,22 @@ def measure(job, comm, steps: int) -> dict:
             "bytes_per_step": gather(traffic / steps, MPI.SUM)}
 
 
+def measure_on_first_ranks(job, world, steps: int) -> dict | None:
+    """``measure`` ``job`` on the first dp x pp x tp ranks of ``world``: its figures there, None on
+    the other ranks (collective over ``world``, which they only join to split it).
+
+    Every rank must pass the same job: a rank that builds another model (it read a job file
+    another rank was rewriting, say) calls the layout's collectives with other buffers, and MPI
+    fails or hangs in one of them (``HPCPAR_DEBUG=1`` names the ranks that differ)."""
+    p = job.parallel
+    group = world.Split(0 if world.Get_rank() < p.dp * p.pp * p.tp else MPI.UNDEFINED, world.Get_rank())
+    if group == MPI.COMM_NULL:
+        return None
+    figures = measure(job, group, steps)
+    group.Free()  # after the layout's last collective, on every rank of it
+    return figures
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("job", help="the job file whose model, data and optimizer are measured")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per layout (after 2 warm-up steps)")
@@ -207,13 +222,9 @@ def run(args) -> int:
         except JobError as error:
             skipped.append((label(layout), "; ".join(text for _, text in error.problems)))
             continue
-        size = int(np.prod(layout))
-        group = world.Split(0 if world.Get_rank() < size else MPI.UNDEFINED, world.Get_rank())
-        if group != MPI.COMM_NULL:
-            figures = measure(layout_run, group, args.steps)
-            if group.Get_rank() == 0:
-                results.append(figures)
-            group.Free()
+        figures = measure_on_first_ranks(layout_run, world, args.steps)
+        if world.Get_rank() == 0:
+            results.append(figures)
         waiting.barrier()
     if world.Get_rank() != 0:
         return 0

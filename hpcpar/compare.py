@@ -32,6 +32,7 @@ the world, build the layout from the same job on every rank, train and free the 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -165,13 +166,33 @@ def layouts_to_measure(job, world_size: int, steps: int, precisions) -> tuple[li
     return runs, skipped
 
 
+class JobsDiffer(RuntimeError):
+    """The ranks hold different jobs; raised on every rank, reported once (by world rank 0)."""
+
+    report_elsewhere = False
+
+
+def same_job_everywhere(job, world) -> None:
+    """Raise JobsDiffer on every rank alike unless every rank of ``world`` holds ``job``'s settings
+    (collective: one small all-gather of a digest)."""
+    digest = hashlib.sha256(json.dumps(job.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+    digests = world.allgather(digest)
+    differ = [rank for rank, theirs in enumerate(digests) if theirs != digests[0]]
+    if differ:
+        error = JobsDiffer(f"hpcpar compare: world rank(s) {differ} hold another job than rank 0 "
+                           f"(job {job.source} here); every rank must measure the same job")
+        error.report_elsewhere = world.Get_rank() != 0
+        raise error
+
+
 def measure_on_first_ranks(job, world, steps: int) -> dict | None:
     """``measure`` ``job`` on the first dp x pp x tp ranks of ``world``: its figures there, None on
     the other ranks (collective over ``world``, which they only join to split it).
 
     Every rank must pass the same job: a rank that builds another model (it read a job file
-    another rank was rewriting, say) calls the layout's collectives with other buffers, and MPI
-    fails or hangs in one of them (``HPCPAR_DEBUG=1`` names the ranks that differ)."""
+    another rank was rewriting, say) would call the layout's collectives with other buffers, and
+    MPI would fail or hang in one of them: ``same_job_everywhere`` checks first."""
+    same_job_everywhere(job, world)
     p = job.parallel
     group = world.Split(0 if world.Get_rank() < p.dp * p.pp * p.tp else MPI.UNDEFINED, world.Get_rank())
     if group == MPI.COMM_NULL:

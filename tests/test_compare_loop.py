@@ -5,6 +5,8 @@ model and strategy, train, and free the group, while the other ranks wait; then 
 Every rank must build the same job in every layout: ``bench/plan_validation.py`` once had each
 rank rewrite one shared job file while others read it, a rank read it half written and built the
 default model, and MPICH failed the parameter broadcast ("Other MPI error") in one run of two.
+Each rank now reads its own file, and compare checks that every rank holds the same job before a
+layout runs (``JobsDiffer``, one clear report instead of an MPI error).
 """
 import importlib.util
 import os
@@ -67,3 +69,13 @@ def test_the_validation_jobs_are_read_alike_on_every_rank(plan_validation):
         for name, text in plan_validation.HELD_OUT:
             job = plan_validation.job_from(text, name).to_dict()
             assert all(other == job for other in world.allgather(job)), f"{name}: ranks read different jobs"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_holding_different_jobs_are_told_so_before_any_layout_runs(tokens):
+    world = MPI.COMM_WORLD
+    width = "model.n_embd=32" if world.Get_rank() == 0 else "model.n_embd=64"  # as a half-read job file gave
+    job = compare.layout_job(load_job(None, TINY + [width, f'data.path="{tokens}"']), (world.Get_size(), 1, 1), steps=1)
+    with pytest.raises(compare.JobsDiffer, match=r"world rank\(s\) \[1(, \d)*\] hold another job than rank 0") as raised:
+        compare.measure_on_first_ranks(job, world, steps=1)
+    assert raised.value.report_elsewhere == (world.Get_rank() != 0)  # one report, from rank 0

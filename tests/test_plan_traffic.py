@@ -5,9 +5,9 @@ finish_step, as ``hpcpar compare`` times them) against ``hpcpar.plan.traffic`` â
 communicator and operation, the calls, the bytes given and the wire bytes, summed over ranks.
 """
 import os
-import tempfile
 
 import pytest
+from conftest import world_token_file
 from mpi4py import MPI
 
 from hpcpar.plan.machine import load_machine
@@ -44,13 +44,9 @@ LAYOUTS = {  # world size -> [(model, overrides)]
 
 @pytest.fixture(scope="module")
 def job_files():
-    from hpcpar.data.prepare import ensure_prepared
-    from hpcpar.dist.comm import Communicator
-
     world = MPI.COMM_WORLD
-    folder = world.bcast(tempfile.mkdtemp(prefix="plan-traffic-") if world.Get_rank() == 0 else None, root=0)
-    tokens = os.path.join(folder, "tokens.h5")
-    ensure_prepared(tokens, Communicator(world, "world"), max_mb=0.2)
+    tokens = world_token_file("plan-traffic-")
+    folder = os.path.dirname(tokens)
     files = {"gpt": os.path.join(folder, "gpt.toml"), "cnn": os.path.join(folder, "cnn.toml")}
     if world.Get_rank() == 0:
         for name, text in (("gpt", GPT.format(path=tokens)), ("cnn", CNN)):

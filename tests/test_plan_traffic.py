@@ -38,7 +38,9 @@ LAYOUTS = {  # world size -> [(model, overrides)]
         ("gpt", ["parallel.dp=2", "parallel.tp=2", "parallel.zero=true", 'model.recompute="full"']),
         ("gpt", ["parallel.pp=4", "parallel.micro_batches=8", 'parallel.schedule="1f1b"']),
         ("gpt", ["parallel.dp=4", "parallel.bucket_mb=0.02"]),
-        ("cnn", ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=true"])],
+        ("cnn", ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=true"]),
+        # stage 2 holds only a ReLU and a pooling layer: ZeRO-1 over no parameters
+        ("cnn", ["parallel.pp=4", "parallel.micro_batches=4", "parallel.zero=true"])],
 }
 
 

@@ -37,7 +37,7 @@ from mpi4py import MPI  # noqa: E402
 
 from hpcpar import host  # noqa: E402
 from hpcpar.compare import factorisations, layout_job, measure_on_first_ranks  # noqa: E402
-from hpcpar.dist.comm import Communicator  # noqa: E402
+from hpcpar.dist.waiting import wait_idle  # noqa: E402
 from hpcpar.plan.calibrate import calibrate, write_machine  # noqa: E402
 from hpcpar.plan.predict import StepPlan  # noqa: E402
 from hpcpar.tables import format_table  # noqa: E402
@@ -66,7 +66,7 @@ def job_from(text: str, name: str):
         return load_job(path)
 
 
-def run_layouts(job, machine, world, ranks: int, steps: int, waiting) -> list:
+def run_layouts(job, machine, world, ranks: int, steps: int) -> list:
     """[(label, prediction, measured figures)] for every layout compare runs at ``ranks`` (rank 0)."""
     rows = []
     for layout in [(1, 1, 1)] + factorisations(ranks):
@@ -75,7 +75,7 @@ def run_layouts(job, machine, world, ranks: int, steps: int, waiting) -> list:
         except JobError:
             continue
         figures = measure_on_first_ranks(layout_run, world, steps)
-        waiting.barrier()
+        wait_idle(world.Ibarrier())  # ranks outside a smaller layout: leave the cores to it
         if world.Get_rank() == 0:
             prediction = StepPlan(layout_run, machine).predict()
             rows.append((prediction.label, prediction, figures))
@@ -142,14 +142,13 @@ def main(argv) -> int:
         print(against_compare(*args.against))
         return 0
     world = MPI.COMM_WORLD
-    waiting = Communicator(world, "world", wait_policy="yield")
     machine, comments = calibrate(world)  # its model_factor: the calibration GPT, 4 layers of width 128, one rank
     if world.Get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
         write_machine(machine, comments, os.path.join(args.out, "machine.toml"))
         print(f"calibrated: {comments['name']}; model factor {machine.compute['fp32'].model_factor:.3f} from the "
               f"calibration GPT (4 layers, width 128)", flush=True)
-    waiting.barrier()
+    wait_idle(world.Ibarrier())
     cores = host.usable_cpus()
     summaries, texts = [], []
     for name, text in [HELD_OUT[int(i)] for i in args.models.split(",")]:
@@ -157,7 +156,7 @@ def main(argv) -> int:
         for ranks in (2, 4):
             if ranks > world.Get_size():
                 continue
-            rows = run_layouts(job, machine, world, ranks, args.steps, waiting)
+            rows = run_layouts(job, machine, world, ranks, args.steps)
             if world.Get_rank() == 0:
                 table_text, summary = tables(name, ranks, rows, cores)
                 print(table_text + "\n", flush=True)

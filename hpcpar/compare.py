@@ -28,7 +28,7 @@ ranks of their own) is refused with one line before anything runs.
 
 The layouts run one after another in one MPI job: the first dp x pp x tp ranks split a group off
 the world, build the layout from the same job on every rank, train and free the group
-(``measure_on_first_ranks``), while the others wait in a barrier that does not spin.
+(``measure_on_first_ranks``), while the others wait in a barrier that sleeps (``dist.waiting.wait_idle``).
 """
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ from mpi4py import MPI
 
 from . import host, log
 from .bench.step import traced_peak
-from .dist.comm import Communicator
 from .dist.context import init
 from .dist.failfast import UsageError
+from .dist.waiting import wait_idle
 from .parallel.pipeline.schedules import interleaved_fit
 from .tables import format_table
 from .train.build import build
@@ -247,8 +247,6 @@ def cpu_budget(world) -> tuple[str, str | None]:
 
 def run(args) -> int:
     world = MPI.COMM_WORLD
-    # Ranks outside a smaller layout wait here; they must not spin on the cores it runs on.
-    waiting = Communicator(world, "world", wait_policy="yield")
     precisions = [None] if args.precision is None else ["fp32"] + [p for p in args.precision if p != "fp32"]
     try:  # the same verdict on every rank, before any rank waits on another
         job = load_job(args.job, args.set)
@@ -264,7 +262,7 @@ def run(args) -> int:
         figures = measure_on_first_ranks(layout_run, world, args.steps)
         if world.Get_rank() == 0:
             results.append(figures)
-        waiting.barrier()
+        wait_idle(world.Ibarrier())  # ranks outside a smaller layout: leave the cores to it
     if world.Get_rank() != 0:
         return 0
     base = {r["precision"]: r["tokens_per_s"] for r in reversed(results)}  # one rank, in each precision

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from ..dist.waiting import wait_idle
 from .machine import Compute, Link, Machine, format_machine, load_machine
 from .model import passes
 
@@ -177,11 +178,9 @@ def measure_collectives(world, sizes=SIZES, repeats: int = 5) -> dict:
     """{(op, ranks): Link} for every group size 2..world size (collective over ``world``)."""
     from mpi4py import MPI
 
-    from ..dist.comm import Communicator
     from ..dist.stats import ring_wire_bytes
     from ..dist.context import init
 
-    waiting = Communicator(world, "world", wait_policy="yield")  # ranks outside a group must not spin
     lines = {}
     for ranks in range(2, world.Get_size() + 1):
         group = world.Split(0 if world.Get_rank() < ranks else MPI.UNDEFINED, world.Get_rank())
@@ -196,7 +195,7 @@ def measure_collectives(world, sizes=SIZES, repeats: int = 5) -> dict:
                     seconds = ctx.world.mpi.allreduce(seconds, op=MPI.MAX)
                     samples.setdefault(op, []).append((wire, seconds))
             # not freed: its context lives on in the grid's communicators and shared windows
-        waiting.barrier()
+        wait_idle(world.Ibarrier())
         samples = world.bcast(samples, root=0)
         for op, points in samples.items():
             lines[(op, ranks)] = _fit_link(points)
@@ -260,17 +259,14 @@ def measure_concurrency(world, repeats: int = 5, rounds: int = 3) -> list[float]
     A whole step (its Python, its optimizer) rather than one block: that is what layouts run.
     Alone and together are timed in alternating rounds, and each k's figure is the median of
     its rounds' ratios, so a drift of the machine during calibration cancels."""
-    from ..dist.comm import Communicator
-
-    waiting = Communicator(world, "world", wait_policy="yield")
     step = step_runner(calibration_job())
     ratios = [[] for _ in range(world.Get_size())]
     for _ in range(rounds):
         medians = []
         for k in range(1, world.Get_size() + 1):
-            waiting.barrier()
+            wait_idle(world.Ibarrier())
             seconds = _timed(step, repeats) if world.Get_rank() < k else 0.0
-            waiting.barrier()
+            wait_idle(world.Ibarrier())
             medians.append(statistics.median(world.allgather(seconds)[:k]))
         for k, seconds in enumerate(medians):
             ratios[k].append(seconds / medians[0])
@@ -280,14 +276,12 @@ def measure_concurrency(world, repeats: int = 5, rounds: int = 3) -> list[float]
 def calibrate(world, inter_file: str | None = None, name: str | None = None) -> tuple[Machine, dict]:
     """Measure this machine (collective over ``world``); (the machine, comments for its file) on every rank."""
     from .. import host
-    from ..dist.comm import Communicator
 
-    waiting = Communicator(world, "world", wait_policy="yield")  # ranks waiting for rank 0 give it the cores
     start = time.perf_counter()
     compute = measure_ops() if world.Get_rank() == 0 else None
     if world.Get_rank() == 0:  # the calibration model, while the others wait without spinning
         fit_model(Machine("probe", 256, 1, 1e12, {"fp32": compute}, Link(0, 1e12), Link(0, 1e12)))
-    waiting.barrier()
+    wait_idle(world.Ibarrier())
     compute = world.bcast(compute, root=0)
     concurrency = measure_concurrency(world)
     collectives = measure_collectives(world) if world.Get_size() > 1 else {}

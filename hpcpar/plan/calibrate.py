@@ -28,7 +28,7 @@ import numpy as np
 
 from ..dist.waiting import wait_idle
 from .machine import Compute, Link, Machine, format_machine, load_machine
-from .model import passes
+from .model import conv_runs, passes, pool_rows
 
 SIZES_S = 0.25  # target seconds per op family
 
@@ -81,12 +81,11 @@ def measure_ops(dtype=np.float32) -> Compute:
         seconds = _timed(_fwd_bwd(lambda: ops.attention(q, k, v)))
         attention.append((12 * scores * hs, passes("softmax", scores, 4) + passes("softmax", scores, 4, True),
                           seconds - 2 * overhead))
-    softmax_rate, attention_rate = _fit_two(attention)
+    attention_rate, softmax_rate = _fit_rates(attention)
     families = {"softmax": softmax_rate}
     for family, op, shape in (("layernorm", lambda x: ops.layer_norm(x, None, None), (64, 256)),
                               ("gelu", ops.gelu, (64, 256)), ("copy", lambda x: ops.add(x, x), (64, 256)),
-                              ("cross_entropy", None, (256, 256)), ("optimizer", None, (64, 256)),
-                              ("pool", None, (64, 256))):
+                              ("cross_entropy", None, (256, 256)), ("optimizer", None, (64, 256))):
         samples = []
         for scale in (4, 16, 64):
             shape2 = (shape[0] * scale, shape[1])
@@ -96,24 +95,42 @@ def measure_ops(dtype=np.float32) -> Compute:
         families[family] = _fit_rate(samples, overhead)
     families["embedding"] = families["copy"]
     bandwidth = families["copy"]
-    families["im2col"], conv_rate = _fit_two(_conv_samples(t, overhead, families["copy"], d))
+    families["im2col"], families["strided_runs"], conv_rate = _fit_rates(_conv_samples(t, overhead, families["copy"], d))
+    families["pool"], families["pool_rows"] = _fit_rates(_pool_samples(t, overhead, d))
     return Compute(gemm_flops=gemm_rate, attention_flops=attention_rate, conv_flops=conv_rate, bandwidth=bandwidth,
                    op_overhead_s=overhead, family_bandwidth=families)
 
 
 def _conv_samples(tensor, overhead: float, copy_rate: float, d: int) -> list:
-    """(FLOPs, im2col bytes, seconds less the op overhead and the output/input copies) of a 3 x 3
-    convolution forward and backward at shapes whose FLOPs per column differ (Cout 4..64)."""
+    """(im2col bytes, strided runs, FLOPs, seconds less the op overhead and the output/input
+    copies) of a 3 x 3 convolution forward and backward, at shapes whose FLOPs per column (Cout
+    4..64) and image sides (2..16: the length of the runs im2col and its fold copy) differ."""
     from ..autograd import ops
 
     samples = []
-    for n, c, side, c_out in ((64, 8, 16, 16), (128, 16, 8, 32), (64, 32, 8, 64), (512, 2, 8, 4)):
+    for n, c, side, c_out in ((16, 32, 16, 64), (64, 32, 8, 64), (256, 32, 4, 64), (1024, 32, 2, 64),
+                              (64, 8, 16, 16), (1024, 8, 4, 16), (512, 2, 8, 4)):
         x, w = tensor(n, c, side, side), tensor(c_out, c, 3, 3)
         pixels, cols = n * side * side, n * side * side * c * 9
         seconds = _timed(_fwd_bwd(lambda: ops.conv2d(x, w, padding=1)))
         copies = (4 * pixels * c_out + 2 * pixels * c) * d / copy_rate
-        samples.append((3 * 2 * pixels * c * 9 * c_out, passes("im2col", cols, d) + passes("im2col", cols, d, True),
-                        seconds - 2 * overhead - copies))
+        samples.append((passes("im2col", cols, d) + passes("im2col", cols, d, True), 2 * conv_runs(n, c, side),
+                        3 * 2 * pixels * c * 9 * c_out, seconds - 2 * overhead - copies))
+    return samples
+
+
+def _pool_samples(tensor, overhead: float, d: int) -> list:
+    """(bytes, strided rows, seconds less the op overhead) of 2 x 2 max pooling forward and
+    backward over the same elements as images of sides 4, 8 and 16 (rows of 2, 4 and 8 outputs)."""
+    from ..autograd import ops
+
+    samples = []
+    for n, side in ((1024, 4), (256, 8), (64, 16)):
+        images = tensor(n, 16, side, side)
+        seconds = _timed(_fwd_bwd(lambda: ops.max_pool2d(images, 2)))
+        elements = images.data.size
+        samples.append((passes("pool", elements, d) + passes("pool", elements, d, True), 2 * pool_rows(n, 16, side),
+                        seconds - 2 * overhead))
     return samples
 
 
@@ -131,20 +148,17 @@ def _family_seconds(family, op, shape, tensor, dtype) -> tuple[float, int]:
         param.grad = np.ones_like(param.data)
         adam = AdamW([("p", param)], lr=1e-3)
         return _timed(adam.step), 8
-    if family == "pool":  # 2 x 2 max pooling of (rows, channels, 4, 4) images: the same elements
-        images = tensor(shape[0], shape[1] // 16, 4, 4)
-        return _timed(_fwd_bwd(lambda: ops.max_pool2d(images, 2))), 2
     x = tensor(*shape)
     return _timed(_fwd_bwd(lambda: op(x))), 2
 
 
-def _fit_two(samples) -> tuple[float, float]:
-    """(bytes rate, FLOP rate) of time = flops / Rf + bytes / Rb over (flops, bytes, seconds)."""
-    a = np.array([[f, b] for f, b, _ in samples], dtype=np.float64)
-    y = np.array([max(s, 1e-9) for _, _, s in samples])
+def _fit_rates(samples) -> tuple:
+    """Rates R_i of time = sum_i units_i / R_i over samples (units_1, ..., units_k, seconds), least squares."""
+    a = np.array([sample[:-1] for sample in samples], dtype=np.float64)
+    y = np.array([max(sample[-1], 1e-9) for sample in samples])
     inverse, *_ = np.linalg.lstsq(a, y, rcond=None)
     inverse = np.maximum(inverse, 1e-15)  # a negative fit (noise) means "free": a huge rate
-    return 1.0 / inverse[1], 1.0 / inverse[0]
+    return tuple(1.0 / inverse)
 
 
 # ---------------------------------------------------------------------------------------------

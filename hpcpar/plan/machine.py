@@ -34,7 +34,8 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 # Elementwise op families; each moves the modelled bytes at its own rate (default: bandwidth).
-FAMILIES = ("layernorm", "gelu", "softmax", "copy", "embedding", "cross_entropy", "optimizer", "pool", "im2col")
+FAMILIES = ("layernorm", "gelu", "softmax", "copy", "embedding", "cross_entropy", "optimizer", "pool", "im2col",
+            "strided_runs", "pool_rows")  # the last two in runs per second: what a short run costs beyond its bytes
 MACHINES_DIR = os.path.join(os.path.dirname(__file__), "machines")
 
 

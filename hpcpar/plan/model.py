@@ -4,8 +4,8 @@ The planner's inventory of hpcpar's GPT (``nn/gpt.py``) and digits CNN (``nn/cnn
 from their code, not measured: so it extends to models one cannot build here (a 70 B GPT).
 
 Work is per op family: ``gemm`` and ``attention`` in FLOPs, the elementwise families
-(``machine.FAMILIES``) in bytes moved, ``ops`` the number of autograd ops (each pays the
-machine's fixed ``op_overhead_s``). Backward is split into ``B`` (gradients of the inputs) and
+(``machine.FAMILIES``) in bytes moved (``strided_runs``, ``pool_rows``: in runs walked), ``ops`` the
+number of autograd ops (each pays the machine's fixed ``op_overhead_s``). Backward is split into ``B`` (gradients of the inputs) and
 ``W`` (gradients of the weights: the part a zero-bubble schedule defers).
 
 Notation, per micro-batch: b rows of s tokens (N = b s tokens), width h, a heads, vocabulary V,
@@ -216,6 +216,19 @@ def gpt_head(shape: Shape) -> Layer:
                  workspace_bytes=N * V / t * c + N * h * d, output_elements=0, tp_forward=tp_f, tp_backward=tp_b)
 
 
+def conv_runs(rows: int, channels: int, side: int) -> int:
+    """Contiguous runs im2col copies for a padded 3 x 3 convolution of (rows, channels, side, side)
+    images (and its fold adds back): one run of ``side`` elements per image, channel, tap and
+    output row. Short runs cost more than their bytes (the ``strided_runs`` family)."""
+    return 9 * channels * rows * side
+
+
+def pool_rows(rows: int, channels: int, side: int) -> int:
+    """Strided rows 2 x 2 max pooling of (rows, channels, side, side) images walks, each way: one
+    per image, channel, tap of the window and output row (the ``pool_rows`` family)."""
+    return 4 * channels * rows * (side // 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # The digits CNN: (N, 1, 8, 8) -> conv 3x3 -> relu -> pool 2 -> conv 3x3 -> relu -> pool 2 -> linear
 def cnn_layers(shape: Shape) -> list[Layer]:
@@ -227,11 +240,14 @@ def cnn_layers(shape: Shape) -> list[Layer]:
         pixels = n * side * side
         flops = 2 * pixels * cin * 9 * cout  # one product each way
         cols = pixels * cin * 9  # im2col
-        forward = Work(ops=1).add("conv", flops).add("im2col", passes("im2col", cols, d)).add("copy", 2 * pixels * cout * d)
+        runs = conv_runs(n, cin, side)
+        forward = (Work(ops=1).add("conv", flops).add("im2col", passes("im2col", cols, d)).add("strided_runs", runs)
+                   .add("copy", 2 * pixels * cout * d))
         # the images need no gradient: the first convolution computes only its weights'
         backward = Work(ops=1).add("copy", 2 * pixels * cout * d)
         if i > 0:
-            backward.add("conv", flops).add("im2col", passes("im2col", cols, d, True)).add("copy", 2 * pixels * cin * d)
+            (backward.add("conv", flops).add("im2col", passes("im2col", cols, d, True)).add("strided_runs", runs)
+             .add("copy", 2 * pixels * cin * d))
         out.append(Layer(f"net.{3 * i}", [(f"net.{3 * i}.weight", cout * cin * 9, False), (f"net.{3 * i}.bias", cout, False)],
                          forward, backward, Work().add("conv", flops),
                          saved_bytes=(cols + pixels * cin) * d, output_elements=pixels * cout,
@@ -240,8 +256,10 @@ def cnn_layers(shape: Shape) -> list[Layer]:
         out.append(Layer(f"net.{3 * i + 1}", [], Work(ops=1).add("copy", 3 * pixels * cout * d),
                          Work(ops=1).add("copy", 4 * pixels * cout * d), Work(), saved_bytes=pixels * cout * d,
                          workspace_bytes=pixels * cout * d, output_elements=pixels * cout))
-        out.append(Layer(f"net.{3 * i + 2}", [], Work(ops=1).add("pool", passes("pool", pixels * cout, d)),
-                         Work(ops=1).add("pool", passes("pool", pixels * cout, d, True)), Work(),
+        pooled = pool_rows(n, cout, side)
+        out.append(Layer(f"net.{3 * i + 2}", [],
+                         Work(ops=1).add("pool", passes("pool", pixels * cout, d)).add("pool_rows", pooled),
+                         Work(ops=1).add("pool", passes("pool", pixels * cout, d, True)).add("pool_rows", pooled), Work(),
                          saved_bytes=pixels * cout * d, workspace_bytes=pixels * cout * d, output_elements=pixels * cout / 4))
     features = 4 * c2
     out.append(Layer("net.6", [], Work(ops=1), Work(ops=1), Work(), 0.0, 0.0, n * features))

@@ -4,6 +4,7 @@ MPI tests run at the launcher's size (2 and 4 in `make test`), on real nodes and
 nodes of 2 ranks (HPCPAR_NODE_SIZE; 2 nodes x 2 at 4 ranks: the inter-node step). Test
 models are tiny, so contexts here send every size through the path (``min_bytes = 0``).
 """
+import itertools
 import json
 import os
 import re
@@ -17,9 +18,9 @@ from mpi4py import MPI
 import hpcpar
 from conftest import REPO, venv_bin
 from dp_reference import GLOBAL_BATCH, global_batch, max_difference, train_single_process
-from hpcpar.dist import nodes, shm as shm_module
+from hpcpar.dist import nodes, shm as shm_module, shm_kernel
 from hpcpar.dist.shm import MIN_BYTES, shared_zeros
-from hpcpar.dist.shm_reduce import combine, reference, slices, temporaries
+from hpcpar.dist.shm_reduce import combine, reduce_into, reference, slices, temporaries
 from hpcpar.nn.gpt import GPT, GPTConfig
 from test_data_parallel import STEPS, train_data_parallel
 
@@ -58,6 +59,53 @@ def test_the_sum_order_is_mpichs_tree_wherever_the_result_is_written(n):
         combine(sources, sources[own], np.add, temporaries(n, 1000, np.float64))
         assert np.array_equal(sources[own], expected)
         assert all(np.array_equal(s, v) for i, (s, v) in enumerate(zip(sources, values)) if i != own)
+
+
+def operands(n, count, dtype):
+    if np.dtype(dtype).kind == "f":
+        return [wide_random([n, i], count, dtype) for i in range(n)]
+    info = np.iinfo(dtype)  # near the ends of the range: sums wrap around, as NumPy's do
+    return [np.random.default_rng([n, i]).integers(info.min // 2, info.max // 2, count, dtype=dtype) * 3
+            for i in range(n)]
+
+
+needs_native = pytest.mark.skipif(not shm_kernel.available(), reason="build/libhpcpar_shm.so not built: make native")
+
+
+@pytest.mark.parametrize("loop", ["numpy", pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("n", range(1, 10))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+def test_the_loops_write_the_documented_sum_into_every_target(loop, n, dtype):
+    count = 3 * 4096 + 7  # whole blocks of the native loop and a tail; chunks of NumPy's below
+    values = operands(n, count, dtype)
+    means = [False, True] if np.dtype(dtype).kind == "f" else [False]
+    layouts = {  # which buffers get the result
+        "every source (one node)": lambda sources, own: sources,
+        "the own source (an inter-node step follows)": lambda sources, own: [sources[own]],
+        "the own source and another array": lambda sources, own: [sources[own], np.empty_like(sources[own])],
+    }
+    for mean, own, layout in itertools.product(means, range(n), layouts.values()):
+        expected = reference(values)
+        if mean:
+            expected /= n
+        sources = [v.copy() for v in values]
+        targets = layout(sources, own)
+        divisor = n if mean else 0
+        if loop == "native":
+            assert shm_kernel.reduce_into(sources, targets, "mean" if mean else "sum", divisor)
+        else:
+            reduce_into(sources, targets, np.add, divisor, chunk=1000)
+        assert all(np.array_equal(t, expected) for t in targets)
+        untouched = [i for i, s in enumerate(sources) if not any(s is t for t in targets)]
+        assert all(np.array_equal(sources[i], values[i]) for i in untouched)
+
+
+@needs_native
+def test_the_native_loop_leaves_what_it_does_not_do_to_numpy():
+    x = [np.ones(100, np.int32)] * 2
+    assert not shm_kernel.reduce_into(x, x, "max", 0) and not shm_kernel.reduce_into(x, x, "mean", 2)
+    half = [np.ones(100, np.float16)] * 2
+    assert not shm_kernel.reduce_into(half, half, "sum", 0)
 
 
 @pytest.mark.parametrize("count, parts, itemsize", [(1000, 3, 4), (5, 4, 8), (1 << 20, 4, 4), (17, 1, 8)])
@@ -118,7 +166,12 @@ def documented_result(comm, x, op):
 @pytest.mark.parametrize("node_size", [None, 2], ids=["real nodes", "nodes of 2"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
-def test_allreduce_equals_mpi_bitwise(world, node_size, dtype, op):
+@pytest.mark.parametrize("loop", ["native", "numpy"])
+def test_allreduce_equals_mpi_bitwise(world, node_size, dtype, op, loop, monkeypatch):
+    if loop == "numpy":
+        monkeypatch.setattr(shm_kernel, "reduce_into", lambda *args: False)  # as where libhpcpar_shm.so is not built
+    elif not shm_kernel.available():
+        pytest.skip("build/libhpcpar_shm.so not built: make native")
     ctx = shm_context(world, node_size)
     comm = ctx.world
     assert comm.shm.describe() == "on (not used yet)"

@@ -63,7 +63,8 @@ from . import debug
 from .comm import REDUCE_OPS, Handle, check_allreduce_args
 from .stats import CommStats
 from .waiting import polite_pause
-from .shm_reduce import chunks, combine, slices, temporaries
+from . import shm_kernel
+from .shm_reduce import reduce_into, slices
 from .shm_windows import SharedWindows, ShmUnavailable
 
 SHM_VARIABLE = "HPCPAR_SHM"
@@ -371,8 +372,15 @@ class _Op(ABC):
     def after_cross(self) -> None:
         """What is left once the inter-node step (if ``work`` started one) has completed."""
 
-    def _chunk(self) -> int:
-        return max(1, self.shm.chunk_bytes // self.dtype.itemsize)
+    def _reduce(self, sources: list, targets: list, divisor: int = 0) -> None:
+        """Every target = the op over ``sources`` in MPICH's order (divided unless ``divisor`` is 0):
+        in one native call where libhpcpar_shm.so does the op, else NumPy's chunk loop."""
+        if not shm_kernel.reduce_into(sources, targets, self.op, divisor):
+            chunk = max(1, self.shm.chunk_bytes // self.dtype.itemsize)
+            reduce_into(sources, targets, UFUNCS[self.op], divisor, chunk)
+
+    def _divisor(self) -> int:
+        return self.shm.comm.size if self.op == "mean" else 0
 
 
 class _Allreduce(_Op):
@@ -380,34 +388,20 @@ class _Allreduce(_Op):
 
     def work(self):
         shm = self.shm
-        buffers = self.segment.typed(self.dtype, self.count)
-        own = buffers[shm.rank]
-        self.lo, self.hi = slices(self.count, shm.size, self.dtype.itemsize)[shm.rank]
-        chunk = self._chunk()
-        temps = temporaries(shm.size, min(chunk, self.hi - self.lo), self.dtype)
-        ufunc, local = UFUNCS[self.op], shm.cross is None
-        for lo, hi in chunks(self.lo, self.hi, chunk):
-            out = own[lo:hi]
-            combine([b[lo:hi] for b in buffers], out, ufunc, temps)
-            if local:
-                self._write_out(buffers, out, lo, hi)
-        if local:
+        self.slice = slice(*slices(self.count, shm.size, self.dtype.itemsize)[shm.rank])
+        parts = [buffer[self.slice] for buffer in self.segment.typed(self.dtype, self.count)]
+        self.own = parts[shm.rank]
+        if shm.cross is None:  # one node: the node's sum is the result, written into every buffer at once
+            self._reduce(parts, parts, self._divisor())
             return None
-        return shm.cross.Iallreduce(MPI.IN_PLACE, own[self.lo:self.hi], REDUCE_OPS[self.op])
+        self._reduce(parts, [self.own])
+        return shm.cross.Iallreduce(MPI.IN_PLACE, self.own, REDUCE_OPS[self.op])
 
     def after_cross(self) -> None:
-        buffers = self.segment.typed(self.dtype, self.count)
-        own = buffers[self.shm.rank]
-        for lo, hi in chunks(self.lo, self.hi, self._chunk()):
-            self._write_out(buffers, own[lo:hi], lo, hi)
-
-    def _write_out(self, buffers, result, lo: int, hi: int) -> None:
         """The final value of this rank's slice: divided for a mean, copied into every peer's buffer."""
-        if self.op == "mean":
-            result /= self.shm.comm.size
-        for rank, buffer in enumerate(buffers):
-            if rank != self.shm.rank:
-                buffer[lo:hi] = result
+        shm = self.shm
+        parts = [buffer[self.slice] for buffer in self.segment.typed(self.dtype, self.count)]
+        self._reduce([self.own], [self.own] + parts[:shm.rank] + parts[shm.rank + 1:], self._divisor())
 
 
 class _ReduceScatter(_Op):
@@ -418,15 +412,10 @@ class _ReduceScatter(_Op):
         self.result = result
 
     def work(self):
-        shm, block = self.shm, self.result.size
+        block = self.result.size
+        first = self.shm.rank * block
         buffers = self.segment.typed(self.dtype, self.count)
-        first, chunk = shm.rank * block, self._chunk()
-        temps = temporaries(shm.size, min(chunk, block), self.dtype)
-        for lo, hi in chunks(first, first + block, chunk):
-            out = self.result[lo - first: hi - first]
-            combine([b[lo:hi] for b in buffers], out, UFUNCS[self.op], temps)
-            if self.op == "mean":
-                out /= shm.comm.size
+        self._reduce([b[first: first + block] for b in buffers], [self.result], self._divisor())
         return None
 
 

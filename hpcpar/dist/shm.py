@@ -51,6 +51,7 @@ as the MPI path; ``comm.shm.stats`` counts the calls that took this path.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import time
 from abc import ABC, abstractmethod
@@ -78,6 +79,7 @@ _POSTED, _DONE, _RING = 0, 1, 2  # control words: ops posted, ops this rank fini
 _RING_OPS = 64  # ops in flight before posting waits
 _CONTROL_WORDS = _RING + 2 * _RING_OPS
 _SPIN_S = 0.01
+_PLANS_KEPT = 16  # prepared slices per buffer
 
 
 def shm_setting(enabled: bool | None = None) -> bool:
@@ -209,8 +211,8 @@ class ShmCollectives:
                 return None
         debug.check_collective(self.comm, "allreduce", x)
         waiting = self.comm._next_collective("allreduce")
-        mine = segment.typed(x.dtype, x.size)[self.rank]
         if not in_place:
+            mine = segment.typed(x.dtype, x.size)[self.rank]
             mine[...] = x.reshape(-1)
         self.comm._wait(self._post(_Allreduce(self, segment, x.dtype, x.size, op)), waiting)
         if not in_place:
@@ -268,7 +270,7 @@ class ShmCollectives:
 
     # ----- flags: posting, progress, completion ------------------------------------------
     def _post(self, op) -> "_Request":
-        if self._seq >= _RING_OPS:
+        if self._seq >= _RING_OPS and self._lowest(_DONE) <= self._seq - _RING_OPS:
             self._wait_until(lambda: self._lowest(_DONE) > self._seq - _RING_OPS)
         self._seq += 1
         op.seq = self._seq
@@ -372,12 +374,14 @@ class _Op(ABC):
     def after_cross(self) -> None:
         """What is left once the inter-node step (if ``work`` started one) has completed."""
 
-    def _reduce(self, sources: list, targets: list, divisor: int = 0) -> None:
-        """Every target = the op over ``sources`` in MPICH's order (divided unless ``divisor`` is 0):
-        in one native call where libhpcpar_shm.so does the op, else NumPy's chunk loop."""
-        if not shm_kernel.reduce_into(sources, targets, self.op, divisor):
+    def _reducer(self, sources: list, targets: list, divisor: int = 0):
+        """A call setting every target to the op over ``sources`` in MPICH's order (divided unless
+        ``divisor`` is 0): one native call where libhpcpar_shm.so does the op, else NumPy's chunk loop."""
+        run = shm_kernel.prepare(sources, targets, self.op, divisor)
+        if run is None:
             chunk = max(1, self.shm.chunk_bytes // self.dtype.itemsize)
-            reduce_into(sources, targets, UFUNCS[self.op], divisor, chunk)
+            run = functools.partial(reduce_into, sources, targets, UFUNCS[self.op], divisor, chunk)
+        return run
 
     def _divisor(self) -> int:
         return self.shm.comm.size if self.op == "mean" else 0
@@ -387,21 +391,34 @@ class _Allreduce(_Op):
     name = "allreduce"
 
     def work(self):
-        shm = self.shm
-        self.slice = slice(*slices(self.count, shm.size, self.dtype.itemsize)[shm.rank])
-        parts = [buffer[self.slice] for buffer in self.segment.typed(self.dtype, self.count)]
-        self.own = parts[shm.rank]
-        if shm.cross is None:  # one node: the node's sum is the result, written into every buffer at once
-            self._reduce(parts, parts, self._divisor())
+        own, node_sum, self.write_out = self._plan()
+        node_sum()
+        if self.write_out is None:  # one node: the node's sum was the result, written into every buffer
             return None
-        self._reduce(parts, [self.own])
-        return shm.cross.Iallreduce(MPI.IN_PLACE, self.own, REDUCE_OPS[self.op])
+        return self.shm.cross.Iallreduce(MPI.IN_PLACE, own, REDUCE_OPS[self.op])
 
     def after_cross(self) -> None:
         """The final value of this rank's slice: divided for a mean, copied into every peer's buffer."""
-        shm = self.shm
-        parts = [buffer[self.slice] for buffer in self.segment.typed(self.dtype, self.count)]
-        self._reduce([self.own], [self.own] + parts[:shm.rank] + parts[shm.rank + 1:], self._divisor())
+        self.write_out()
+
+    def _plan(self):
+        """(this rank's slice, the node's sum of it, the write-out after the inter-node step or None),
+        made at a buffer's first all-reduce and kept with it (DDP reduces the same buckets every step)."""
+        key = ("allreduce", self.dtype, self.count, self.op)
+        plan = self.segment.plans.get(key)
+        if plan is None:
+            shm = self.shm
+            part = slice(*slices(self.count, shm.size, self.dtype.itemsize)[shm.rank])
+            parts = [buffer[part] for buffer in self.segment.typed(self.dtype, self.count)]
+            own, peers = parts[shm.rank], parts[:shm.rank] + parts[shm.rank + 1:]
+            if shm.cross is None:
+                plan = (own, self._reducer(parts, parts, self._divisor()), None)
+            else:
+                plan = (own, self._reducer(parts, [own]), self._reducer([own], [own] + peers, self._divisor()))
+            if len(self.segment.plans) >= _PLANS_KEPT:  # the scratch buffer sees many sizes
+                self.segment.plans.clear()
+            self.segment.plans[key] = plan
+        return plan
 
 
 class _ReduceScatter(_Op):
@@ -415,7 +432,7 @@ class _ReduceScatter(_Op):
         block = self.result.size
         first = self.shm.rank * block
         buffers = self.segment.typed(self.dtype, self.count)
-        self._reduce([b[first: first + block] for b in buffers], [self.result], self._divisor())
+        self._reducer([b[first: first + block] for b in buffers], [self.result], self._divisor())()
         return None
 
 

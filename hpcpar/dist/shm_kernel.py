@@ -67,18 +67,35 @@ def available() -> bool:
     return _load() is not None
 
 
-def reduce_into(sources: list, targets: list, op: str, divisor: int = 0) -> bool:
-    """Every target = the sum of ``sources`` in MPICH's order (divided by ``divisor`` unless 0).
+def prepare(sources: list, targets: list, op: str, divisor: int = 0):
+    """A call without arguments that sets every target to the sum of ``sources`` in MPICH's order
+    (divided by ``divisor`` unless 0), its pointers computed once (for buffers reduced again and
+    again, as DDP's buckets are); None when the native loop is not there or does not do ``op``
+    on this dtype (it does "sum" and "mean" on float32/64 and int32/64; a mean only on floats).
 
     Sources and targets are contiguous 1-D arrays of one length and dtype, each either a
-    distinct buffer or the very same memory as another (a source may be a target). Returns
-    False, having done nothing, when the native loop is not there or does not do ``op`` on
-    this dtype (it does "sum" and "mean" on float32/64 and int32/64; a mean only on floats).
+    distinct buffer or the very same memory as another (a source may be a target). The call
+    keeps them alive; it must not outlive the memory they view.
     """
     function = _load()
     dtype = sources[0].dtype
     if function is None or op not in ("sum", "mean") or dtype not in DTYPE_CODES or (divisor and dtype.kind != "f"):
+        return None
+    arrays = (list(sources), list(targets))
+    args = (_pointers(sources), len(sources), _pointers(targets), len(targets), sources[0].size, DTYPE_CODES[dtype],
+            float(divisor))
+
+    def run() -> None:
+        if function(*args) != 0:
+            raise RuntimeError(f"{LIB_NAME}: hpcpar_shm_sum refused {len(arrays[0])} sources of {dtype}")
+
+    return run
+
+
+def reduce_into(sources: list, targets: list, op: str, divisor: int = 0) -> bool:
+    """``prepare(...)()`` once: True when done, False (nothing done) where ``prepare`` gives None."""
+    run = prepare(sources, targets, op, divisor)
+    if run is None:
         return False
-    if _call(function, sources, targets, divisor) != 0:
-        raise RuntimeError(f"{LIB_NAME}: hpcpar_shm_sum refused {len(sources)} sources of {dtype}")
+    run()
     return True

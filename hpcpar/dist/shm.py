@@ -197,6 +197,8 @@ class ShmCollectives:
 
     # ----- the collectives (None: not taken, the caller uses MPI) ---------------------------
     def allreduce(self, x, op: str = "sum", out=None):
+        if x.nbytes < self.min_bytes:  # first, as it is the cheapest refusal: MPI's call checks the arguments
+            return None
         check_allreduce_args("allreduce", x, op, out)
         if not self._takes(x, op):
             return None
@@ -222,6 +224,8 @@ class ShmCollectives:
         return x if in_place else out
 
     def iallreduce(self, x, op: str = "sum", out=None) -> Handle | None:
+        if x.nbytes < self.min_bytes:
+            return None
         check_allreduce_args("iallreduce", x, op, out)
         if out is not x or not self._takes(x, op):
             return None

@@ -1,21 +1,26 @@
 """Shared-memory, hierarchical collectives: the node's memory bandwidth instead of MPI's copies.
 
 MPI libraries move a one-node all-reduce through their own buffers (MPICH here: 64 MiB at
-2 ranks in ~15-35 ms, where a memory copy takes ~8 ms). Here the ranks of a node keep
+2 ranks in ~8-10 ms, where a memory copy takes ~3.5-6.5 ms). Here the ranks of a node keep
 their buffers in an MPI shared-memory window (hpcpar.dist.shm_windows) and reduce them in
 place, in parallel, with no message at all:
 
 1. each rank announces that its buffer is ready (a counter in a small shared control window);
 2. when every rank of the node has, rank r sums slice r (1/n of the elements) of all n
-   buffers, in cache-sized chunks with NumPy ``add(out=)``, in MPICH's order
-   (hpcpar.dist.shm_reduce), and writes the sum into slice r of every buffer;
+   buffers in MPICH's order (hpcpar.dist.shm_reduce) and writes the sum into slice r of
+   every buffer, block by block while the block is in the cache: one C call per slice
+   (``native/shm_reduce.c`` through hpcpar.dist.shm_kernel; at 2 ranks one pass, each
+   element read once and written into both buffers), or NumPy ``add(out=)`` in chunks of
+   ``CHUNK_BYTES`` where the library is not built or for max and min;
 3. across nodes, rank r all-reduces its slice with rank r of every other node over MPI
    (every rank by slice, all at once) before writing it out;
 4. each rank announces it is done; a rank returns when all have, so no buffer is written
    again while a peer still reads it.
 
 Each rank reads the node's n slices once and writes its slice n times: the traffic of one
-memory copy of the buffer per rank, the least an in-place all-reduce can move.
+memory copy of the buffer per rank, the least an in-place all-reduce can move. What a
+buffer's slices are, and the loop over them, is worked out at its first all-reduce and kept
+with the buffer (``Segment.plans``), so a call costs ~11 us of Python and flags at 2 ranks.
 
 **Where it applies.** A ``Communicator`` gets a ``ShmCollectives`` as ``comm.shm`` from
 ``hpcpar.init`` when the path is on (the default on CPUs; off with ``init(shm=False)``,
@@ -72,7 +77,7 @@ SHM_VARIABLE = "HPCPAR_SHM"
 DEFAULT_ON = True  # every MPI test passed with all collectives through it (2, 4, 2x2 ranks), and it is faster
 MIN_BYTES = 64 << 10  # below: MPI's latency wins (measured: 128 KiB at 2 ranks about even)
 MAX_COPY_BYTES = 8 << 20  # above: copying a plain array in and out costs more than MPI saves
-CHUNK_BYTES = 256 << 10  # a chunk of the running sum and of one source fit a core's L2
+CHUNK_BYTES = 256 << 10  # NumPy's chunk: sources and sum fit a core's L2 (64 KiB-1 MiB measured: 256-512 KiB best)
 UFUNCS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
 _POSTED, _DONE, _RING = 0, 1, 2  # control words: ops posted, ops this rank finished, then (buffer, count) per op

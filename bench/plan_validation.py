@@ -4,7 +4,7 @@
 
 1. ``hpcpar plan calibrate`` on all ranks: op families, concurrency, collectives per group size,
    and the machine's ``model_factor`` from the calibration GPT (4 layers, width 128, on one rank:
-   the only model the planner sees; ``hpcpar.plan.calibrate.fit_model_factor``).
+   the only model the planner sees; ``hpcpar.plan.calibrate.fit_model``).
 2. For three held-out models (a deeper-narrower GPT, a shallower-wider GPT, the digits CNN)
    at 2 and 4 ranks: every layout ``hpcpar compare`` runs (its own ``layout_job`` and
    ``measure``, the same steps and medians), predicted first, then measured.

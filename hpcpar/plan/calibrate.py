@@ -4,9 +4,11 @@
 
 Rank 0 times hpcpar's own autograd ops, forward and backward, at a few sizes while the other
 ranks wait without spinning: matrix products (``gemm``), attention (its products and its
-softmax apart), and each elementwise family the model counts (``model.PASSES``); a rate per
-family is the least-squares fit of time = ops x op overhead + units / rate, units being what
-``model`` counts for that op (FLOPs, or bytes moved). Then every group size 2..N times the
+softmax apart; convolutions, their products apart from their im2col copies), and each
+elementwise family the model counts (``model.PASSES``); a rate per family is the least-squares
+fit of time = ops x op overhead + units / rate, units being what ``model`` counts for that op
+(FLOPs, or bytes moved). Then the calibration GPT and three variants of it fit the costs whole
+models add to their ops (``fit_model``). Then every group size 2..N times the
 collectives the engines call, on the same paths (tensor parallelism's plain all-reduce, DDP's
 bucket all-reduce on a shared buffer, ZeRO's reduce-scatter and all-gather, pipeline sends),
 and fits latency + wire bytes / bandwidth per collective and group size.
@@ -79,10 +81,6 @@ def measure_ops(dtype=np.float32) -> Compute:
         attention.append((12 * scores * hs, passes("softmax", scores, 4) + passes("softmax", scores, 4, True),
                           seconds - 2 * overhead))
     softmax_rate, attention_rate = _fit_two(attention)
-    conv = []
-    for n, c, side, c_out in ((64, 8, 16, 16), (128, 16, 8, 32), (64, 32, 8, 64)):
-        x, w = t(n, c, side, side), t(c_out, c, 3, 3)
-        conv.append((2, 3 * 2 * n * side * side * c * 9 * c_out, _timed(_fwd_bwd(lambda: ops.conv2d(x, w, padding=1)))))
     families = {"softmax": softmax_rate}
     for family, op, shape in (("layernorm", lambda x: ops.layer_norm(x, None, None), (64, 256)),
                               ("gelu", ops.gelu, (64, 256)), ("copy", lambda x: ops.add(x, x), (64, 256)),
@@ -97,8 +95,25 @@ def measure_ops(dtype=np.float32) -> Compute:
         families[family] = _fit_rate(samples, overhead)
     families["embedding"] = families["copy"]
     bandwidth = families["copy"]
-    return Compute(gemm_flops=gemm_rate, attention_flops=attention_rate, conv_flops=_fit_rate(conv, overhead), bandwidth=bandwidth,
+    families["im2col"], conv_rate = _fit_two(_conv_samples(t, overhead, families["copy"], d))
+    return Compute(gemm_flops=gemm_rate, attention_flops=attention_rate, conv_flops=conv_rate, bandwidth=bandwidth,
                    op_overhead_s=overhead, family_bandwidth=families)
+
+
+def _conv_samples(tensor, overhead: float, copy_rate: float, d: int) -> list:
+    """(FLOPs, im2col bytes, seconds less the op overhead and the output/input copies) of a 3 x 3
+    convolution forward and backward at shapes whose FLOPs per column differ (Cout 4..64)."""
+    from ..autograd import ops
+
+    samples = []
+    for n, c, side, c_out in ((64, 8, 16, 16), (128, 16, 8, 32), (64, 32, 8, 64), (512, 2, 8, 4)):
+        x, w = tensor(n, c, side, side), tensor(c_out, c, 3, 3)
+        pixels, cols = n * side * side, n * side * side * c * 9
+        seconds = _timed(_fwd_bwd(lambda: ops.conv2d(x, w, padding=1)))
+        copies = (4 * pixels * c_out + 2 * pixels * c) * d / copy_rate
+        samples.append((3 * 2 * pixels * c * 9 * c_out, passes("im2col", cols, d) + passes("im2col", cols, d, True),
+                        seconds - 2 * overhead - copies))
+    return samples
 
 
 def _family_seconds(family, op, shape, tensor, dtype) -> tuple[float, int]:
@@ -239,26 +254,27 @@ def measure_inter(world, repeats: int = 5) -> Link | None:
     return _fit_link(world.bcast(points if world.Get_rank() == 0 else None, root=0))
 
 
-def measure_concurrency(world, repeats: int = 5) -> list[float]:
-    """[1, s2, ..., sN]: how much slower a GPT block's forward and backward runs when k ranks of
-    this node run it at once (shared cores, memory bandwidth, caches; more ranks than cores)."""
-    from ..autograd import Tensor
+def measure_concurrency(world, repeats: int = 5, rounds: int = 3) -> list[float]:
+    """[1, s2, ..., sN]: how much slower a training step of the calibration GPT runs when k ranks
+    of this node run it at once (shared cores, memory bandwidth, caches; more ranks than cores).
+    A whole step (its Python, its optimizer) rather than one block: that is what layouts run.
+    Alone and together are timed in alternating rounds, and each k's figure is the median of
+    its rounds' ratios, so a drift of the machine during calibration cancels."""
     from ..dist.comm import Communicator
-    from ..nn.gpt import Block, GPTConfig
 
     waiting = Communicator(world, "world", wait_policy="yield")
-    block = Block(GPTConfig(n_layer=1, n_embd=128, n_head=4, block_size=64), np.float32, np)
-    x = Tensor(np.random.default_rng(world.Get_rank()).standard_normal((4, 64, 128)).astype(np.float32),
-               requires_grad=True)
-    work = _fwd_bwd(lambda: block(x))
-    slowdown = []
-    for k in range(1, world.Get_size() + 1):
-        waiting.barrier()
-        seconds = _timed(work, repeats) if world.Get_rank() < k else 0.0
-        waiting.barrier()
-        times = [t for t in world.allgather(seconds)[:k]]
-        slowdown.append(statistics.median(times))
-    return [t / slowdown[0] for t in slowdown]
+    step = step_runner(calibration_job())
+    ratios = [[] for _ in range(world.Get_size())]
+    for _ in range(rounds):
+        medians = []
+        for k in range(1, world.Get_size() + 1):
+            waiting.barrier()
+            seconds = _timed(step, repeats) if world.Get_rank() < k else 0.0
+            waiting.barrier()
+            medians.append(statistics.median(world.allgather(seconds)[:k]))
+        for k, seconds in enumerate(medians):
+            ratios[k].append(seconds / medians[0])
+    return [statistics.median(r) for r in ratios]
 
 
 def calibrate(world, inter_file: str | None = None, name: str | None = None) -> tuple[Machine, dict]:
@@ -270,7 +286,7 @@ def calibrate(world, inter_file: str | None = None, name: str | None = None) -> 
     start = time.perf_counter()
     compute = measure_ops() if world.Get_rank() == 0 else None
     if world.Get_rank() == 0:  # the calibration model, while the others wait without spinning
-        fit_model_factor(Machine("probe", 256, 1, 1e12, {"fp32": compute}, Link(0, 1e12), Link(0, 1e12)))
+        fit_model(Machine("probe", 256, 1, 1e12, {"fp32": compute}, Link(0, 1e12), Link(0, 1e12)))
     waiting.barrier()
     compute = world.bcast(compute, root=0)
     concurrency = measure_concurrency(world)
@@ -283,8 +299,10 @@ def calibrate(world, inter_file: str | None = None, name: str | None = None) -> 
     comments = {"cores": "CPUs the ranks may use (affinity and cgroup quota); more ranks run slower by ranks / cores",
                 "ranks_per_node": "ranks of node 0 (256 on one node: any number of ranks share it)",
                 "memory_gb": "the node's memory, shared by its ranks (memory_shared)",
-                "model_factor": "measured / predicted step of the calibration GPT (4 layers, width 128) on one rank",
-                "concurrency": "measured: a GPT block's time with k ranks computing at once / alone, k = 1, 2, ...",
+                "model_factor": "fitted on the calibration GPT (4 layers, width 128) and its variants on one rank (fit_model)",
+                "op_overhead_s": "fitted: the cost of one op inside the calibration GPT (fit_model)",
+                "micro_batch_overhead_s": "fitted: the fixed cost of one micro-batch of the calibration GPT (fit_model)",
+                "concurrency": "measured: the calibration GPT's step with k ranks computing at once / alone, k = 1, 2, ...",
                 "overlap": "0: without a progress thread a bucket all-reduce moves only inside MPI calls",
                 "intra": "2-rank all-reduce fit; per-op and per-size lines below",
                 "collective": "measured: latency + wire bytes / bandwidth"}
@@ -311,9 +329,10 @@ def write_machine(machine: Machine, comments: dict, path: str) -> None:
 
 # The calibration model: the one model the planner is fitted on (bench/plan_validation.py predicts others).
 CALIBRATION_GPT = {"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 64, "batch_size": 16}
+SMALL_BATCH = 2  # rows of the second calibration step: mostly the cost per op
 
 
-def calibration_job():
+def calibration_job(batch_size: int | None = None):
     """The calibration GPT as a one-rank job (token ids are drawn at random: no data file is read)."""
     from dataclasses import replace
 
@@ -324,14 +343,14 @@ def calibration_job():
     job = Job()
     job = replace(job, model=replace(job.model, kind="gpt", n_layer=g["n_layer"], n_embd=g["n_embd"], n_head=g["n_head"],
                                      block_size=g["block_size"]),
-                  data=replace(job.data, batch_size=g["batch_size"]),
+                  data=replace(job.data, batch_size=batch_size or g["batch_size"]),
                   parallel=replace(job.parallel, dp=1, pp=1, tp=1, micro_batches=1),
                   optimizer=replace(job.optimizer, grad_clip=1.0), train=replace(job.train, device="cpu"))
     return validate(job, 1)
 
 
-def measured_step_seconds(job, steps: int = 5) -> float:
-    """Median seconds of ``train_step`` + ``finish_step`` of a one-rank GPT ``job`` on random ids (after 2 warm-up steps)."""
+def step_runner(job):
+    """A function running one ``train_step`` + ``finish_step`` of a one-rank GPT ``job`` on random ids."""
     from mpi4py import MPI
 
     from ..dist.context import init
@@ -341,27 +360,67 @@ def measured_step_seconds(job, steps: int = 5) -> float:
     ctx = init(dp=1, pp=1, tp=1, comm=MPI.COMM_SELF, device=job.train.device)
     strategy = make_strategy(job, ctx, build_model(job, ctx, compute_dtype(job)), None)
     rng = np.random.default_rng(0)
-    times = []
-    for _ in range(steps + 2):
+
+    def step():
         ids = rng.integers(0, job.model.vocab_size, (job.data.batch_size, job.model.block_size + 1))
-        start = time.perf_counter()
         loss = strategy.train_step(ids[:, :-1], ids[:, 1:])
         strategy.finish_step(job.optimizer.grad_clip, loss)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
+    return step
 
 
-def fit_model_factor(machine: Machine, job=None) -> float:
-    """Scale the machine's compute so that the calibration GPT (``job``) on one rank takes what it measures.
+def measured_step_seconds(job, steps: int = 9) -> float:
+    """Median seconds of a training step of a one-rank GPT ``job`` (after a warm-up step)."""
+    return _timed(step_runner(job), steps)
 
-    The op-family rates come from single ops; a model adds what they miss (allocation, cache
-    misses between ops, the Python around them). One model on one rank is the calibration: the
-    factor (``model_factor``) is then used unchanged for every other model and layout."""
+
+def fit_model(machine: Machine, job=None) -> float:
+    """Fit ``model_factor``, ``op_overhead_s`` and ``micro_batch_overhead_s`` on the calibration GPT.
+
+    The op-family rates come from single ops; a model adds what they miss: the Python around
+    each op (a module call, the graph's bookkeeping), cache misses between ops, and a fixed cost
+    per micro-batch (the forward and backward calls, the loss). The calibration GPT (``job``) is
+    timed on one rank four times: at its batch, at a batch of 2 rows (the same ops with an
+    eighth of the work), with one layer at 2 rows (fewer ops, the same micro-batch), and with
+    one layer at its batch in micro-batches of 2 rows (more micro-batches), so
+
+        T = model_factor x (U + ops x op_overhead) + micro-batches x micro_batch_overhead
+
+    (U: units / rates) is four equations in three unknowns, solved by least squares. The numbers are then used unchanged for every other
+    model and layout. Where the steps do not separate them (noise: a negative solution), the
+    single-op overhead stays, the micro-batch cost is 0 and only the factor is fitted."""
+    from dataclasses import replace
+
     from .predict import StepPlan
+    from ..train.validate import validate
 
     job = job or calibration_job()
     compute = machine.compute_for(job.train.precision)
-    compute.model_factor = 1.0
-    predicted = StepPlan(job, machine).predict().step_s
-    compute.model_factor = measured_step_seconds(job) / predicted
+    single_op = compute.op_overhead_s
+    compute.micro_batch_overhead_s = 0.0
+
+    def op_sum(j, overhead: float) -> float:
+        compute.op_overhead_s, compute.model_factor = overhead, 1.0
+        return StepPlan(j, machine).predict().step_s
+
+    variants = [job]
+    if job.data.batch_size > SMALL_BATCH:
+        small = replace(job, data=replace(job.data, batch_size=SMALL_BATCH))
+        one_layer = replace(job, model=replace(job.model, n_layer=1))
+        micro = job.data.batch_size // SMALL_BATCH
+        variants += [small, replace(small, model=one_layer.model),
+                     replace(one_layer, parallel=replace(job.parallel, micro_batches=micro))]
+    rows, measured = [], []
+    for variant in variants:
+        variant = validate(variant, 1)
+        units = op_sum(variant, 0.0)
+        rows.append([units, (op_sum(variant, 1e-6) - units) / 1e-6, variant.parallel.micro_batches])
+        measured.append(measured_step_seconds(variant))
+    factor, per_op, per_micro_batch = (np.linalg.lstsq(np.array(rows), np.array(measured), rcond=None)[0]
+                                       if len(rows) > 1 else (0.0, 0.0, 0.0))
+    if factor > 0 and per_op > 0 and per_micro_batch >= 0:
+        compute.op_overhead_s, compute.micro_batch_overhead_s = per_op / factor, per_micro_batch
+    else:
+        compute.op_overhead_s, compute.micro_batch_overhead_s = single_op, 0.0
+        factor = measured[0] / (rows[0][0] + rows[0][1] * single_op)
+    compute.model_factor = float(factor)
     return compute.model_factor

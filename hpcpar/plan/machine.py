@@ -14,6 +14,7 @@ cannot run on (``hpcpar/plan/machines/*.toml``: cluster nodes from their public 
     attention_flops = ...            # the batched products inside attention (FLOP/s)
     bandwidth = 2.0e12               # elementwise passes (B/s): default of every family below
     op_overhead_s = 5e-6             # fixed cost of one op (kernel launch, Python dispatch)
+    micro_batch_overhead_s = 0.0     # fixed cost of one micro-batch through a stage (calls, loss, bookkeeping)
     [compute.fp32.family_bandwidth]  # optional, per elementwise family (layernorm, gelu, softmax, ...)
     [network.intra]                  # inside a node; [network.inter]: between nodes
     latency_s = 3e-6
@@ -33,7 +34,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 # Elementwise op families; each moves the modelled bytes at its own rate (default: bandwidth).
-FAMILIES = ("layernorm", "gelu", "softmax", "copy", "embedding", "cross_entropy", "optimizer", "pool")
+FAMILIES = ("layernorm", "gelu", "softmax", "copy", "embedding", "cross_entropy", "optimizer", "pool", "im2col")
 MACHINES_DIR = os.path.join(os.path.dirname(__file__), "machines")
 
 
@@ -46,10 +47,11 @@ class Compute:
     gemm_flops: float
     attention_flops: float
     bandwidth: float
-    conv_flops: float = 0.0  # convolutions with their im2col and folds (FLOP/s); 0: gemm_flops
+    conv_flops: float = 0.0  # the products of convolutions (FLOP/s; im2col is its own family); 0: gemm_flops
     op_overhead_s: float = 0.0
     family_bandwidth: dict = field(default_factory=dict)
-    model_factor: float = 1.0  # measured / op-sum time of a calibration model (calibrate.fit_model_factor)
+    model_factor: float = 1.0  # measured / op-sum time of a calibration model (calibrate.fit_model)
+    micro_batch_overhead_s: float = 0.0  # fixed cost of one micro-batch through a stage (calls, loss, bookkeeping)
 
     def rate_of(self, family: str) -> float:
         return self.family_bandwidth.get(family, self.bandwidth)
@@ -124,7 +126,8 @@ def _compute(table: dict, where: str) -> Compute:
                    conv_flops=_number(table, "conv_flops", where, gemm / efficiency) * efficiency,
                    bandwidth=_number(table, "bandwidth", where) * mem_efficiency,
                    op_overhead_s=_number(table, "op_overhead_s", where, 0.0), family_bandwidth=families,
-                   model_factor=_number(table, "model_factor", where, 1.0))
+                   model_factor=_number(table, "model_factor", where, 1.0),
+                   micro_batch_overhead_s=_number(table, "micro_batch_overhead_s", where, 0.0))
 
 
 def _link(table: dict, where: str) -> Link:
@@ -177,7 +180,8 @@ def format_machine(machine: Machine, comments: dict | None = None) -> str:
                   f"attention_flops = {c.attention_flops:.4g}{note('attention_flops')}",
                   f"conv_flops = {c.conv_flops or c.gemm_flops:.4g}{note('conv_flops')}",
                   f"bandwidth = {c.bandwidth:.4g}{note('bandwidth')}", f"op_overhead_s = {c.op_overhead_s:.4g}{note('op_overhead_s')}",
-                  f"model_factor = {c.model_factor:.4g}{note('model_factor')}"]
+                  f"model_factor = {c.model_factor:.4g}{note('model_factor')}",
+                  f"micro_batch_overhead_s = {c.micro_batch_overhead_s:.4g}{note('micro_batch_overhead_s')}"]
         if c.family_bandwidth:
             lines += ["", f"[compute.{precision}.family_bandwidth]{note('family_bandwidth')}"]
             lines += [f"{name} = {rate:.4g}" for name, rate in c.family_bandwidth.items()]

@@ -26,7 +26,8 @@ FP_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 # ``hpcpar plan calibrate`` times the same ops and divides by these, so on a calibrated
 # machine they only need to scale right with size; on a hand-written one they meet the bandwidth.
 PASSES = {"layernorm": (6, 8), "gelu": (8, 14), "softmax": (8, 6), "cross_entropy": (10, 4),
-          "copy": (3, 2), "embedding": (2, 3), "optimizer": (14, 0), "pool": (3, 3)}
+          "copy": (3, 2), "embedding": (2, 3), "optimizer": (14, 0), "pool": (3, 3),
+          "im2col": (2, 3)}  # over a convolution's columns: copied in forward; written and folded back in backward
 
 
 def passes(family: str, elements: float, dtype_bytes: int, backward: bool = False) -> float:
@@ -224,10 +225,15 @@ def cnn_layers(shape: Shape) -> list[Layer]:
     out = []
     for i, (cin, cout, side) in enumerate(convs):
         pixels = n * side * side
-        flops = 2 * pixels * cin * 9 * cout  # one product each way; im2col, folds and copies ride on the conv rate
+        flops = 2 * pixels * cin * 9 * cout  # one product each way
         cols = pixels * cin * 9  # im2col
+        forward = Work(ops=1).add("conv", flops).add("im2col", passes("im2col", cols, d)).add("copy", 2 * pixels * cout * d)
+        # the images need no gradient: the first convolution computes only its weights'
+        backward = Work(ops=1).add("copy", 2 * pixels * cout * d)
+        if i > 0:
+            backward.add("conv", flops).add("im2col", passes("im2col", cols, d, True)).add("copy", 2 * pixels * cin * d)
         out.append(Layer(f"net.{3 * i}", [(f"net.{3 * i}.weight", cout * cin * 9, False), (f"net.{3 * i}.bias", cout, False)],
-                         Work(ops=1).add("conv", flops), Work(ops=1).add("conv", flops), Work().add("conv", flops),
+                         forward, backward, Work().add("conv", flops),
                          saved_bytes=(cols + pixels * cin) * d, output_elements=pixels * cout,
                          # backward: the columns' gradient, the output gradient's copy, the folded input gradient
                          workspace_bytes=(cols + pixels * cout + 2 * pixels * cin) * d + cols * d))

@@ -180,8 +180,22 @@ class StepPlan:
         return layer.tp_forward + layer.tp_backward + rerun
 
     def stage_seconds(self, stage: int) -> tuple[float, float, float]:
+        """(F, B, W) of one micro-batch through virtual stage ``stage``: its layers, the machine's
+        fixed cost of a micro-batch (half to forward, half to backward), gradient accumulation."""
         times = [self.layer_seconds(layer) for layer in self.stage_layers[stage]]
-        return tuple(sum(t[k] for t in times) for k in range(3))
+        forward, backward, weight = (sum(t[k] for t in times) for k in range(3))
+        fixed = self.machine.compute_for(self.precision).micro_batch_overhead_s * self.slowdown / 2
+        return forward + fixed, backward + fixed, weight + self._accumulation_seconds(stage)
+
+    def _accumulation_seconds(self, stage: int) -> float:
+        """Per micro-batch, the average cost of adding its gradients into the parameters' ``grad``:
+        every micro-batch after the first adds (ops per tensor, three passes over its elements)."""
+        m = self.layout.micro_batches
+        if m == 1:
+            return 0.0
+        tensors = {name: elements for layer in self.stage_layers[stage] for name, elements, _ in layer.params}
+        work = Work(ops=len(tensors)).add("copy", 3 * sum(tensors.values()) * self.dtype_bytes)
+        return work_seconds(work, self.machine, self.precision) * self.slowdown * (m - 1) / m
 
     def boundary_bytes(self, stage: int) -> float:
         """Bytes of one micro-batch's activation leaving virtual stage ``stage`` (per tp rank)."""
@@ -269,13 +283,19 @@ class StepPlan:
 
     def _optimizer_seconds(self, rank: int) -> float:
         """The optimizer's elementwise passes over this rank's (shard of the) parameters, and clipping."""
-        elements = sum(e for _, e, _ in self.rank_parameters(rank))
+        params = self.rank_parameters(rank)
+        elements = sum(e for _, e, _ in params)
+        # The optimizer steps tensor by tensor (ZeRO-1: its one flat shard); each tensor pays
+        # the ops of one update (8, as calibration counts them) and clipping's two (norm, scale).
+        tensors = 1 if self.job.parallel.zero else len(params)
         if self.job.parallel.zero:
             elements = -(-elements // self.layout.dp)
         passes = {"adamw": 14, "adam": 14, "sgd": 4 if self.job.optimizer.momentum else 3}[self.job.optimizer.name]
-        passes += 3 if self.job.optimizer.grad_clip > 0 else 0
+        ops_per_tensor = 8
+        if self.job.optimizer.grad_clip > 0:
+            passes, ops_per_tensor = passes + 3, ops_per_tensor + 2
         passes += 4 if self.mixed else 0
-        work = Work(ops=8).add("optimizer", passes * elements * self.master_bytes)
+        work = Work(ops=ops_per_tensor * tensors).add("optimizer", passes * elements * self.master_bytes)
         return work_seconds(work, self.machine, "fp32") * self.slowdown
 
     def _optimizer_comm_seconds(self) -> float:

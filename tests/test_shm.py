@@ -235,6 +235,9 @@ def test_dropped_buffers_are_freed_together(world):
     assert len(comm.shm.windows.segments) <= 3  # control words, the last dropped one, the kept one
     kept[...] = 1
     assert np.array_equal(comm.allreduce(kept, out=kept), np.full(1000, world.Get_size(), np.float32))
+    for count in range(1000, 1040):  # plain arrays of many sizes through the scratch buffer
+        assert np.array_equal(comm.allreduce(np.ones(count, np.float32)), np.full(count, world.Get_size(), np.float32))
+    assert all(len(segment.plans) <= shm_module._PLANS_KEPT for segment in comm.shm.windows.segments.values())
 
 
 @pytest.mark.mpi(min_size=2)

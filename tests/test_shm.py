@@ -21,6 +21,7 @@ from dp_reference import GLOBAL_BATCH, global_batch, max_difference, train_singl
 from hpcpar.dist import nodes, shm as shm_module, shm_kernel
 from hpcpar.dist.shm import MIN_BYTES, shared_zeros
 from hpcpar.dist.shm_reduce import combine, reduce_into, reference, slices, temporaries
+from hpcpar.native import library_path
 from hpcpar.nn.gpt import GPT, GPTConfig
 from test_data_parallel import STEPS, train_data_parallel
 
@@ -69,7 +70,13 @@ def operands(n, count, dtype):
             for i in range(n)]
 
 
-needs_native = pytest.mark.skipif(not shm_kernel.available(), reason="build/libhpcpar_shm.so not built: make native")
+SHM_LIBRARY = library_path().parent / shm_kernel.LIB_NAME
+needs_native = pytest.mark.skipif(not SHM_LIBRARY.exists(), reason=f"{SHM_LIBRARY} not built: make native")
+
+
+@needs_native
+def test_the_native_loop_is_used_where_it_is_built():
+    assert shm_kernel.available(), f"{SHM_LIBRARY} is built but failed its check against NumPy"
 
 
 @pytest.mark.parametrize("loop", ["numpy", pytest.param("native", marks=needs_native)])

@@ -12,10 +12,9 @@
    (parameters + optimizer state; the tracemalloc peak of a step); bytes per step predicted vs
    counted; whether the measured best layout is in the predicted top 2.
 
-``--models 0,1,2`` picks the held-out models (one per run: ``for m in 0 1 2; do mpiexec -n 4
-hpcpar run bench/plan_validation.py --models $m --out runs/plan-validation-$m; done`` — twice in
-seven runs here, with the stall watchdog on, MPICH failed an Ibcast ("Other MPI error") at the first
-layout of the third model after some twenty layouts in one process; one model per run never failed).
+``--models 0,1,2`` picks the held-out models (all three in one run by default, or one per run:
+``for m in 0 1 2; do mpiexec -n 4 hpcpar run bench/plan_validation.py --models $m --out
+runs/plan-validation-$m; done``).
 ``--against JOB COMPARE_JSON MACHINE`` prints predictions beside an earlier ``hpcpar compare`` run.
 
 Runs with more ranks than cores are oversubscribed: the planner slows compute by ranks / cores
@@ -37,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mpi4py import MPI  # noqa: E402
 
 from hpcpar import host  # noqa: E402
-from hpcpar.compare import factorisations, layout_job, measure  # noqa: E402
+from hpcpar.compare import factorisations, layout_job, measure_on_first_ranks  # noqa: E402
 from hpcpar.dist.comm import Communicator  # noqa: E402
 from hpcpar.plan.calibrate import calibrate, write_machine  # noqa: E402
 from hpcpar.plan.predict import StepPlan  # noqa: E402
@@ -53,11 +52,18 @@ HELD_OUT = [("deep-narrow GPT 8x64", GPT.format(s=64, L=8, a=4, h=64, b=16)),
             ("digits CNN 32/64", CNN)]
 
 
-def job_from(text: str, folder: str, name: str):
-    path = os.path.join(folder, name.split()[0] + ".toml")
-    with open(path, "w") as f:
-        f.write(text)
-    return load_job(path)
+def job_from(text: str, name: str):
+    """The job of ``text``, read by this rank from a file of its own.
+
+    Not one file shared by the ranks: each rewrote it while others read it, and a rank that read
+    it half written built the defaults' model (width 256 for 64); its parameter broadcast then
+    failed in MPICH ("Other MPI error" in MPIDU_Sched_progress_state) or its layouts went out of
+    step with the other ranks'. A rank's own folder also exists on every node."""
+    with tempfile.TemporaryDirectory(prefix="plan-validation-") as folder:
+        path = os.path.join(folder, name.split()[0] + ".toml")
+        with open(path, "w") as f:
+            f.write(text)
+        return load_job(path)
 
 
 def run_layouts(job, machine, world, ranks: int, steps: int, waiting) -> list:
@@ -68,12 +74,7 @@ def run_layouts(job, machine, world, ranks: int, steps: int, waiting) -> list:
             layout_run = layout_job(job, layout, steps)
         except JobError:
             continue
-        size = layout[0] * layout[1] * layout[2]
-        group = world.Split(0 if world.Get_rank() < size else MPI.UNDEFINED, world.Get_rank())
-        figures = None
-        if group != MPI.COMM_NULL:  # not freed: a freed context's id came back under a later layout
-            figures = measure(layout_run, group, steps)  # while a peer still progressed the old one
-
+        figures = measure_on_first_ranks(layout_run, world, steps)
         waiting.barrier()
         if world.Get_rank() == 0:
             prediction = StepPlan(layout_run, machine).predict()
@@ -142,8 +143,6 @@ def main(argv) -> int:
         return 0
     world = MPI.COMM_WORLD
     waiting = Communicator(world, "world", wait_policy="yield")
-    folder = tempfile.mkdtemp(prefix="plan-validation-") if world.Get_rank() == 0 else None
-    folder = world.bcast(folder, root=0)
     machine, comments = calibrate(world)  # its model_factor: the calibration GPT, 4 layers of width 128, one rank
     if world.Get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
@@ -154,7 +153,7 @@ def main(argv) -> int:
     cores = host.usable_cpus()
     summaries, texts = [], []
     for name, text in [HELD_OUT[int(i)] for i in args.models.split(",")]:
-        job = job_from(text, folder, name)
+        job = job_from(text, name)
         for ranks in (2, 4):
             if ranks > world.Get_size():
                 continue

@@ -22,17 +22,23 @@ steps after two warm-up steps (the slowest rank decides a step):
 The header states the CPUs the ranks may use (their affinity masks, capped by the cgroup's
 CPU quota) and the BLAS threads per rank; when ranks x threads on a node exceed its usable
 CPUs, a warning says the figures are distorted. Prints the table, writes ``compare.json`` and,
-with matplotlib, ``compare.png``.
+with matplotlib, ``compare.png``. Layouts the job cannot run in are listed under the table with
+the reason; a job whose one-rank baseline cannot run (a parameter-server job: its servers need
+ranks of their own) is refused with one line before anything runs.
+
+The layouts run one after another in one MPI job: the first dp x pp x tp ranks split a group off
+the world, build the layout from the same job on every rank, train and free the group
+(``measure_on_first_ranks``), while the others wait in a barrier that does not spin.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
 import time
 from dataclasses import replace
 
-import numpy as np
 from mpi4py import MPI
 
 from . import host, log
@@ -143,6 +149,59 @@ def measure(job, comm, steps: int) -> dict:
             "bytes_per_step": gather(traffic / steps, MPI.SUM)}
 
 
+def layouts_to_measure(job, world_size: int, steps: int, precisions) -> tuple[list, list]:
+    """([the job of each layout to measure], [(label, why) of each layout left out]): the same on
+    every rank, before anything runs. JobError when the one-rank baseline of a precision is
+    refused (a parameter-server job's, say): every speed-up is measured against it."""
+    runs, skipped = [], []
+    layouts = [(1, 1, 1)] + (factorisations(world_size) if world_size > 1 else [])
+    for layout, precision in [(layout, precision) for layout in layouts for precision in precisions]:
+        try:
+            runs.append(layout_job(job, layout, steps, precision))
+        except JobError as error:
+            if layout == (1, 1, 1):
+                raise JobError(error.source, [(key, f"{text} (in the one-rank baseline every speed-up is measured "
+                                                    f"against)") for key, text in error.problems]) from None
+            skipped.append((label(layout), "; ".join(text for _, text in error.problems)))
+    return runs, skipped
+
+
+class JobsDiffer(RuntimeError):
+    """The ranks hold different jobs; raised on every rank, reported once (by world rank 0)."""
+
+    report_elsewhere = False
+
+
+def same_job_everywhere(job, world) -> None:
+    """Raise JobsDiffer on every rank alike unless every rank of ``world`` holds ``job``'s settings
+    (collective: one small all-gather of a digest)."""
+    digest = hashlib.sha256(json.dumps(job.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+    digests = world.allgather(digest)
+    differ = [rank for rank, theirs in enumerate(digests) if theirs != digests[0]]
+    if differ:
+        error = JobsDiffer(f"hpcpar compare: world rank(s) {differ} hold another job than rank 0 "
+                           f"(job {job.source} here); every rank must measure the same job")
+        error.report_elsewhere = world.Get_rank() != 0
+        raise error
+
+
+def measure_on_first_ranks(job, world, steps: int) -> dict | None:
+    """``measure`` ``job`` on the first dp x pp x tp ranks of ``world``: its figures there, None on
+    the other ranks (collective over ``world``, which they only join to split it).
+
+    Every rank must pass the same job: a rank that builds another model (it read a job file
+    another rank was rewriting, say) would call the layout's collectives with other buffers, and
+    MPI would fail or hang in one of them: ``same_job_everywhere`` checks first."""
+    same_job_everywhere(job, world)
+    p = job.parallel
+    group = world.Split(0 if world.Get_rank() < p.dp * p.pp * p.tp else MPI.UNDEFINED, world.Get_rank())
+    if group == MPI.COMM_NULL:
+        return None
+    figures = measure(job, group, steps)
+    group.Free()  # after the layout's last collective, on every rank of it
+    return figures
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("job", help="the job file whose model, data and optimizer are measured")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per layout (after 2 warm-up steps)")
@@ -190,30 +249,21 @@ def run(args) -> int:
     world = MPI.COMM_WORLD
     # Ranks outside a smaller layout wait here; they must not spin on the cores it runs on.
     waiting = Communicator(world, "world", wait_policy="yield")
+    precisions = [None] if args.precision is None else ["fp32"] + [p for p in args.precision if p != "fp32"]
     try:  # the same verdict on every rank, before any rank waits on another
         job = load_job(args.job, args.set)
+        runs, skipped = layouts_to_measure(job, world.Get_size(), args.steps, precisions)
     except JobError as error:
         raise UsageError(f"hpcpar compare: error: {error}") from None
     cpus, problem = cpu_budget(world)
     if problem:
         logger.warning(problem)
     out = args.out or os.path.join("runs", "compare-" + os.path.basename(args.job).rsplit(".", 1)[0])
-    precisions = [None] if args.precision is None else ["fp32"] + [p for p in args.precision if p != "fp32"]
-    results, skipped = [], []
-    layouts = [(1, 1, 1)] + (factorisations(world.Get_size()) if world.Get_size() > 1 else [])
-    for layout, precision in [(layout, precision) for layout in layouts for precision in precisions]:
-        try:
-            layout_run = layout_job(job, layout, args.steps, precision)
-        except JobError as error:
-            skipped.append((label(layout), "; ".join(text for _, text in error.problems)))
-            continue
-        size = int(np.prod(layout))
-        group = world.Split(0 if world.Get_rank() < size else MPI.UNDEFINED, world.Get_rank())
-        if group != MPI.COMM_NULL:
-            figures = measure(layout_run, group, args.steps)
-            if group.Get_rank() == 0:
-                results.append(figures)
-            group.Free()
+    results = []
+    for layout_run in runs:
+        figures = measure_on_first_ranks(layout_run, world, args.steps)
+        if world.Get_rank() == 0:
+            results.append(figures)
         waiting.barrier()
     if world.Get_rank() != 0:
         return 0

@@ -263,7 +263,8 @@ def flat_state_load_plan(saved: Saved, slabs: list, shard, commit: Callable[[dic
         for name, _, shape, glob, local_shape, offset in slabs:
             def assign(values, flat=flat, offset=offset):
                 flat[offset: offset + values.size] = values.reshape(-1)
-            reads.append(Read(f"optim/{name}/{key}", shape, glob, assign, shard.dtype))
+            target = flat[offset: offset + math.prod(local_shape)].reshape(local_shape)  # what assign fills
+            reads.append(Read(f"optim/{name}/{key}", shape, glob, assign, shard.dtype, target))
 
     def finish():
         commit({key: value if np.ndim(value) == 0 else to_device(value, shard.xp) for key, value in state.items()})

@@ -49,6 +49,23 @@ def prepared_tokens(path: str, max_mb: float) -> str:
     return path
 
 
+def world_token_file(prefix: str, max_mb: float = 0.2) -> str:
+    """A small token file in a fresh folder of world rank 0's, prepared once for every rank (collective
+    over the world: MPI tests)."""
+    import tempfile
+
+    from mpi4py import MPI
+
+    from hpcpar.data.prepare import ensure_prepared
+    from hpcpar.dist.comm import Communicator
+
+    world = MPI.COMM_WORLD
+    folder = world.bcast(tempfile.mkdtemp(prefix=prefix) if world.Get_rank() == 0 else None, root=0)
+    path = os.path.join(folder, "tokens.h5")
+    ensure_prepared(path, Communicator(world, "world"), max_mb=max_mb)
+    return path
+
+
 @pytest.fixture(scope="session")
 def token_file(tmp_path_factory):
     """A small token file of `hpcpar data prepare` (1 MB of the standard library), shared by the job tests."""

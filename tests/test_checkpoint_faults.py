@@ -472,7 +472,9 @@ def test_the_native_crc_equals_zlib():
     from hpcpar.checkpoint import crc
 
     rng = np.random.default_rng(3)
-    for size in list(range(0, 200)) + [4096, (1 << 20) + 13]:
+    # up to 200 bytes: zlib's tail and the 64-byte folding; 440-720: the 256-byte folding of
+    # VPCLMULQDQ (used from 448 bytes) with every remainder; then whole MiBs
+    for size in list(range(0, 200)) + list(range(440, 720)) + [4096, (1 << 20) + 13]:
         data = rng.integers(0, 256, size, dtype=np.uint8)
         for start in (0, 0x12345678):
             assert crc.crc32(data, start) == zlib.crc32(data, start)
@@ -562,3 +564,66 @@ def test_a_load_into_a_trained_run_fills_its_arrays_in_place(tmp_path):
     fresh = DataParallelRun(ctx)
     checkpoint.load(str(tmp_path), fresh.model, fresh.optimizer, ctx, extra=fresh.extra())
     assert snapshot(fresh) == snapshot(run)
+
+
+def test_the_copy_into_destinations_is_exact_at_any_size_and_alignment():
+    """fastcopy.copy_pieces (native streaming stores from 256 KiB, when built) copies every byte
+    of every pair, whatever the sizes and the alignment of either side, and nothing around them."""
+    from hpcpar.checkpoint import fastcopy
+
+    rng = np.random.default_rng(5)
+    source = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
+    for size in (0, 1, 15, 100, (256 << 10) - 1, 256 << 10, (256 << 10) + 13, (1 << 20) + 7):
+        for shift in (0, 1, 7, 16, 63):
+            destination = np.zeros(size + 128, dtype=np.uint8)
+            fastcopy.copy_pieces([(destination[shift: shift + size], source[3 - shift % 4: 3 - shift % 4 + size]),
+                                  (destination[:0], source[:0])])
+            assert np.array_equal(destination[shift: shift + size], source[3 - shift % 4: 3 - shift % 4 + size])
+            assert not destination[:shift].any() and not destination[shift + size:].any()
+
+
+@pytest.mark.parametrize("without", ["mapping", "native copy"])
+def test_a_load_without_file_mapping_or_the_native_copy_is_the_same(tmp_path, monkeypatch, without):
+    """A file system that cannot map files (the bytes are read instead), or no native library
+    (NumPy copies): the same bytes load, and damage is still found."""
+    from hpcpar.checkpoint import fastcopy, reader
+
+    if without == "mapping":
+        def unmappable(*args, **kwargs):
+            raise OSError(19, "No such device")
+        monkeypatch.setattr(reader.mmap, "mmap", unmappable)
+    else:
+        monkeypatch.setitem(fastcopy._state, "copy", None)
+    ctx, run = saved_run(tmp_path, steps=(1,))
+    trained = DataParallelRun(ctx)
+    trained.train(range(2))
+    checkpoint.load(str(tmp_path), trained.model, trained.optimizer, ctx, extra=trained.extra())
+    assert snapshot(trained) == snapshot(run)
+    damage(os.path.join(step_dir(tmp_path, 1), "shard-00000.h5"), "flip", 0.6)
+    before = snapshot(trained)
+    with pytest.raises(CheckpointDamaged, match="checksum"):
+        checkpoint.load(str(tmp_path), trained.model, trained.optimizer, ctx)
+    assert snapshot(trained) == before
+
+
+def test_a_file_cut_short_after_its_check_is_damage_not_a_crash(tmp_path, monkeypatch):
+    """A shard truncated between the check and the copy into the model (the mapping would fault
+    past the file's end): a CheckpointDamaged naming it, raised before a byte is copied."""
+    from hpcpar.checkpoint import reader
+
+    ctx, run = saved_run(tmp_path, steps=(1,))
+    shard = os.path.join(step_dir(tmp_path, 1), "shard-00000.h5")
+    checked = reader.RawSource.read_and_verify
+
+    def check_then_truncate(self, mine):
+        problems = checked(self, mine)
+        damage(shard, "truncate", 0.5)
+        return problems
+    monkeypatch.setattr(reader.RawSource, "read_and_verify", check_then_truncate)
+    trained = DataParallelRun(ctx)
+    trained.train(range(2))
+    before = snapshot(trained)
+    with pytest.raises(CheckpointDamaged, match="shorter than when it was checked"):
+        checkpoint.load(str(tmp_path), trained.model, trained.optimizer, ctx)
+    assert {k: v for k, v in snapshot(trained).items() if k.startswith("param")} == \
+        {k: v for k, v in before.items() if k.startswith("param")}

@@ -100,6 +100,8 @@ USAGE_ERRORS = [
     (["compare", "jobs/gpt-dp.toml", "--set", "parallel.tpp=2"], "hpcpar compare: error: jobs/gpt-dp.toml: "
                                                                  "parallel.tpp (--set): unknown key; did you mean 'tp'?"),
     (["info", "--log-ranks", "x"], "hpcpar info: error: argument --log-ranks: log ranks must be 'all'"),
+    (["compare", "jobs/gpt-ps.toml"], "hpcpar compare: error: jobs/gpt-ps.toml: parallel.servers: 1 server(s) leave "
+                                      "no worker among 1 ranks"),  # no one-rank baseline to measure against
     (["plot", "CORRUPT"], "hpcpar plot: error: CORRUPT, line 2: not JSON"),
 ]
 
@@ -116,7 +118,8 @@ def test_a_usage_error_is_one_line_and_exit_status_2(args, start, corrupt_metric
 
 @pytest.mark.parametrize("args, start", [(["info", "--tp", "3"], "hpcpar info: error: world size 4 is not divisible"),
                                          (["bench", "foo"], "hpcpar bench: error: argument BENCHMARK"),
-                                         (["compare", "--steps", "2"], "hpcpar compare: error: the following")])
+                                         (["compare", "--steps", "2"], "hpcpar compare: error: the following"),
+                                         (["compare", "jobs/gpt-ps.toml"], "hpcpar compare: error: jobs/gpt-ps.toml")])
 def test_a_usage_error_under_mpiexec_is_one_line_from_rank_0(args, start):
     proc = hpcpar_command(*args, ranks=4)
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr

@@ -5,9 +5,9 @@ finish_step, as ``hpcpar compare`` times them) against ``hpcpar.plan.traffic`` â
 communicator and operation, the calls, the bytes given and the wire bytes, summed over ranks.
 """
 import os
-import tempfile
 
 import pytest
+from conftest import world_token_file
 from mpi4py import MPI
 
 from hpcpar.plan.machine import load_machine
@@ -38,19 +38,17 @@ LAYOUTS = {  # world size -> [(model, overrides)]
         ("gpt", ["parallel.dp=2", "parallel.tp=2", "parallel.zero=true", 'model.recompute="full"']),
         ("gpt", ["parallel.pp=4", "parallel.micro_batches=8", 'parallel.schedule="1f1b"']),
         ("gpt", ["parallel.dp=4", "parallel.bucket_mb=0.02"]),
-        ("cnn", ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=true"])],
+        ("cnn", ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=true"]),
+        # stage 2 holds only a ReLU and a pooling layer: ZeRO-1 over no parameters
+        ("cnn", ["parallel.pp=4", "parallel.micro_batches=4", "parallel.zero=true"])],
 }
 
 
 @pytest.fixture(scope="module")
 def job_files():
-    from hpcpar.data.prepare import ensure_prepared
-    from hpcpar.dist.comm import Communicator
-
     world = MPI.COMM_WORLD
-    folder = world.bcast(tempfile.mkdtemp(prefix="plan-traffic-") if world.Get_rank() == 0 else None, root=0)
-    tokens = os.path.join(folder, "tokens.h5")
-    ensure_prepared(tokens, Communicator(world, "world"), max_mb=0.2)
+    tokens = world_token_file("plan-traffic-")
+    folder = os.path.dirname(tokens)
     files = {"gpt": os.path.join(folder, "gpt.toml"), "cnn": os.path.join(folder, "cnn.toml")}
     if world.Get_rank() == 0:
         for name, text in (("gpt", GPT.format(path=tokens)), ("cnn", CNN)):

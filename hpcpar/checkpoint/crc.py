@@ -14,13 +14,22 @@ LIB_NAME = "libhpcpar_crc.so"  # next to libhpcpar_native.so (CMakeLists.txt bui
 _state: dict = {}
 
 
+def native_library():
+    """``libhpcpar_crc.so`` (the checkpoint's native helpers), or None where it is not built."""
+    if "lib" not in _state:
+        try:
+            _state["lib"] = ctypes.CDLL(str(library_path().parent / LIB_NAME))
+        except OSError:
+            _state["lib"] = None
+    return _state["lib"]
+
+
 def _blocks():
     """The native function over whole 16-byte blocks, or None (not built, no PCLMUL, or wrong)."""
     if "blocks" not in _state:
         _state["blocks"] = None
-        try:
-            lib = ctypes.CDLL(str(library_path().parent / LIB_NAME))
-        except OSError:
+        lib = native_library()
+        if lib is None:
             return None
         lib.hpcpar_crc32_blocks.restype = ctypes.c_uint32
         lib.hpcpar_crc32_blocks.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]

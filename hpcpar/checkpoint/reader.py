@@ -20,18 +20,26 @@ optimizer and every ``extra`` (scaler, data position, random streams) exactly as
 
 Tensors are read without HDF5: a piece is a byte range of its shard's flat dataset (offsets
 in the manifest). A piece that is exactly what a read wants, into a destination that offers
-itself (``Read.target``: a parameter, an optimizer's current state), is read straight into
-it at step 3, after its MiBs were checked (from the page cache, into one reused buffer): no
-new memory, no copy. Any other piece is read into an array of its own at step 2 (pieces
-that lie end to end in one request) and checked from there; a rank that now holds part of
-a piece (another layout) copies its part out. ``index.h5`` stays the global view for other
-readers. Checkpoints of format 1 (a dataset per piece) load through h5py. (A file that
-changes or fails between its check and step 3 is reported as damage after the load began.)
+itself (``Read.target``: a parameter, an optimizer's current state), is copied straight into
+it at step 3 from the file's pages, mapped (the page cache's own pages, nothing read twice),
+whose MiBs were checked at step 2 in the same mapping: no new memory, one copy (native, with
+streaming stores; ``fastcopy``). Any other piece is read into an array of its own at step 2
+(pieces that lie end to end in one request) and checked from there; a rank that now holds
+part of a piece (another layout) copies its part out. The chunks are checked last file and
+last MiB first, so that the copy, which goes first to last, finds the bytes checked last
+still in the cache. ``index.h5`` stays the global view for other readers. Checkpoints of
+format 1 (a dataset per piece) load through h5py. (A file that changes between its check and
+step 3 is reported as damage after the load began, or, cut short while being copied, ends
+the process with SIGBUS.)
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
+import functools
+import gc
 import math
+import mmap
 import os
 
 import h5py
@@ -40,6 +48,7 @@ import numpy as np
 from .. import log
 from ..state import Saved, checkpointable, slab_slices
 from .crc import crc32
+from .fastcopy import copy_pieces
 from .manifest import (CHUNK_BYTES, CheckpointDamaged, CheckpointError, chunk_problems, latest_step, list_steps,
                        read_manifest, resolve_step_dir, step_dirname, verify_files)
 
@@ -65,6 +74,7 @@ def check_reads(reads, manifest: dict) -> list[str]:
     return problems
 
 
+@functools.lru_cache(maxsize=256)
 def number_kind(dtype) -> str:
     """"float", "integer" or "bool": a load may change the precision (float32 masters into
     bfloat16 working copies, a float64 run into a float32 model for sampling), never the kind."""
@@ -81,46 +91,54 @@ def overlap(slab, piece_slab):
 
 
 class RawSource:
-    """The pieces this rank's reads overlap, each read into an array of its own and kept until
-    the load commits; the MiBs holding them are checked against their CRC-32 first."""
+    """The pieces this rank's reads overlap: those read straight into their destination at
+    commit (``direct``), the others read into arrays of their own and kept until the load
+    commits; the MiBs holding them are checked against their CRC-32 first."""
 
     def __init__(self, step_dir: str, manifest: dict, reads):
         self.step_dir, self.manifest = step_dir, manifest
-        self.needed: dict = {}  # file -> [(piece, dtype)] of the pieces read without HDF5
+        self.needed: dict = {}  # file -> {first byte: (end byte, shape, dtype)} of the pieces read without HDF5
         self.legacy: set = set()  # files of pieces with a dataset each (format 1, collective saves)
-        for read in reads:
-            for piece in manifest["tensors"][read.key]["pieces"]:
-                if overlap(read.slab, piece["slab"]) is None:
-                    continue
-                if "start" in piece:
-                    self.needed.setdefault(piece["file"], []).append((piece, np.dtype(read_dtype(manifest, read))))
-                else:
-                    self.legacy.add(piece["file"])
+        self.parts: list = []  # per read: [(piece, the part of the read's slab it holds)]
         self.values: dict = {}  # (file, first byte) -> the piece's array
         self.given: set = set()  # pieces handed to a read (another read of the same one gets a copy)
         self.h5files: dict = {}
-        self.direct = self._direct_targets(reads)  # (file, first byte) -> array filled once the load commits
-        self.scratch = np.empty(CHUNK_BYTES, dtype=np.uint8)  # bytes between pieces, for their checksums
-
-    def _direct_targets(self, reads) -> dict:
-        """The pieces read straight into their destination once the load commits (no new memory,
-        no copy): a read that is exactly one piece, the only read of it, whose ``target`` is a
-        contiguous host array of the checkpoint's dtype. Their MiBs are checked from the file first."""
+        self.maps: dict = {}  # file -> FileMap of the bytes checked and copied from
         uses: dict = {}
         exact: dict = {}
-        for read in reads:
-            dtype = np.dtype(read_dtype(self.manifest, read))
-            for piece in self.manifest["tensors"][read.key]["pieces"]:
-                if "start" not in piece or overlap(read.slab, piece["slab"]) is None:
+        self.exact: list = []  # per read: (file, first byte) of the piece that is exactly its slab, or None
+        files = manifest["files"]
+        for read in reads:  # one pass: the pieces each read overlaps, their bytes, whether direct
+            table = manifest["tensors"][read.key]
+            dtype, parts, exactly = dtype_named(table["dtype"]), [], None
+            wanted = [list(map(int, bounds)) for bounds in read.slab]
+            for piece in table["pieces"]:
+                same = piece["slab"] == wanted
+                both = tuple(map(tuple, wanted)) if same else overlap(read.slab, piece["slab"])
+                if both is None:
                     continue
-                where = (piece["file"], self.byte_range(piece, dtype)[0])
+                parts.append((piece, both))
+                if "start" not in piece:
+                    self.legacy.add(piece["file"])
+                    continue
+                shape = tuple(b - a for a, b in piece["slab"])
+                nbytes = math.prod(shape) * dtype.itemsize
+                if not nbytes:
+                    continue
+                begin = files[piece["file"]]["blobs"][piece["dataset"]] + piece["start"] * dtype.itemsize
+                where = (piece["file"], begin)
+                self.needed.setdefault(piece["file"], {})[begin] = (begin + nbytes, shape, dtype)
                 uses[where] = uses.get(where, 0) + 1
-                target = read.target
-                if (piece["slab"] == [list(map(int, b)) for b in read.slab] and isinstance(target, np.ndarray)
-                        and target.dtype == dtype and target.flags.c_contiguous and target.size
-                        and target.shape == tuple(b - a for a, b in read.slab)):
-                    exact[where] = target
-        return {where: target for where, target in exact.items() if uses[where] == 1}
+                if same:
+                    exactly = where
+                    if fits(read.target, dtype, shape):
+                        exact[where] = read.target
+            self.parts.append(parts)
+            self.exact.append(exactly)
+        # Read straight into the destination once the load commits (no new memory, no copy): a
+        # read that is exactly one piece, the only read of it, whose ``target`` is a contiguous
+        # host array of the checkpoint's dtype. Their MiBs are checked from the file first.
+        self.direct = {where: target for where, target in exact.items() if uses[where] == 1}
 
     def byte_range(self, piece: dict, dtype) -> tuple[int, int]:
         """[begin, end) of the piece's bytes in its file ((0, 0) for an empty piece: not in the file)."""
@@ -135,56 +153,61 @@ class RawSource:
         runs = {}
         for name, pieces in self.needed.items():
             chunks = set()
-            for piece, dtype in pieces:
-                begin, end = self.byte_range(piece, dtype)
-                if end > begin:
-                    chunks.update(range(begin // CHUNK_BYTES, (end - 1) // CHUNK_BYTES + 1))
+            for begin, (end, _, _) in pieces.items():
+                chunks.update(range(begin // CHUNK_BYTES, (end - 1) // CHUNK_BYTES + 1))
             runs[name] = merge_runs(sorted(chunks))
         return runs
 
     def read_and_verify(self, mine: dict) -> list[str]:
-        """Read every needed piece into an array of its own (no copy; pieces that lie end to end
-        in one request); check the CRC-32 of the chunks in ``mine`` ({file: set of chunks}) from
-        those arrays, in file order, reading only the bytes between them (HDF5's headers,
-        pieces this rank does not need)."""
+        """Read every needed piece that is not direct into an array of its own (no copy; pieces
+        that lie end to end in one request); map the bytes this rank reads or checks (the page
+        cache's own pages: nothing copied, kept for ``fill_targets``); check the CRC-32 of the
+        chunks in ``mine`` ({file: set of chunks}) from those arrays where they hold the bytes,
+        else from the mapping. Last file and chunk first, so that ``fill_targets``, which copies
+        from the first, finds the bytes checked last still in the cache."""
         problems = []
-        for name, pieces in self.needed.items():
+        for name in reversed(list(self.needed)):
             path = os.path.join(self.step_dir, name)
             fd = os.open(path, os.O_RDONLY)
             try:
-                segments = self._read_pieces(fd, name, pieces)
-                if segments is None:
+                segments = self._read_pieces(fd, name, self.needed[name])
+                facts = self.manifest["files"][name]
+                if segments is None or os.fstat(fd).st_size < facts["bytes"]:
                     problems.append(f"{path}: shorter than the manifest says (truncated?)")
                     continue
-                starts = [start for start, _ in segments]
-                facts = self.manifest["files"][name]
-                for chunk in sorted(mine.get(name, ())):
-                    crc = chunk_crc(fd, segments, starts, chunk * CHUNK_BYTES,
-                                    min((chunk + 1) * CHUNK_BYTES, facts["bytes"]), self.scratch)
-                    problems += chunk_problems(path, [crc], facts["chunks"], chunk)
+                chunks = sorted(mine.get(name, ()), reverse=True)
+                mapped = self.maps[name] = FileMap(fd, self._mapped_range(name, chunks, facts["bytes"]))
+                crcs = {c: chunk_crc(mapped, segments, c * CHUNK_BYTES, min((c + 1) * CHUNK_BYTES, facts["bytes"]))
+                        for c in chunks}
+                problems += [line for c in sorted(crcs) for line in chunk_problems(path, [crcs[c]], facts["chunks"], c)]
             finally:
                 os.close(fd)
         return problems
 
-    def _read_pieces(self, fd: int, name: str, pieces: list) -> list | None:
+    def _mapped_range(self, name: str, chunks: list, size: int) -> tuple[int, int]:
+        """[begin, end) of the file to map: the chunks this rank checks and the direct pieces' bytes."""
+        ends = [(c * CHUNK_BYTES, min((c + 1) * CHUNK_BYTES, size)) for c in chunks]
+        ends += [(begin, self.needed[name][begin][0]) for where, begin in self.direct if where == name]
+        return (min(b for b, _ in ends), max(e for _, e in ends)) if ends else (0, 0)
+
+    def _read_pieces(self, fd: int, name: str, pieces: dict) -> list | None:
         """[(first byte, uint8 view of the piece's new array)] in file order; None when the file is short."""
         segments = []
-        for piece, dtype in pieces:
-            begin, end = self.byte_range(piece, dtype)
-            if end > begin and (name, begin) not in self.values and (name, begin) not in self.direct:
-                values = self.values[(name, begin)] = np.empty(tuple(b - a for a, b in piece["slab"]), dtype=dtype)
+        for begin, (_, shape, dtype) in sorted(pieces.items()):
+            if (name, begin) not in self.values and (name, begin) not in self.direct:
+                values = self.values[(name, begin)] = np.empty(shape, dtype=dtype)
                 segments.append((begin, values.reshape(-1).view(np.uint8)))
-        segments.sort(key=lambda segment: segment[0])
         return read_segments(fd, segments)
 
-    def piece_values(self, piece: dict, dtype) -> np.ndarray:
-        """The piece's array: its own the first time (the receiver may keep it), a copy after."""
+    def piece_values(self, piece: dict, dtype) -> np.ndarray | None:
+        """The piece's array: its own the first time (the receiver may keep it), a copy after;
+        None for a direct piece (read into its destination by ``fill_targets``)."""
         begin, end = self.byte_range(piece, dtype)
         shape = tuple(b - a for a, b in piece["slab"])
         if begin == end:
             return np.empty(shape, dtype)
         if (piece["file"], begin) in self.direct:
-            return None  # read straight into its destination by fill_targets
+            return None
         values = self.values[(piece["file"], begin)]
         if (piece["file"], begin) in self.given:
             return values.copy()
@@ -204,19 +227,17 @@ class RawSource:
             dataset.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
         return out
 
-    def read(self, key: str, slab) -> np.ndarray:
-        """The values of ``slab`` of tensor ``key``: the piece's own array when the slab is exactly
-        a piece (the layout that saved), else assembled from the parts of the pieces it overlaps."""
-        table = self.manifest["tensors"][key]
-        dtype = np.dtype(table["dtype"])
-        wanted = [list(map(int, bounds)) for bounds in slab]
-        out = None
-        for piece in table["pieces"]:
-            both = overlap(slab, piece["slab"])
-            if both is None:
-                continue
+    def read(self, n: int, read) -> np.ndarray | None:
+        """The values of read ``n`` of the plan (``read``): the piece's own array when the slab is
+        exactly a piece (the layout that saved; None when it is direct), else assembled from the
+        parts of the pieces it overlaps."""
+        if self.exact[n] in self.direct:
+            return None
+        dtype = np.dtype(self.manifest["tensors"][read.key]["dtype"])
+        slab, out = read.slab, None
+        for piece, both in self.parts[n]:
             values = self.piece_values(piece, dtype) if "start" in piece else self.legacy_values(piece, dtype)
-            if piece["slab"] == wanted:
+            if all(a == c and b == d for (a, b), (c, d) in zip(piece["slab"], slab)):
                 return values
             if out is None:
                 out = np.empty(tuple(b - a for a, b in slab), dtype=dtype)
@@ -225,28 +246,71 @@ class RawSource:
         return out if out is not None else np.empty(tuple(b - a for a, b in slab), dtype=dtype)
 
     def fill_targets(self) -> list[str]:
-        """Read the direct pieces into their destinations (after the load committed; their MiBs
-        were checked against the manifest, so this reads the same bytes again, from the page cache)."""
-        problems = []
-        by_file: dict = {}
-        for (name, begin), target in self.direct.items():
-            by_file.setdefault(name, []).append((begin, target.reshape(-1).view(np.uint8)))
-        for name, segments in by_file.items():
-            fd = os.open(os.path.join(self.step_dir, name), os.O_RDONLY)
-            try:
-                if read_segments(fd, sorted(segments, key=lambda segment: segment[0])) is None:
-                    problems.append(f"{os.path.join(self.step_dir, name)}: shorter than when it was checked")
-            finally:
-                os.close(fd)
-        return problems
+        """Copy the direct pieces into their destinations, in file order (after the load committed:
+        from the mapped pages whose chunks were checked against the manifest); the files that
+        shrank since (then nothing is copied)."""
+        shrunk = [f"{os.path.join(self.step_dir, name)}: shorter than when it was checked"
+                  for name, mapped in self.maps.items() if mapped.shrunk()]
+        if shrunk:
+            return shrunk
+        pairs = []
+        for (name, begin), target in sorted(self.direct.items(), key=lambda item: item[0]):
+            raw = target.reshape(-1).view(np.uint8)
+            pairs.append((raw, self.maps[name].bytes(begin, begin + raw.size)))
+        copy_pieces(pairs)
+        return []
 
     def close(self) -> None:
         for f in self.h5files.values():
             f.close()
+        for mapped in self.maps.values():
+            mapped.close()
+        self.h5files, self.maps = {}, {}
 
 
-def read_dtype(manifest: dict, read) -> str:
-    return manifest["tensors"][read.key]["dtype"]
+class FileMap:
+    """Bytes [begin, end) of an open file, mapped read-only: the page cache's pages themselves,
+    their page-table entries made at once (``MAP_POPULATE``: no fault per page). Where the file
+    system cannot map files, the bytes are read into an array instead."""
+
+    def __init__(self, fd: int, span: tuple[int, int]):
+        self.begin = span[0] - span[0] % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
+        self.mapped, self.data = None, np.empty(0, dtype=np.uint8)
+        if span[1] <= span[0]:
+            return
+        try:
+            self.mapped = mmap.mmap(fd, span[1] - self.begin, prot=mmap.PROT_READ, offset=self.begin,
+                                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self.data = np.frombuffer(self.mapped, dtype=np.uint8)
+        except (OSError, ValueError):
+            self.data = np.empty(span[1] - self.begin, dtype=np.uint8)
+            self.data = self.data[:os.preadv(fd, [self.data], self.begin)]
+
+    def bytes(self, begin: int, end: int) -> np.ndarray:
+        """The file's bytes [begin, end), inside the mapped span."""
+        return self.data[begin - self.begin: end - self.begin]
+
+    def shrunk(self) -> bool:
+        """Whether the file is now shorter than the mapped span (reading past its end would kill
+        the process with SIGBUS, not raise)."""
+        return self.mapped is not None and self.mapped.size() < self.begin + self.data.size
+
+    def close(self) -> None:
+        self.data = np.empty(0, dtype=np.uint8)  # no view may outlive the mapping
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
+
+
+@functools.lru_cache(maxsize=64)
+def dtype_named(name: str) -> np.dtype:
+    return np.dtype(name)
+
+
+def fits(target, dtype, shape: tuple) -> bool:
+    """Whether ``target`` can take a piece's bytes as they are: a contiguous host array of that dtype and shape."""
+    return (isinstance(target, np.ndarray) and target.dtype == dtype and target.flags.c_contiguous
+            and target.size > 0 and target.shape == shape)
 
 
 def read_segments(fd: int, segments: list) -> list | None:
@@ -264,12 +328,12 @@ def read_segments(fd: int, segments: list) -> list | None:
     return segments
 
 
-def chunk_crc(fd: int, segments: list, starts: list, begin: int, end: int, scratch: np.ndarray) -> str:
+def chunk_crc(mapped: FileMap, segments: list, begin: int, end: int) -> str:
     """CRC-32 of the file's bytes [begin, end) (one chunk at most): from the pieces' arrays
-    (``segments``: (first byte, uint8 array), sorted; ``starts``: their first bytes) where they
-    cover it, read from the file into ``scratch`` between them."""
+    (``segments``: (first byte, uint8 array), sorted) where they cover it, from the mapped
+    file between them."""
     crc, at = 0, begin
-    first = max(bisect.bisect_right(starts, begin) - 1, 0)
+    first = max(bisect.bisect_right(segments, begin, key=lambda segment: segment[0]) - 1, 0)
     for start, raw in segments[first:]:
         if start >= end:
             break
@@ -277,19 +341,14 @@ def chunk_crc(fd: int, segments: list, starts: list, begin: int, end: int, scrat
         if stop <= at:
             continue
         if start > at:
-            crc = crc32(read_into(fd, scratch, at, start - at), crc)
+            crc = crc32(mapped.bytes(at, start), crc)
             at = start
         upto = min(stop, end)
         crc = crc32(raw[at - start: upto - start], crc)
         at = upto
     if at < end:
-        crc = crc32(read_into(fd, scratch, at, end - at), crc)
+        crc = crc32(mapped.bytes(at, end), crc)
     return f"{crc:08x}"
-
-
-def read_into(fd: int, scratch: np.ndarray, at: int, size: int) -> np.ndarray:
-    """``size`` bytes of the file from ``at``, in the reused ``scratch`` (fewer if the file is short)."""
-    return scratch[:os.preadv(fd, [scratch[:size]], at)]
 
 
 def merge_runs(chunks: list[int]) -> list[tuple[int, int]]:
@@ -358,8 +417,27 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
     nothing has changed: ``CheckpointDamaged`` for damaged files, ``CheckpointError`` for a
     checkpoint that does not fit (names, shapes, dtypes, slabs).
     """
+    with collector_paused():
+        return load_step(resolve_step_dir(path, step), model, optimizer, ctx, extra, strict)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off for the duration, then as it was: a load makes
+    thousands of small containers (the manifest, the plan), none in a cycle, and each collection
+    they would trigger walks every object of the process, the model's included (1-2 ms a load)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: bool) -> dict:
+    """``load`` of one step folder."""
     comm = ctx.world.mpi
-    step_dir = resolve_step_dir(path, step)
     what = f"loading {step_dir}"
     plan, source, found = plan_load(step_dir, model, optimizer, comm)
     everyone = comm.allgather(found)  # 1: what each rank found before reading a byte
@@ -372,28 +450,24 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
         if unused:
             raise CheckpointError(f"{what}: tensors no rank of this model takes: {unused[:5]}"
                                   f"{' ...' if len(unused) > 5 else ''} (pass strict=False to ignore)")
-    damaged, values, extras, restored = [], [], {}, []
-    try:
-        damaged = source.read_and_verify(verifier_chunks([mine["runs"] for mine in everyone], comm.Get_rank()))
+    refused, extras, restored = [], {}, []
+    try:  # the mappings and HDF5 files stay open until the checked bytes are in their places
+        damaged, values = read_checked(source, plan, verifier_chunks([mine["runs"] for mine in everyone],
+                                                                     comm.Get_rank()))
         if not damaged:
-            values = [source.read(read.key, read.slab) for read in plan.reads]
-    except (OSError, ValueError, KeyError) as error:
-        damaged.append(f"{type(error).__name__}: {error}")
+            try:  # the extras before the point of no return: they can refuse a state, and are put back
+                extras, restored = restore_extra(manifest, extra, ctx)
+            except Exception as error:  # noqa: BLE001 - every rank raises below
+                refused.append(f"restoring the extra state: {type(error).__name__}: {error}")
+        everyone = comm.allgather((damaged, refused))  # 2: every rank has every value, or none goes in
+        if any(d or r for d, r in everyone):
+            for target, before in reversed(restored):
+                target.load_state_dict(before)
+            raise_if_any([d for d, _ in everyone], what, CheckpointDamaged)
+            raise_if_any([r for _, r in everyone], what, CheckpointError)
+        failed = source.fill_targets()  # the point of no return: the checked bytes, into their places
     finally:
         source.close()
-    refused = []
-    if not damaged:
-        try:  # the extras before the point of no return: they can refuse a state, and are put back
-            extras, restored = restore_extra(manifest, extra, ctx)
-        except Exception as error:  # noqa: BLE001 - every rank raises below
-            refused.append(f"restoring the extra state: {type(error).__name__}: {error}")
-    everyone = comm.allgather((damaged, refused))  # 2: every rank has every value, or none goes in
-    if any(d or r for d, r in everyone):
-        for target, before in reversed(restored):
-            target.load_state_dict(before)
-        raise_if_any([d for d, _ in everyone], what, CheckpointDamaged)
-        raise_if_any([r for _, r in everyone], what, CheckpointError)
-    failed = source.fill_targets()  # the point of no return: the checked bytes, into their places
     if failed:
         raise CheckpointDamaged(f"{what}: {'; '.join(failed)} (the model is partly loaded: load again)")
     for read, value in zip(plan.reads, values):
@@ -403,6 +477,19 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
         finish()
     restore_streams(manifest, extra, ctx)
     return {"step": manifest["step"], "step_dir": step_dir, "layout": manifest["layout"], "extra": extras}
+
+
+def read_checked(source: RawSource, plan, mine: dict) -> tuple[list[str], list]:
+    """(damage found, the values of the plan's reads: None for those filled at commit) after
+    checking the chunks in ``mine``; no values when anything is damaged."""
+    damaged, values = [], []
+    try:
+        damaged = source.read_and_verify(mine)
+        if not damaged:
+            values = [source.read(n, read) for n, read in enumerate(plan.reads)]
+    except (OSError, ValueError, KeyError) as error:
+        damaged.append(f"{type(error).__name__}: {error}")
+    return damaged, values
 
 
 def plan_load(step_dir: str, model, optimizer, comm) -> tuple:

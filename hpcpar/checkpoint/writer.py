@@ -194,13 +194,13 @@ class SaveJob:
         with h5py.File(path, "w", libver=("v110", "v110"), alignment_threshold=1, alignment_interval=64) as f:
             for dtype, arrays in blobs.items():
                 offsets[dtype] = allocate_flat_dataset(f, dtype, sum(a.size for a in arrays))
-        with open(path, "r+b") as f:
+        fd = os.open(path, os.O_WRONLY)
+        try:
             for dtype, arrays in blobs.items():
-                if offsets[dtype] is None:
-                    continue
-                f.seek(offsets[dtype])
-                for array in arrays:
-                    write_array(f, array)
+                if offsets[dtype] is not None:
+                    write_array(fd, arrays, offsets[dtype])
+        finally:
+            os.close(fd)
         facts["files"][name] = sync_and_checksum(path) | {"blobs": offsets}
 
     def _write_shared_file(self, comm, facts: dict) -> None:
@@ -382,10 +382,24 @@ def allocate_flat_dataset(file, dtype: str, size: int) -> int | None:
     return dataset.get_offset() if size else None
 
 
-def write_array(file, array: np.ndarray) -> None:
-    """Write a contiguous array's bytes at the file's position (a full disk raises OSError)."""
-    if array.size:
-        file.write(memoryview(array).cast("B"))
+def write_array(fd: int, arrays: list, offset: int) -> None:
+    """Write contiguous arrays end to end from byte ``offset`` of the file (a full disk raises
+    OSError): ``pwritev`` of up to 1024 at once, so the kernel sees large writes and keeps the
+    bytes in large page-cache folios (per-array writes of small tensors leave 4 KiB pages, which
+    a load then reads and maps at half the speed)."""
+    views = [memoryview(array).cast("B") for array in arrays if array.size]
+    for first in range(0, len(views), 1024):
+        batch = views[first: first + 1024]
+        while batch:
+            written = os.pwritev(fd, batch, offset)
+            if not written:
+                raise OSError(28, "No space left on device (a write wrote nothing)")
+            offset += written
+            while batch and written >= batch[0].nbytes:  # a short write: go on where it stopped
+                written -= batch[0].nbytes
+                batch = batch[1:]
+            if written:
+                batch[0] = batch[0][written:]
 
 
 def free_space(folder: str) -> dict:

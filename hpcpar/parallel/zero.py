@@ -42,15 +42,18 @@ class ZeroRedundancyOptimizer(Checkpointable):
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         dtypes = {p.dtype for p in self.params}
-        if len(dtypes) != 1:
+        if len(dtypes) > 1:
             raise ValueError(f"ZeroRedundancyOptimizer needs one parameter dtype, got {sorted(map(str, dtypes))}")
         self.comm = comm
         self.numel = sum(p.size for p in self.params)
         self.shard_size = math.ceil(self.numel / comm.size)
-        xp = get_array_module(self.params[0].data)
+        # A pipeline stage may hold no parameters (a CNN's activation and pooling layers): its
+        # buffers are then empty, and every collective still runs, on nothing, with its dp group.
+        dtype = self.params[0].dtype if self.params else np.dtype(np.float32)
+        xp = get_array_module(self.params[0].data) if self.params else np
         # Both flat buffers in the node's shared window when the shared-memory path is on
         # (hpcpar.dist.shm): reduce-scatter and all-gather then read and write them in place.
-        self.flat = shared_zeros(comm, self.shard_size * comm.size, self.params[0].dtype, xp)
+        self.flat = shared_zeros(comm, self.shard_size * comm.size, dtype, xp)
         self.offsets = []
         offset = 0
         for p in self.params:  # parameters become views into the flat buffer

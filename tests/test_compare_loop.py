@@ -1,0 +1,81 @@
+"""``hpcpar compare``'s loop: layout after layout in one MPI job (2 and 4 ranks).
+
+For each layout the first dp x pp x tp ranks split a group off the world, build the context,
+model and strategy, train, and free the group, while the other ranks wait; then the next layout.
+Every rank must build the same job in every layout: ``bench/plan_validation.py`` once had each
+rank rewrite one shared job file while others read it, a rank read it half written and built the
+default model, and MPICH failed the parameter broadcast ("Other MPI error") in one run of two.
+Each rank now reads its own file, and compare checks that every rank holds the same job before a
+layout runs (``JobsDiffer``, one clear report instead of an MPI error).
+"""
+import importlib.util
+import os
+
+import pytest
+from conftest import REPO, world_token_file
+from mpi4py import MPI
+
+from hpcpar import compare
+from hpcpar.dist.comm import Communicator
+from hpcpar.train.config import JobError, load_job
+
+TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.block_size=16", "data.batch_size=16",
+        'train.device="cpu"']
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return world_token_file("compare-loop-")
+
+
+@pytest.fixture
+def plan_validation(monkeypatch):
+    """bench/plan_validation.py as a module (the environment it sets on import is put back afterwards)."""
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "HPCPAR_STALL_S"):
+        monkeypatch.setenv(name, os.environ.get(name, "0" if name == "HPCPAR_STALL_S" else "1"))
+    spec = importlib.util.spec_from_file_location("plan_validation", os.path.join(REPO, "bench", "plan_validation.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_layout_is_built_trained_and_torn_down_in_one_job(tokens):
+    world = MPI.COMM_WORLD
+    waiting = Communicator(world, "world", wait_policy="yield")
+    job = load_job(None, TINY + [f'data.path="{tokens}"'])
+    layouts = [(1, 1, 1)] + compare.factorisations(world.Get_size())
+    measured = []
+    for _ in range(2):  # the second round's groups reuse the first round's freed context ids
+        for layout in layouts:
+            try:
+                layout_run = compare.layout_job(job, layout, steps=1)
+            except JobError:
+                continue
+            figures = compare.measure_on_first_ranks(layout_run, world, steps=1)
+            inside = world.Get_rank() < layout[0] * layout[1] * layout[2]
+            assert (figures is not None) == inside
+            if world.Get_rank() == 0:
+                measured.append(tuple(figures["layout"]))
+            waiting.barrier()
+    if world.Get_rank() == 0:
+        assert measured == 2 * layouts
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_validation_jobs_are_read_alike_on_every_rank(plan_validation):
+    world = MPI.COMM_WORLD
+    for _ in range(20):  # a shared file raced within a few rounds at 2 ranks
+        for name, text in plan_validation.HELD_OUT:
+            job = plan_validation.job_from(text, name).to_dict()
+            assert all(other == job for other in world.allgather(job)), f"{name}: ranks read different jobs"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_holding_different_jobs_are_told_so_before_any_layout_runs(tokens):
+    world = MPI.COMM_WORLD
+    width = "model.n_embd=32" if world.Get_rank() == 0 else "model.n_embd=64"  # as a half-read job file gave
+    job = compare.layout_job(load_job(None, TINY + [width, f'data.path="{tokens}"']), (world.Get_size(), 1, 1), steps=1)
+    with pytest.raises(compare.JobsDiffer, match=r"world rank\(s\) \[1(, \d)*\] hold another job than rank 0") as raised:
+        compare.measure_on_first_ranks(job, world, steps=1)
+    assert raised.value.report_elsewhere == (world.Get_rank() != 0)  # one report, from rank 0

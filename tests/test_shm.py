@@ -4,6 +4,7 @@ MPI tests run at the launcher's size (2 and 4 in `make test`), on real nodes and
 nodes of 2 ranks (HPCPAR_NODE_SIZE; 2 nodes x 2 at 4 ranks: the inter-node step). Test
 models are tiny, so contexts here send every size through the path (``min_bytes = 0``).
 """
+import itertools
 import json
 import os
 import re
@@ -17,9 +18,10 @@ from mpi4py import MPI
 import hpcpar
 from conftest import REPO, venv_bin
 from dp_reference import GLOBAL_BATCH, global_batch, max_difference, train_single_process
-from hpcpar.dist import nodes, shm as shm_module
+from hpcpar.dist import nodes, shm as shm_module, shm_kernel
 from hpcpar.dist.shm import MIN_BYTES, shared_zeros
-from hpcpar.dist.shm_reduce import combine, reference, slices, temporaries
+from hpcpar.dist.shm_reduce import combine, reduce_into, reference, slices, temporaries
+from hpcpar.native import library_path
 from hpcpar.nn.gpt import GPT, GPTConfig
 from test_data_parallel import STEPS, train_data_parallel
 
@@ -58,6 +60,59 @@ def test_the_sum_order_is_mpichs_tree_wherever_the_result_is_written(n):
         combine(sources, sources[own], np.add, temporaries(n, 1000, np.float64))
         assert np.array_equal(sources[own], expected)
         assert all(np.array_equal(s, v) for i, (s, v) in enumerate(zip(sources, values)) if i != own)
+
+
+def operands(n, count, dtype):
+    if np.dtype(dtype).kind == "f":
+        return [wide_random([n, i], count, dtype) for i in range(n)]
+    info = np.iinfo(dtype)  # near the ends of the range: sums wrap around, as NumPy's do
+    return [np.random.default_rng([n, i]).integers(info.min // 2, info.max // 2, count, dtype=dtype) * 3
+            for i in range(n)]
+
+
+SHM_LIBRARY = library_path().parent / shm_kernel.LIB_NAME
+needs_native = pytest.mark.skipif(not SHM_LIBRARY.exists(), reason=f"{SHM_LIBRARY} not built: make native")
+
+
+@needs_native
+def test_the_native_loop_is_used_where_it_is_built():
+    assert shm_kernel.available(), f"{SHM_LIBRARY} is built but failed its check against NumPy"
+
+
+@pytest.mark.parametrize("loop", ["numpy", pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("n", range(1, 10))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+def test_the_loops_write_the_documented_sum_into_every_target(loop, n, dtype):
+    count = 3 * 4096 + 7  # whole blocks of the native loop and a tail; chunks of NumPy's below
+    values = operands(n, count, dtype)
+    means = [False, True] if np.dtype(dtype).kind == "f" else [False]
+    layouts = {  # which buffers get the result
+        "every source (one node)": lambda sources, own: sources,
+        "the own source (an inter-node step follows)": lambda sources, own: [sources[own]],
+        "the own source and another array": lambda sources, own: [sources[own], np.empty_like(sources[own])],
+    }
+    for mean, own, layout in itertools.product(means, range(n), layouts.values()):
+        expected = reference(values)
+        if mean:
+            expected /= n
+        sources = [v.copy() for v in values]
+        targets = layout(sources, own)
+        divisor = n if mean else 0
+        if loop == "native":
+            assert shm_kernel.reduce_into(sources, targets, "mean" if mean else "sum", divisor)
+        else:
+            reduce_into(sources, targets, np.add, divisor, chunk=1000)
+        assert all(np.array_equal(t, expected) for t in targets)
+        untouched = [i for i, s in enumerate(sources) if not any(s is t for t in targets)]
+        assert all(np.array_equal(sources[i], values[i]) for i in untouched)
+
+
+@needs_native
+def test_the_native_loop_leaves_what_it_does_not_do_to_numpy():
+    x = [np.ones(100, np.int32)] * 2
+    assert not shm_kernel.reduce_into(x, x, "max", 0) and not shm_kernel.reduce_into(x, x, "mean", 2)
+    half = [np.ones(100, np.float16)] * 2
+    assert not shm_kernel.reduce_into(half, half, "sum", 0)
 
 
 @pytest.mark.parametrize("count, parts, itemsize", [(1000, 3, 4), (5, 4, 8), (1 << 20, 4, 4), (17, 1, 8)])
@@ -187,6 +242,9 @@ def test_dropped_buffers_are_freed_together(world):
     assert len(comm.shm.windows.segments) <= 3  # control words, the last dropped one, the kept one
     kept[...] = 1
     assert np.array_equal(comm.allreduce(kept, out=kept), np.full(1000, world.Get_size(), np.float32))
+    for count in range(1000, 1040):  # plain arrays of many sizes through the scratch buffer
+        assert np.array_equal(comm.allreduce(np.ones(count, np.float32)), np.full(count, world.Get_size(), np.float32))
+    assert all(len(segment.plans) <= shm_module._PLANS_KEPT for segment in comm.shm.windows.segments.values())
 
 
 @pytest.mark.mpi(min_size=2)
@@ -306,6 +364,46 @@ def test_a_stalled_peer_is_reported_like_in_any_collective(tmp_path):
     reports = [line for line in proc.stderr.splitlines() if line.startswith("hpcpar: stall:")]
     assert reports and all("rank 0 of communicator 'world'" in r for r in reports), proc.stderr
     assert any("in allreduce #" in r and "not arrived: rank 1 (no word" in r for r in reports), reports
+
+
+# ----- without the native loop -----------------------------------------------------------------
+UNBUILT_SCRIPT = """
+import numpy as np
+from mpi4py import MPI
+import hpcpar
+from hpcpar.dist import fail_fast, shm_kernel
+from hpcpar.dist.shm import shared_zeros
+
+with fail_fast():
+    assert not shm_kernel.available()
+    for node_size in (None, 2):  # one node of 4 (the tree of 4), two nodes of 2 (the inter-node step)
+        comm = hpcpar.init(shm=True, node_size=node_size, device="cpu").world
+        comm.shm.min_bytes = 0
+        for dtype in (np.float32, np.float64):
+            shared = shared_zeros(comm, 100_003, dtype)
+            for op in ("sum", "mean"):
+                rng = np.random.default_rng([comm.rank, len(op)])
+                shared[...] = (rng.standard_normal(shared.size) * 10.0 ** rng.uniform(-4, 4, shared.size)).astype(dtype)
+                expected = shared.copy()
+                comm.mpi.Allreduce(MPI.IN_PLACE, expected, MPI.SUM)
+                if op == "mean":
+                    expected /= comm.size
+                assert np.array_equal(comm.allreduce(shared, op, out=shared), expected), (node_size, dtype, op)
+        assert comm.shm.stats.calls("allreduce") == 4 and comm.shm.nodes == (2 if node_size else 1)
+    print(f"rank {comm.rank} equal", flush=True)
+"""
+
+
+def test_numpys_loop_equals_mpi_bitwise_where_the_native_one_is_not_built(tmp_path):
+    """In processes of their own: 4 ranks, on one node and on two pretend ones (a context of the
+    MPI suite would take MPI communicator ids, of which the suite at 4 ranks has few left)."""
+    script = tmp_path / "unbuilt.py"
+    script.write_text(UNBUILT_SCRIPT)
+    nowhere = tmp_path / "no-build" / "libhpcpar_native.so"  # where hpcpar looks for build/ outputs
+    proc = subprocess.run([venv_bin("mpiexec"), "-n", "4", sys.executable, str(script)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO, "HPCPAR_NATIVE_LIB": str(nowhere)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(re.findall(r"rank (\d) equal", proc.stdout)) == ["0", "1", "2", "3"], proc.stdout
 
 
 # ----- the job keys ------------------------------------------------------------------------------

@@ -26,15 +26,23 @@ sleeps, written out in C too); under ``spin`` everything spins. The mpi4py colum
 what a user without hpcpar gets.
 
 **Shared memory** (the second table, hpcpar.dist.shm): hpcpar's all-reduce with the
-shared-memory path on, on a buffer in the node's window (``shared_zeros``: reduced where it
-lies, as DDP buckets are) and on a plain array (copied in and out), next to MPICH's
-in-place call. Under ``MIN_BYTES`` hpcpar hands the call to MPI (path "MPI"). Its bound is
-the memory: each rank reads the node's slices of its part and writes its part into every
-buffer, the traffic of one copy of the buffer per rank, so the table also times
-``numpy.copyto`` of the same bytes on every rank at once.
+shared-memory path on (the world communicator of ``init``, its wait policy and watchdog),
+next to MPICH's in-place call (C) and to hpcpar's own in-place call with the path off (the
+same settings):
 
-Bus bandwidth = bytes x 2(n-1)/n / time (the OSU/NCCL-tests convention); copy GB/s =
-bytes / copy time.
+- *shm*: the buffer lives in the node's window (``shared_zeros``, as DDP's buckets and
+  ZeRO's flat buffers do) and is reduced where it lies: no copy in or out;
+- *copy-in*: a plain array, copied into the window's scratch buffer and back (what
+  tensor-parallel activations get; up to ``MAX_COPY_BYTES``, above it MPI's call).
+
+Under ``MIN_BYTES`` hpcpar hands both to MPI (path "MPI"), so there the columns time
+hpcpar's MPI call with the path's size check in front. The path's bound is the memory:
+each rank reads the node's slices of its part and writes its part into every buffer, the
+traffic of one copy of the buffer per rank, so the table also times ``numpy.copyto`` of the
+same bytes on every rank at once and gives the bus bandwidth an all-reduce at that copy's
+speed would have ("busbw memcpy").
+
+Bus bandwidth = bytes x 2(n-1)/n / time (the OSU/NCCL-tests convention).
 """
 from __future__ import annotations
 
@@ -127,6 +135,7 @@ class Sides:
             ("hpcpar", "in place"): lambda: self.blocking.allreduce(buf, out=buf),
             ("hpcpar", "out of place"): lambda: self.default.allreduce(send, out=recv),
             ("hpcpar", "polled in place"): lambda: self.default.iallreduce(buf, out=buf).wait(),
+            ("hpcpar", "MPI path"): lambda: self.default.allreduce(buf, out=buf),
             ("shm", "window"): lambda: self.ctx.world.allreduce(self.shared, out=self.shared),
             ("shm", "copy"): lambda: self.ctx.world.allreduce(buf, out=buf),
             ("memory", "copy"): lambda: np.copyto(recv, send),
@@ -156,11 +165,17 @@ def same_call_row(nbytes: int, t: dict) -> list:
     return row
 
 
+SHM_HEADERS = ["size", "path", "MPICH in-place us", "hpcpar MPI us", "shm us", "shm/MPICH", "shm/hpcpar MPI",
+               "copy-in us", "copy-in/MPICH", "busbw MPICH GB/s", "busbw shm GB/s", "busbw memcpy GB/s",
+               "shm/memcpy"]
+
+
 def shm_row(nbytes: int, t: dict, took_shm: bool, ranks: int) -> list:
-    c, window, copy_in, copy = t[("C", "in place")], t[("shm", "window")], t[("shm", "copy")], t[("memory", "copy")]
-    return [human_bytes(nbytes), "shm" if took_shm else "MPI", c * 1e6, window * 1e6, window / c, copy_in * 1e6,
-            copy_in / c, bus_bandwidth(nbytes, c, ranks), bus_bandwidth(nbytes, window, ranks), copy * 1e6,
-            window / copy, nbytes / copy / 1e9]
+    c, hpcpar, window = t[("C", "in place")], t[("hpcpar", "MPI path")], t[("shm", "window")]
+    copy_in, copy = t[("shm", "copy")], t[("memory", "copy")]
+    return [human_bytes(nbytes), "shm" if took_shm else "MPI", c * 1e6, hpcpar * 1e6, window * 1e6, window / c,
+            window / hpcpar, copy_in * 1e6, copy_in / c, bus_bandwidth(nbytes, c, ranks),
+            bus_bandwidth(nbytes, window, ranks), bus_bandwidth(nbytes, copy, ranks), window / copy]
 
 
 def load_library(ctx):
@@ -206,7 +221,7 @@ def run(args) -> None:
     print(format_table(headers, same, f"all-reduce, float32 sum, the same call on each side: {setting}"), flush=True)
     print()
     print(format_table(
-        ["size", "path", "MPICH in-place us", "shm us", "shm/MPICH", "shm copy-in us", "copy-in/MPICH",
-         "busbw MPICH GB/s", "busbw shm GB/s", "memcpy us", "shm/memcpy", "memcpy GB/s"], shared,
-        f"shared-memory all-reduce (hpcpar.dist.shm; MPI under {human_bytes(MIN_BYTES)}) against MPICH's in-place "
-        f"call and a memory copy of the same bytes: {setting}"), flush=True)
+        SHM_HEADERS, shared,
+        f"shared-memory all-reduce (hpcpar.dist.shm; MPI under {human_bytes(MIN_BYTES)}), in place: shm = the "
+        f"buffer in the window (as DDP's buckets), copy-in = a plain array copied into the window and back; "
+        f"against MPICH's and hpcpar's in-place MPI call and numpy.copyto of the same bytes: {setting}"), flush=True)

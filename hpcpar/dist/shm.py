@@ -1,21 +1,26 @@
 """Shared-memory, hierarchical collectives: the node's memory bandwidth instead of MPI's copies.
 
 MPI libraries move a one-node all-reduce through their own buffers (MPICH here: 64 MiB at
-2 ranks in ~15-35 ms, where a memory copy takes ~8 ms). Here the ranks of a node keep
+2 ranks in ~8-10 ms, where a memory copy takes ~3.5-6.5 ms). Here the ranks of a node keep
 their buffers in an MPI shared-memory window (hpcpar.dist.shm_windows) and reduce them in
 place, in parallel, with no message at all:
 
 1. each rank announces that its buffer is ready (a counter in a small shared control window);
 2. when every rank of the node has, rank r sums slice r (1/n of the elements) of all n
-   buffers, in cache-sized chunks with NumPy ``add(out=)``, in MPICH's order
-   (hpcpar.dist.shm_reduce), and writes the sum into slice r of every buffer;
+   buffers in MPICH's order (hpcpar.dist.shm_reduce) and writes the sum into slice r of
+   every buffer, block by block while the block is in the cache: one C call per slice
+   (``native/shm_reduce.c`` through hpcpar.dist.shm_kernel; at 2 ranks one pass, each
+   element read once and written into both buffers), or NumPy ``add(out=)`` in chunks of
+   ``CHUNK_BYTES`` where the library is not built or for max and min;
 3. across nodes, rank r all-reduces its slice with rank r of every other node over MPI
    (every rank by slice, all at once) before writing it out;
 4. each rank announces it is done; a rank returns when all have, so no buffer is written
    again while a peer still reads it.
 
 Each rank reads the node's n slices once and writes its slice n times: the traffic of one
-memory copy of the buffer per rank, the least an in-place all-reduce can move.
+memory copy of the buffer per rank, the least an in-place all-reduce can move. What a
+buffer's slices are, and the loop over them, is worked out at its first all-reduce and kept
+with the buffer (``Segment.plans``), so a call costs ~11 us of Python and flags at 2 ranks.
 
 **Where it applies.** A ``Communicator`` gets a ``ShmCollectives`` as ``comm.shm`` from
 ``hpcpar.init`` when the path is on (the default on CPUs; off with ``init(shm=False)``,
@@ -51,6 +56,7 @@ as the MPI path; ``comm.shm.stats`` counts the calls that took this path.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import time
 from abc import ABC, abstractmethod
@@ -59,24 +65,25 @@ import numpy as np
 from mpi4py import MPI
 
 from ..backend import is_gpu_array
-from . import debug
+from . import debug, shm_kernel
 from .comm import REDUCE_OPS, Handle, check_allreduce_args
 from .stats import CommStats
 from .waiting import polite_pause
-from .shm_reduce import chunks, combine, slices, temporaries
+from .shm_reduce import reduce_into, slices
 from .shm_windows import SharedWindows, ShmUnavailable
 
 SHM_VARIABLE = "HPCPAR_SHM"
 DEFAULT_ON = True  # every MPI test passed with all collectives through it (2, 4, 2x2 ranks), and it is faster
-MIN_BYTES = 64 << 10  # below: MPI's latency wins (measured: 128 KiB at 2 ranks about even)
+MIN_BYTES = 64 << 10  # below: MPI's latency wins or ties (2 ranks: the path's ~11 us a call, MPICH 10-18 us at 32 KiB)
 MAX_COPY_BYTES = 8 << 20  # above: copying a plain array in and out costs more than MPI saves
-CHUNK_BYTES = 256 << 10  # a chunk of the running sum and of one source fit a core's L2
+CHUNK_BYTES = 256 << 10  # NumPy's chunk: sources and sum fit a core's L2 (64 KiB-1 MiB measured: 256-512 KiB best)
 UFUNCS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
 _POSTED, _DONE, _RING = 0, 1, 2  # control words: ops posted, ops this rank finished, then (buffer, count) per op
 _RING_OPS = 64  # ops in flight before posting waits
 _CONTROL_WORDS = _RING + 2 * _RING_OPS
 _SPIN_S = 0.01
+_PLANS_KEPT = 16  # prepared slices per buffer
 
 
 def shm_setting(enabled: bool | None = None) -> bool:
@@ -194,6 +201,8 @@ class ShmCollectives:
 
     # ----- the collectives (None: not taken, the caller uses MPI) ---------------------------
     def allreduce(self, x, op: str = "sum", out=None):
+        if x.nbytes < self.min_bytes:  # first, as it is the cheapest refusal: MPI's call checks the arguments
+            return None
         check_allreduce_args("allreduce", x, op, out)
         if not self._takes(x, op):
             return None
@@ -208,8 +217,8 @@ class ShmCollectives:
                 return None
         debug.check_collective(self.comm, "allreduce", x)
         waiting = self.comm._next_collective("allreduce")
-        mine = segment.typed(x.dtype, x.size)[self.rank]
         if not in_place:
+            mine = segment.typed(x.dtype, x.size)[self.rank]
             mine[...] = x.reshape(-1)
         self.comm._wait(self._post(_Allreduce(self, segment, x.dtype, x.size, op)), waiting)
         if not in_place:
@@ -219,6 +228,8 @@ class ShmCollectives:
         return x if in_place else out
 
     def iallreduce(self, x, op: str = "sum", out=None) -> Handle | None:
+        if x.nbytes < self.min_bytes:
+            return None
         check_allreduce_args("iallreduce", x, op, out)
         if out is not x or not self._takes(x, op):
             return None
@@ -267,7 +278,7 @@ class ShmCollectives:
 
     # ----- flags: posting, progress, completion ------------------------------------------
     def _post(self, op) -> "_Request":
-        if self._seq >= _RING_OPS:
+        if self._seq >= _RING_OPS and self._lowest(_DONE) <= self._seq - _RING_OPS:
             self._wait_until(lambda: self._lowest(_DONE) > self._seq - _RING_OPS)
         self._seq += 1
         op.seq = self._seq
@@ -371,43 +382,51 @@ class _Op(ABC):
     def after_cross(self) -> None:
         """What is left once the inter-node step (if ``work`` started one) has completed."""
 
-    def _chunk(self) -> int:
-        return max(1, self.shm.chunk_bytes // self.dtype.itemsize)
+    def _reducer(self, sources: list, targets: list, divisor: int = 0):
+        """A call setting every target to the op over ``sources`` in MPICH's order (divided unless
+        ``divisor`` is 0): one native call where libhpcpar_shm.so does the op, else NumPy's chunk loop."""
+        run = shm_kernel.prepare(sources, targets, self.op, divisor)
+        if run is None:
+            chunk = max(1, self.shm.chunk_bytes // self.dtype.itemsize)
+            run = functools.partial(reduce_into, sources, targets, UFUNCS[self.op], divisor, chunk)
+        return run
+
+    def _divisor(self) -> int:
+        return self.shm.comm.size if self.op == "mean" else 0
 
 
 class _Allreduce(_Op):
     name = "allreduce"
 
     def work(self):
-        shm = self.shm
-        buffers = self.segment.typed(self.dtype, self.count)
-        own = buffers[shm.rank]
-        self.lo, self.hi = slices(self.count, shm.size, self.dtype.itemsize)[shm.rank]
-        chunk = self._chunk()
-        temps = temporaries(shm.size, min(chunk, self.hi - self.lo), self.dtype)
-        ufunc, local = UFUNCS[self.op], shm.cross is None
-        for lo, hi in chunks(self.lo, self.hi, chunk):
-            out = own[lo:hi]
-            combine([b[lo:hi] for b in buffers], out, ufunc, temps)
-            if local:
-                self._write_out(buffers, out, lo, hi)
-        if local:
+        own, node_sum, self.write_out = self._plan()
+        node_sum()
+        if self.write_out is None:  # one node: the node's sum was the result, written into every buffer
             return None
-        return shm.cross.Iallreduce(MPI.IN_PLACE, own[self.lo:self.hi], REDUCE_OPS[self.op])
+        return self.shm.cross.Iallreduce(MPI.IN_PLACE, own, REDUCE_OPS[self.op])
 
     def after_cross(self) -> None:
-        buffers = self.segment.typed(self.dtype, self.count)
-        own = buffers[self.shm.rank]
-        for lo, hi in chunks(self.lo, self.hi, self._chunk()):
-            self._write_out(buffers, own[lo:hi], lo, hi)
-
-    def _write_out(self, buffers, result, lo: int, hi: int) -> None:
         """The final value of this rank's slice: divided for a mean, copied into every peer's buffer."""
-        if self.op == "mean":
-            result /= self.shm.comm.size
-        for rank, buffer in enumerate(buffers):
-            if rank != self.shm.rank:
-                buffer[lo:hi] = result
+        self.write_out()
+
+    def _plan(self):
+        """(this rank's slice, the node's sum of it, the write-out after the inter-node step or None),
+        made at a buffer's first all-reduce and kept with it (DDP reduces the same buckets every step)."""
+        key = ("allreduce", self.dtype, self.count, self.op)
+        plan = self.segment.plans.get(key)
+        if plan is None:
+            shm = self.shm
+            part = slice(*slices(self.count, shm.size, self.dtype.itemsize)[shm.rank])
+            parts = [buffer[part] for buffer in self.segment.typed(self.dtype, self.count)]
+            own, peers = parts[shm.rank], parts[:shm.rank] + parts[shm.rank + 1:]
+            if shm.cross is None:
+                plan = (own, self._reducer(parts, parts, self._divisor()), None)
+            else:
+                plan = (own, self._reducer(parts, [own]), self._reducer([own], [own] + peers, self._divisor()))
+            if len(self.segment.plans) >= _PLANS_KEPT:  # the scratch buffer sees many sizes
+                self.segment.plans.clear()
+            self.segment.plans[key] = plan
+        return plan
 
 
 class _ReduceScatter(_Op):
@@ -418,15 +437,10 @@ class _ReduceScatter(_Op):
         self.result = result
 
     def work(self):
-        shm, block = self.shm, self.result.size
+        block = self.result.size
+        first = self.shm.rank * block
         buffers = self.segment.typed(self.dtype, self.count)
-        first, chunk = shm.rank * block, self._chunk()
-        temps = temporaries(shm.size, min(chunk, block), self.dtype)
-        for lo, hi in chunks(first, first + block, chunk):
-            out = self.result[lo - first: hi - first]
-            combine([b[lo:hi] for b in buffers], out, UFUNCS[self.op], temps)
-            if self.op == "mean":
-                out /= shm.comm.size
+        self._reducer([b[first: first + block] for b in buffers], [self.result], self._divisor())()
         return None
 
 

@@ -84,6 +84,24 @@ def _tree(leaves: list, ufunc, temps: list, depth: int, target):
     return target
 
 
+def reduce_into(sources: list, targets: list, ufunc, divisor: int, chunk: int) -> None:
+    """Every target = ``ufunc`` over ``sources`` in MPICH's order, divided by ``divisor`` unless 0.
+
+    Chunk by chunk (``chunk`` elements, cache-sized): the first target gets the result, the
+    others a copy of it while it is still in the cache. A source may be a target: each chunk
+    of every source is read before that chunk of any target is written.
+    """
+    count = sources[0].shape[0]
+    temps = temporaries(len(sources), min(chunk, count), sources[0].dtype)
+    for lo, hi in chunks(0, count, chunk):
+        first = targets[0][lo:hi]
+        combine([source[lo:hi] for source in sources], first, ufunc, temps)
+        if divisor:
+            first /= divisor
+        for target in targets[1:]:
+            target[lo:hi] = first
+
+
 def reference(arrays: list, ufunc=np.add):
     """The combination of whole arrays in the documented order (for tests and checks)."""
     out = np.empty_like(arrays[0])

@@ -140,13 +140,15 @@ def measure(job, comm, steps: int) -> dict:
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
     comm_share, idle_share, inter_share = (gather(statistics.fmean(s[k] for s in shares), MPI.SUM) / ctx.world_size
                                            for k in (0, 1, 2))
-    return {"layout": [p.dp, p.pp, p.tp], "precision": job.train.precision, "ranks": ctx.world_size, "step_s": step_s,
+    figures = {"layout": [p.dp, p.pp, p.tp], "precision": job.train.precision, "ranks": ctx.world_size, "step_s": step_s,
             "tokens_per_s": tokens / step_s,
             "compute_share": 1.0 - comm_share - idle_share, "comm_share": comm_share, "bubble_share": idle_share,
             "inter_node_share": inter_share, "nodes": ctx.topology.nodes, "across_nodes": ctx.crossing_axes,
             "param_state_mb_per_rank": gather(params + state) / 2**20,
             "activation_peak_mb_per_rank": gather(activation_peak) / 2**20,
             "bytes_per_step": gather(traffic / steps, MPI.SUM)}
+    ctx.close()  # the next layout needs communicator ids of its own
+    return figures
 
 
 def layouts_to_measure(job, world_size: int, steps: int, precisions) -> tuple[list, list]:

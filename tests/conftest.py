@@ -27,6 +27,23 @@ def pytest_runtest_makereport(item, call):
             MPI.COMM_WORLD.Abort(1)
 
 
+@pytest.fixture(autouse=True)
+def close_contexts_made_by_the_test(request):
+    """An MPI test closes the contexts ``hpcpar.init`` made during it: MPI has about 2000
+    communicator ids per process and the 4-rank suite builds hundreds of contexts. Contexts of
+    wider-scoped fixtures are older and stay open."""
+    if request.node.get_closest_marker("mpi") is None or not request.config.getoption("with_mpi", False):
+        yield
+        return
+    from hpcpar.dist.context import open_contexts
+
+    newest = max((ctx.serial for ctx in open_contexts()), default=-1)
+    yield
+    for ctx in open_contexts():  # oldest first: the same order on every rank
+        if ctx.serial > newest:
+            ctx.close()
+
+
 @pytest.fixture
 def world():
     from mpi4py import MPI

@@ -80,3 +80,24 @@ def test_ranks_on_one_node_share_its_cores_among_their_blas_threads(monkeypatch)
         assert host.blas_threads().endswith(" 1")
     finally:
         threadpool_limits(limits=max(before.values(), default=1), user_api="blas")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_closing_contexts_returns_their_communicator_ids(world):
+    """MPICH has 2048 communicator ids per process and a context with its shared-memory
+    windows takes about eight: 400 contexts, each used and closed, would not fit unclosed."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from hpcpar.dist.context import open_contexts
+    from hpcpar.dist.shm import shared_zeros
+
+    for _ in range(400):
+        ctx = hpcpar.init(dp=world.Get_size(), shm=True)
+        buffer = shared_zeros(ctx.dp, 1 << 15, np.float32)  # 128 KiB: the shared-memory path's windows
+        buffer[...] = 1.0
+        ctx.dp.allreduce(buffer, out=buffer)
+        assert buffer[0] == world.Get_size()
+        ctx.close()
+        ctx.close()  # a second close does nothing
+    assert ctx.dp.mpi == MPI.COMM_NULL and ctx.grid == MPI.COMM_NULL and ctx not in open_contexts()

@@ -19,6 +19,8 @@ Nothing here is global: ``init`` returns a context that is passed to whatever ne
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 from mpi4py import MPI
@@ -32,6 +34,11 @@ from .device_transport import query_cuda_aware
 
 
 logger = log.get_logger(__name__)
+
+
+# The contexts init made and nobody closed (weakly: a dropped context is simply forgotten).
+_open: "weakref.WeakSet[ParallelContext]" = weakref.WeakSet()
+_serials = itertools.count()
 
 
 class LayoutError(ValueError):
@@ -59,7 +66,7 @@ def resolve_layout(world_size: int, dp: int | None = None, pp: int = 1, tp: int 
     return dp, pp, tp
 
 
-@dataclass
+@dataclass(eq=False)  # identity: contexts are kept in a weak set
 class ParallelContext:
     """This rank's place in the grid and the communicators along each axis."""
 
@@ -88,6 +95,9 @@ class ParallelContext:
     shm_node_size: int | None = None  # pretend nodes of this many ranks for them (None: real nodes)
     backend: str = "mpi"  # what moves device buffers on dp, pp and tp: "mpi" or "nccl" (hpcpar.dist.nccl)
     runtime: object = None  # the NCCL runtime when backend is "nccl" (contexts made from this one reuse it)
+    grid: MPI.Comm | None = None  # the cartesian communicator dp, pp and tp are slices of
+    closed: bool = False
+    serial: int = 0  # order of creation in this process
 
     @property
     def crossing_axes(self) -> list[str]:
@@ -139,6 +149,25 @@ class ParallelContext:
             return f"off (HPCPAR_SHM=0, parallel.shm = false or init(shm=False); CPUs only, device {self.device})"
         nodes = f"pretend nodes of {self.shm_node_size} ranks" if self.shm_node_size else "real nodes"
         return f"on ({nodes}; collectives under {MIN_BYTES >> 10} KiB use MPI)"
+
+    def close(self) -> None:
+        """Free what ``init`` made: the shared-memory windows and the dp, pp, tp, node and grid
+        communicators (collective over the world: every rank closes its contexts in the same
+        order). MPI has a few thousand communicator ids per process; a program that builds
+        many contexts (``hpcpar compare``'s layouts, a test suite) closes the ones it is done
+        with. The context, and every buffer in its windows, must no longer be used; the world
+        communicator is the caller's and stays."""
+        if self.closed:
+            return
+        self.closed = True
+        made = [self.dp, self.pp, self.tp, self.node]
+        for communicator in [self.world] + made:
+            if communicator.shm is not None:
+                communicator.shm.close()
+        for mpi_comm in [c.mpi for c in made] + [self.grid]:
+            if mpi_comm is not None and mpi_comm != MPI.COMM_NULL:
+                mpi_comm.Free()
+        _open.discard(self)
 
     def grid_table(self) -> str:
         """The whole grid as text (every rank can print it without communicating)."""
@@ -232,11 +261,18 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
         node=make(node, "node"), topology=topo, backend=chosen, runtime=runtime if chosen == "nccl" else None,
     )
     assert (pp_rank, dp_rank, tp_rank) == coordinates(world_mpi.Get_rank(), dp, pp, tp)
+    ctx.grid, ctx.serial = cart, next(_serials)
+    _open.add(ctx)
     if color is not None:
         for communicator in ctx.communicators().values():
             if communicator.size > 1:
                 communicator.shm = ShmCollectives(communicator, color)
     return ctx
+
+
+def open_contexts() -> list:
+    """The contexts ``init`` made that are not closed yet, oldest first (tests close theirs)."""
+    return sorted(_open, key=lambda ctx: ctx.serial)
 
 
 def single_process(device: str = "cpu") -> ParallelContext:

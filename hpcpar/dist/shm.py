@@ -156,6 +156,17 @@ class ShmCollectives:
         node.Barrier()  # every control word is zero before anyone reads one
         return True
 
+    def close(self) -> None:
+        """Finish what is in flight and free the windows and communicators (collective over comm);
+        buffers handed out must no longer be used. The path is off afterwards."""
+        if self.usable:
+            self._drain()
+            self.windows.close()
+            self.node.Free()
+            if self.cross is not None:
+                self.cross.Free()
+        self.usable, self.node, self.cross, self.windows = False, None, None, None
+
     def describe(self) -> str:
         if self.usable is None:
             return "on (not used yet)"

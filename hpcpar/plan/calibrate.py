@@ -208,7 +208,8 @@ def measure_collectives(world, sizes=SIZES, repeats: int = 5) -> dict:
                     seconds = _timed(call, repeats)
                     seconds = ctx.world.mpi.allreduce(seconds, op=MPI.MAX)
                     samples.setdefault(op, []).append((wire, seconds))
-            # not freed: its context lives on in the grid's communicators and shared windows
+            ctx.close()
+            group.Free()
         wait_idle(world.Ibarrier())
         samples = world.bcast(samples, root=0)
         for op, points in samples.items():

@@ -274,7 +274,7 @@ def measure_concurrency(world, repeats: int = 5, rounds: int = 3) -> list[float]
     A whole step (its Python, its optimizer) rather than one block: that is what layouts run.
     Alone and together are timed in alternating rounds, and each k's figure is the median of
     its rounds' ratios, so a drift of the machine during calibration cancels."""
-    step = step_runner(calibration_job())
+    step, ctx = step_runner(calibration_job())
     ratios = [[] for _ in range(world.Get_size())]
     for _ in range(rounds):
         medians = []
@@ -285,6 +285,7 @@ def measure_concurrency(world, repeats: int = 5, rounds: int = 3) -> list[float]
             medians.append(statistics.median(world.allgather(seconds)[:k]))
         for k, seconds in enumerate(medians):
             ratios[k].append(seconds / medians[0])
+    ctx.close()
     return [statistics.median(r) for r in ratios]
 
 
@@ -359,7 +360,8 @@ def calibration_job(batch_size: int | None = None):
 
 
 def step_runner(job):
-    """A function running one ``train_step`` + ``finish_step`` of a one-rank GPT ``job`` on random ids."""
+    """(a function running one ``train_step`` + ``finish_step`` of a one-rank GPT ``job`` on
+    random ids, its context: close it when done)."""
     from mpi4py import MPI
 
     from ..dist.context import init
@@ -374,12 +376,15 @@ def step_runner(job):
         ids = rng.integers(0, job.model.vocab_size, (job.data.batch_size, job.model.block_size + 1))
         loss = strategy.train_step(ids[:, :-1], ids[:, 1:])
         strategy.finish_step(job.optimizer.grad_clip, loss)
-    return step
+    return step, ctx
 
 
 def measured_step_seconds(job, steps: int = 9) -> float:
     """Median seconds of a training step of a one-rank GPT ``job`` (after a warm-up step)."""
-    return _timed(step_runner(job), steps)
+    step, ctx = step_runner(job)
+    seconds = _timed(step, steps)
+    ctx.close()
+    return seconds
 
 
 def fit_model(machine: Machine, job=None) -> float:
@@ -394,9 +399,10 @@ def fit_model(machine: Machine, job=None) -> float:
 
         T = model_factor x (U + ops x op_overhead) + micro-batches x micro_batch_overhead
 
-    (U: units / rates) is four equations in three unknowns, solved by least squares. The numbers are then used unchanged for every other
-    model and layout. Where the steps do not separate them (noise: a negative solution), the
-    single-op overhead stays, the micro-batch cost is 0 and only the factor is fitted."""
+    (U: units / rates) is four equations in three unknowns, solved by least squares. The numbers
+    are then used unchanged for every other model and layout. Where the steps do not separate
+    them (noise: a negative solution), the single-op overhead stays, the micro-batch cost is 0
+    and only the factor is fitted."""
     from dataclasses import replace
 
     from .predict import StepPlan

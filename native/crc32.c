@@ -24,6 +24,13 @@ HPCPAR_API int hpcpar_crc32_supported(void) {
  * of the bytes before *buf on entry, and of the bytes consumed (a multiple of 64) on return.
  * Each lane folds as in fold()'s loop, over 256 bytes instead of 64; the constants are
  * x^(2048+32) and x^(2048-32) mod P, bit-reflected, as k1k2 is for 512. */
+/* One fold of the four lanes of z by k, xor-ed with data (0x96: a three-way xor). */
+__attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.1")))
+static inline __m512i fold512(__m512i z, __m512i k, __m512i data) {
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(z, k, 0x00), _mm512_clmulepi64_epi128(z, k, 0x11),
+                                     data, 0x96);
+}
+
 __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.1")))
 static void fold_wide(__m128i x[4], const unsigned char **bufp, size_t *lenp) {
     const unsigned char *buf = *bufp;
@@ -38,25 +45,17 @@ static void fold_wide(__m128i x[4], const unsigned char **bufp, size_t *lenp) {
     buf += 192;
     len -= 192;
     while (len >= 256) {
-        z0 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(z0, k256, 0x00),
-                                       _mm512_clmulepi64_epi128(z0, k256, 0x11),
-                                       _mm512_loadu_si512((const void *)(buf + 0x00)), 0x96);
-        z1 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(z1, k256, 0x00),
-                                       _mm512_clmulepi64_epi128(z1, k256, 0x11),
-                                       _mm512_loadu_si512((const void *)(buf + 0x40)), 0x96);
-        z2 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(z2, k256, 0x00),
-                                       _mm512_clmulepi64_epi128(z2, k256, 0x11),
-                                       _mm512_loadu_si512((const void *)(buf + 0x80)), 0x96);
-        z3 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(z3, k256, 0x00),
-                                       _mm512_clmulepi64_epi128(z3, k256, 0x11),
-                                       _mm512_loadu_si512((const void *)(buf + 0xc0)), 0x96);
+        z0 = fold512(z0, k256, _mm512_loadu_si512((const void *)(buf + 0x00)));
+        z1 = fold512(z1, k256, _mm512_loadu_si512((const void *)(buf + 0x40)));
+        z2 = fold512(z2, k256, _mm512_loadu_si512((const void *)(buf + 0x80)));
+        z3 = fold512(z3, k256, _mm512_loadu_si512((const void *)(buf + 0xc0)));
         buf += 256;
         len -= 256;
     }
-    /* The four registers into the last, 64 bytes apart (0x96: a three-way xor). */
-    z1 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(z0, k64, 0x00), _mm512_clmulepi64_epi128(z0, k64, 0x11), z1, 0x96);
-    z2 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(z1, k64, 0x00), _mm512_clmulepi64_epi128(z1, k64, 0x11), z2, 0x96);
-    z3 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(z2, k64, 0x00), _mm512_clmulepi64_epi128(z2, k64, 0x11), z3, 0x96);
+    /* The four registers into the last, 64 bytes apart. */
+    z1 = fold512(z0, k64, z1);
+    z2 = fold512(z1, k64, z2);
+    z3 = fold512(z2, k64, z3);
     x[0] = _mm512_castsi512_si128(z3);
     x[1] = _mm512_extracti32x4_epi32(z3, 1);
     x[2] = _mm512_extracti32x4_epi32(z3, 2);

@@ -586,12 +586,12 @@ def test_the_copy_into_destinations_is_exact_at_any_size_and_alignment():
 def test_a_load_without_file_mapping_or_the_native_copy_is_the_same(tmp_path, monkeypatch, without):
     """A file system that cannot map files (the bytes are read instead), or no native library
     (NumPy copies): the same bytes load, and damage is still found."""
-    from hpcpar.checkpoint import fastcopy, reader
+    from hpcpar.checkpoint import fastcopy, source
 
     if without == "mapping":
         def unmappable(*args, **kwargs):
             raise OSError(19, "No such device")
-        monkeypatch.setattr(reader.mmap, "mmap", unmappable)
+        monkeypatch.setattr(source.mmap, "mmap", unmappable)
     else:
         monkeypatch.setitem(fastcopy._state, "copy", None)
     ctx, run = saved_run(tmp_path, steps=(1,))
@@ -609,17 +609,17 @@ def test_a_load_without_file_mapping_or_the_native_copy_is_the_same(tmp_path, mo
 def test_a_file_cut_short_after_its_check_is_damage_not_a_crash(tmp_path, monkeypatch):
     """A shard truncated between the check and the copy into the model (the mapping would fault
     past the file's end): a CheckpointDamaged naming it, raised before a byte is copied."""
-    from hpcpar.checkpoint import reader
+    from hpcpar.checkpoint import source
 
     ctx, run = saved_run(tmp_path, steps=(1,))
     shard = os.path.join(step_dir(tmp_path, 1), "shard-00000.h5")
-    checked = reader.RawSource.read_and_verify
+    checked = source.RawSource.read_and_verify
 
     def check_then_truncate(self, mine):
         problems = checked(self, mine)
         damage(shard, "truncate", 0.5)
         return problems
-    monkeypatch.setattr(reader.RawSource, "read_and_verify", check_then_truncate)
+    monkeypatch.setattr(source.RawSource, "read_and_verify", check_then_truncate)
     trained = DataParallelRun(ctx)
     trained.train(range(2))
     before = snapshot(trained)

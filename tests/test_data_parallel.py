@@ -1,5 +1,6 @@
 """Data parallelism equals one process with the global batch, in float64, with exact traffic."""
 import math
+import os
 
 import numpy as np
 import pytest
@@ -168,3 +169,29 @@ def test_evaluation_counts_every_sample_once_and_equals_one_process():
         mine = DistributedSampler(n, ctx.dp_size, ctx.dp_rank).eval_indices()
         total = sum(per_sample[i] for i in mine)
     assert reduce_metric(ctx.dp, total, len(mine)) == pytest.approx(np.mean(per_sample), abs=1e-12)
+
+
+def test_one_replica_has_no_gradient_all_reduce_and_unused_parameters_still_get_zeros():
+    """At dp = 1 the gradients stay where backward left them (no bucket copies, no staging), and
+    a parameter backward did not reach gets zeros, as the all-reduce gives it at dp > 1."""
+    from mpi4py import MPI
+
+    from conftest import REPO
+    from hpcpar.train.build import build
+    from hpcpar.train.config import load_job
+    from hpcpar.train.loop import start_context, train_one_step
+    from hpcpar.train.strategies.allreduce import zero_unused_grads
+    from hpcpar.train.validate import validate
+    if MPI.COMM_WORLD.Get_size() != 1:
+        pytest.skip("one replica: the job's grid is the whole world")
+    job = validate(load_job(os.path.join(REPO, "jobs", "cnn-digits-dp.toml"), ["train.steps=1", "parallel.zero=false"]), 1)
+    run = build(job, start_context(job))
+    assert run.strategy.ddp is None and "no gradient all-reduce" in run.strategy.describe()
+    run.ctx.dp.stats.reset()
+    train_one_step(run, 0)
+    assert run.ctx.dp.stats.calls("allreduce") == run.ctx.dp.stats.calls("iallreduce") == 0
+    model = TwoBranches()
+    model.loss(use_b=False).backward()
+    zero_unused_grads(model.named_parameters())
+    np.testing.assert_array_equal(model.b.grad, np.zeros(3))
+    np.testing.assert_allclose(model.a.grad, 2 * model.a.data, rtol=1e-14)

@@ -22,9 +22,14 @@ class AllReduce(SynchronousStrategy):
         super().__init__(job, ctx, model)
         p = job.parallel
         self.ddp = None
-        if not p.zero:  # ZeRO reduce-scatters the gradients itself
+        # ZeRO reduce-scatters the gradients itself. One replica has nothing to average: its
+        # gradients stay where backward left them (no copy into buckets and back, no staging
+        # through the host on a GPU), as the pipeline engine does; a compressor still runs,
+        # since it changes the gradient.
+        compressor = make_gradient_compressor(p)
+        if not p.zero and (ctx.dp_size > 1 or compressor is not None):
             self.ddp = DistributedDataParallel(model, ctx, bucket_mb=p.bucket_mb, overlap=p.overlap,
-                                               compression=make_gradient_compressor(p))
+                                               compression=compressor)
         self.build_update(model.named_parameters(), owns_for_norm=lambda param: True)
 
     def named_parameters(self) -> list:
@@ -37,6 +42,8 @@ class AllReduce(SynchronousStrategy):
                                     self.precision.backward, self.ddp.no_sync if self.ddp else None, self.trace)
         if self.ddp is not None:
             self.ddp.finish_grad_sync()
+        elif not self.job.parallel.zero:
+            zero_unused_grads(self.model.named_parameters())
         sync_sequence_parallel_grads(self.model.named_parameters(), self.ctx.tp)
         step = time.perf_counter() - start
         comm = self.ctx.tp.stats.total_seconds + (self.ddp.sync_seconds if self.ddp else 0.0) - comm_before
@@ -45,5 +52,14 @@ class AllReduce(SynchronousStrategy):
 
     def describe(self) -> str:
         p = self.job.parallel
-        how = "ZeRO-1 reduce-scatter" if p.zero else f"{len(self.ddp.buckets)} all-reduce bucket(s)"
+        how = ("ZeRO-1 reduce-scatter" if p.zero else f"{len(self.ddp.buckets)} all-reduce bucket(s)" if self.ddp
+               else "no gradient all-reduce (one replica)")
         return f"allreduce: {self.ctx.dp_size} replicas, {how}"
+
+
+def zero_unused_grads(named_parameters) -> None:
+    """Zeros for each trainable parameter that backward did not reach, as the all-reduce gives it
+    when there are replicas: weight decay and the moments then move the same at every dp."""
+    for _, param in named_parameters:
+        if param.requires_grad and param.grad is None:
+            param.grad = param.xp.zeros_like(param.data)

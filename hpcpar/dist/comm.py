@@ -332,8 +332,27 @@ class Communicator:
         return result
 
     # ----- structure ----------------------------------------------------------------
-    def split(self, color: int, key: int, name: str) -> "Communicator":
-        return self.like(self.mpi.Split(color, key), name)
+    def split(self, color: int | None, key: int, name: str) -> "Communicator | None":
+        """A communicator of this kind over the ranks that pass the same ``color``, ordered by
+        ``key`` (collective over this one); None on a rank whose ``color`` is None (MPI's
+        UNDEFINED: the rank joins no group). Nothing frees it by itself: the caller closes it,
+        or hands it to the context it was derived from (``ParallelContext.adopt``)."""
+        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
+        return None if sub == MPI.COMM_NULL else self.like(sub, name)
+
+    def dup(self, name: str) -> "Communicator":
+        """A communicator of this kind over the same ranks whose messages never match this one's
+        (collective); freed like ``split``'s."""
+        return self.like(self.mpi.Dup(), name)
+
+    def close(self) -> None:
+        """Free the MPI communicator and its shared-memory state (collective over its ranks),
+        for one this program made (``split``, ``dup``, ``hpcpar.init``): never the world it was
+        given. It must no longer be used; a second call does nothing."""
+        if self.shm is not None:
+            self.shm.close()
+        if self.mpi != MPI.COMM_NULL:
+            self.mpi.Free()  # mpi4py sets the handle to COMM_NULL
 
     def like(self, mpi_comm: MPI.Comm, name: str) -> "Communicator":
         """A communicator of the same kind and settings over ``mpi_comm`` (NCCL stays NCCL)."""

@@ -98,6 +98,7 @@ class ParallelContext:
     grid: MPI.Comm | None = None  # the cartesian communicator dp, pp and tp are slices of
     closed: bool = False
     serial: int = 0  # order of creation in this process
+    adopted: list = field(default_factory=list, repr=False)  # what ``close`` closes first, newest first (``adopt``)
 
     @property
     def crossing_axes(self) -> list[str]:
@@ -150,23 +151,39 @@ class ParallelContext:
         nodes = f"pretend nodes of {self.shm_node_size} ranks" if self.shm_node_size else "real nodes"
         return f"on ({nodes}; collectives under {MIN_BYTES >> 10} KiB use MPI)"
 
+    def adopt(self, owned):
+        """Own ``owned`` and close it in ``close``; returns it. ``owned``: a Communicator derived
+        from this context's (``split``, ``dup``), a context made on one of them, or None (a rank
+        outside a split: nothing to own). Strategies hand over what they derive, so it lives as
+        long as the context and no longer, whether or not the strategy object is still around
+        (it is never freed on garbage collection: freeing is collective). Adopt in the same order
+        on every rank of a derived communicator, as you made it; ``close`` goes newest first, so
+        a context closes before the communicator it was made on."""
+        if self.closed:
+            raise RuntimeError(f"adopt: context {self.serial} is closed; {owned!r} would never be freed")
+        if owned is not None:
+            self.adopted.append(owned)
+        return owned
+
     def close(self) -> None:
-        """Free what ``init`` made: the shared-memory windows and the dp, pp, tp, node and grid
+        """Free what ``init`` made and what the context adopted: the adopted communicators and
+        contexts (newest first), then the shared-memory windows and the dp, pp, tp, node and grid
         communicators (collective over the world: every rank closes its contexts in the same
         order). MPI has a few thousand communicator ids per process; a program that builds
         many contexts (``hpcpar compare``'s layouts, a test suite) closes the ones it is done
-        with. The context, and every buffer in its windows, must no longer be used; the world
-        communicator is the caller's and stays."""
+        with. The context, what it adopted, and every buffer in its windows must no longer be
+        used; the world communicator is the caller's and stays. A second call does nothing."""
         if self.closed:
             return
         self.closed = True
-        made = [self.dp, self.pp, self.tp, self.node]
-        for communicator in [self.world] + made:
-            if communicator.shm is not None:
-                communicator.shm.close()
-        for mpi_comm in [c.mpi for c in made] + [self.grid]:
-            if mpi_comm is not None and mpi_comm != MPI.COMM_NULL:
-                mpi_comm.Free()
+        while self.adopted:
+            self.adopted.pop().close()
+        if self.world.shm is not None:
+            self.world.shm.close()
+        for communicator in (self.dp, self.pp, self.tp, self.node):
+            communicator.close()
+        if self.grid is not None and self.grid != MPI.COMM_NULL:
+            self.grid.Free()
         _open.discard(self)
 
     def grid_table(self) -> str:

@@ -183,14 +183,16 @@ class ParameterServer(Checkpointable):
         starts = list(itertools.accumulate((p.size for p in self.params), initial=0))
         self.spans = list(zip(starts[:-1], starts[1:]))  # each parameter's [start, stop) in the flat vector
         # A private communicator: these tags can never match someone else's messages on the world.
-        self.comm = Communicator(world.mpi.Dup(), "ps", cuda_aware=world.cuda_aware, wait_policy=world.wait_policy)
+        # It, the group and the workers' context are ctx's to free (ParallelContext.adopt).
+        self.comm = ctx.adopt(world.dup("ps"))
         flat = xp.empty(self.numel, dtype=dtype)
         self._pack_parameters(flat)
         self.comm.broadcast(flat, root=0)  # everyone starts from world rank 0's parameters
-        group = world.mpi.Split(0 if self.is_worker else 1, self.rank)
+        group = ctx.adopt(world.split(0 if self.is_worker else 1, self.rank, "ps_group")).mpi
         self._stopped = False
         if self.is_worker:
             self._become_worker(ctx, group, flat, float(probe.lr), scaler)
+            ctx.adopt(self.ctx)  # closed before the group it is made on
         else:
             self._become_server(world, group, flat, optimizer_class, optimizer_options)
 

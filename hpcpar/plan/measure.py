@@ -39,7 +39,8 @@ def counted_step(job, comm) -> dict | None:
         strategy.finish_step(job.optimizer.grad_clip, loss)
     mine = _rank_counts(communicators)
     everyone = ctx.world.mpi.gather(mine, root=0)
-    if ctx.world.rank != 0:
+    ctx.close()  # and the pipeline's tied communicators with it: a caller measures layout after layout
+    if everyone is None:  # not rank 0
         return None
     total: dict = defaultdict(lambda: defaultdict(lambda: [0, 0, 0]))
     for counts in everyone:

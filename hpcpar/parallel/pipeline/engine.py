@@ -29,7 +29,6 @@ import contextlib
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from ... import defaults
 from ...autograd import Tensor, no_grad
@@ -128,10 +127,10 @@ class PipelineParallel(ParameterHolder):
         tied = []
         for ranks in sorted(groups):  # the same order on every rank: Split is collective over pp
             member = self.ctx.pp_rank in ranks
-            sub = self.comm.mpi.Split(0 if member else MPI.UNDEFINED, self.ctx.pp_rank)
+            # The pp communicator's kind (MPI or NCCL); the context frees it when it is closed.
+            comm = self.ctx.adopt(self.comm.split(0 if member else None, self.ctx.pp_rank, "pp-tied"))
             if member:
                 params = sorted((mine[i] for i in groups[ranks]), key=lambda p: names[id(p)])
-                comm = self.comm.like(sub, "pp-tied")  # the pp communicator's kind: MPI or NCCL
                 tied.append((comm, ranks, params))
         return tied
 

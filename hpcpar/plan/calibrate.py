@@ -265,6 +265,7 @@ def measure_inter(world, repeats: int = 5) -> Link | None:
                     comm.irecv(buf, 0, tag=7).wait()
                     comm.isend(buf, 0, tag=8).wait()
             points.append((buf.nbytes, _timed(ping, repeats) / 2))  # one way
+        comm.close()  # only the pair made it: Free is collective over the pair
     return _fit_link(world.bcast(points if world.Get_rank() == 0 else None, root=0))
 
 

@@ -41,7 +41,8 @@ from hpcpar.dist.waiting import wait_idle  # noqa: E402
 from hpcpar.plan.calibrate import calibrate, write_machine  # noqa: E402
 from hpcpar.plan.predict import StepPlan  # noqa: E402
 from hpcpar.tables import format_table  # noqa: E402
-from hpcpar.train.config import JobError, load_job  # noqa: E402
+from hpcpar.train.config import JobError  # noqa: E402
+from hpcpar.train.config_load import load_job  # noqa: E402
 
 GPT = """[model]\nkind = "gpt"\nblock_size = {s}\nn_layer = {L}\nn_head = {a}\nn_embd = {h}\n
 [data]\nbatch_size = {b}\n[parallel]\nmicro_batches = 4\n[optimizer]\ngrad_clip = 1.0\n[train]\nsteps = 10\ndevice = "cpu"\n"""

@@ -129,7 +129,8 @@ def _train(args) -> int:
     from mpi4py import MPI
 
     from .backend import DeviceError
-    from .train.config import JobError, load_job
+    from .train.config import JobError
+    from .train.config_load import load_job
     from .train.loop import StopRequest, train
     from .train.resume import Request
     from .train.validate import validate

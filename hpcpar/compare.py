@@ -49,7 +49,8 @@ from .dist.waiting import wait_idle
 from .parallel.pipeline.schedules import interleaved_fit
 from .tables import format_table
 from .train.build import build
-from .train.config import JobError, load_job
+from .train.config import JobError
+from .train.config_load import load_job
 from .train.validate import validate
 
 logger = log.get_logger(__name__)

@@ -20,8 +20,10 @@ from dp_reference import CONFIG, make_model, max_difference
 from hpcpar.optim import SGD, AdamW
 from hpcpar.parallel import DistributedDataParallel
 from hpcpar.parallel.local_sgd import LocalSGD
-from hpcpar.parallel.ps import ParameterServer, shard_ranges
-from hpcpar.train.config import ParallelSection, load_job
+from hpcpar.parallel.ps import ParameterServer
+from hpcpar.parallel.ps_protocol import shard_ranges
+from hpcpar.train.config import ParallelSection
+from hpcpar.train.config_load import load_job
 from hpcpar.train.strategies import STRATEGIES, make_strategy
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 workers

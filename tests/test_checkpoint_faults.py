@@ -20,7 +20,7 @@ import hpcpar
 from conftest import venv_bin
 from dp_reference import DataParallelRun, max_difference
 from hpcpar import checkpoint
-from hpcpar.checkpoint import CheckpointError, writer
+from hpcpar.checkpoint import CheckpointError, save_files, writer
 from hpcpar.checkpoint.manifest import CheckpointDamaged, verify_files
 from services import run_script, unavailable
 
@@ -364,7 +364,7 @@ def test_a_full_disk_fails_before_a_byte_is_written(small_disk, leave):
     data = sum(os.path.getsize(os.path.join(step_dir(root, 1), n))
                for n in os.listdir(step_dir(root, 1)) if n.startswith("shard-"))
     free = fill(small_disk, {"none": 0, "half": data // 2, "data_only": data + 4096,
-                             "enough": data + writer.MARGIN_BYTES + (1 << 20)}[leave])
+                             "enough": data + save_files.MARGIN_BYTES + (1 << 20)}[leave])
     run.train(range(1, 2))
     if leave == "enough":
         checkpoint.save(str(root), 2, run.model, run.optimizer, ctx, extra=run.extra())
@@ -396,8 +396,8 @@ def test_ranks_on_one_file_system_add_up_their_bytes():
     spaces = [{"fs": ("node", 7), "free": 1000 << 20}, {"fs": ("node", 7), "free": 1000 << 20},
               {"fs": ("other", 7), "free": 1000 << 20}]
     everyone = [[("a", ((0, 1),), (1,), "float32")]] * 3
-    assert writer.space_shortfalls(spaces, [400 << 20, 400 << 20, 400 << 20], everyone) == []
-    short = writer.space_shortfalls(spaces, [600 << 20, 600 << 20, 600 << 20], everyone)
+    assert save_files.space_shortfalls(spaces, [400 << 20, 400 << 20, 400 << 20], everyone) == []
+    short = save_files.space_shortfalls(spaces, [600 << 20, 600 << 20, 600 << 20], everyone)
     assert len(short) == 1 and short[0].startswith("ranks 0, 1 on node need")
 
 

@@ -17,7 +17,8 @@ from mpi4py import MPI
 
 from hpcpar import compare
 from hpcpar.dist.comm import Communicator
-from hpcpar.train.config import JobError, load_job
+from hpcpar.train.config import JobError
+from hpcpar.train.config_load import load_job
 
 TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.block_size=16", "data.batch_size=16",
         'train.device="cpu"']

@@ -42,7 +42,7 @@ from hpcpar.dist.comm import Communicator
 from hpcpar.nn.layers import Dropout, HeadDropout
 from hpcpar.train import lifecycle
 from hpcpar.train.build import build
-from hpcpar.train.config import load_job
+from hpcpar.train.config_load import load_job
 from hpcpar.train.loop import report_step, start_context, train_one_step
 from hpcpar.train.validate import validate
 

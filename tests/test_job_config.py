@@ -6,7 +6,8 @@ import tomllib
 import pytest
 
 from hpcpar.data.prepare import prepare
-from hpcpar.train.config import SECTIONS, Job, JobError, load_job, parse_override, schema_table
+from hpcpar.train.config import SECTIONS, Job, JobError, schema_table
+from hpcpar.train.config_load import load_job, parse_override
 from hpcpar.train.validate import validate
 
 GOOD = """

@@ -16,7 +16,7 @@ from hpcpar.plan import machine as machines
 from hpcpar.plan.layouts import plan_layouts
 from hpcpar.plan.model import Shape, activation_ratio, gpt_block, korthikanti_bytes, layers
 from hpcpar.plan.predict import StepPlan
-from hpcpar.train.config import load_job
+from hpcpar.train.config_load import load_job
 from hpcpar.train.validate import validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from hpcpar.plan.machine import load_machine
 from hpcpar.plan.measure import counted_step
 from hpcpar.plan.predict import StepPlan
-from hpcpar.train.config import load_job
+from hpcpar.train.config_load import load_job
 from hpcpar.train.validate import validate
 
 GPT = """[model]\nkind = "gpt"\nblock_size = 16\nn_layer = 3\nn_head = 4\nn_embd = 32\n

@@ -146,7 +146,8 @@ def test_recompute_mode_is_checked_and_switchable():
 
 def test_the_job_key_sets_the_models_recomputation():
     from hpcpar.train.build import build_model
-    from hpcpar.train.config import JobError, load_job
+    from hpcpar.train.config import JobError
+    from hpcpar.train.config_load import load_job
 
     job = load_job(None, overrides=["model.recompute=\"selective\"", "model.n_layer=1", "model.n_embd=8",
                                     "model.n_head=2", "model.block_size=4"])
@@ -492,7 +493,7 @@ def test_bench_recompute_prints_each_mode_with_counted_and_formula_bytes():
 def test_recomputation_is_no_part_of_the_run_identity_and_may_change_on_resume():
     """The same numbers: a checkpoint written with another mode (or before the key existed) continues the run."""
     from hpcpar.train import identity
-    from hpcpar.train.config import load_job
+    from hpcpar.train.config_load import load_job
 
     none, full = (load_job(None, [f'model.recompute="{mode}"']) for mode in ("none", "full"))
     assert identity.fingerprint(none, None) == identity.fingerprint(full, None)

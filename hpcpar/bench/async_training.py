@@ -43,7 +43,7 @@ from ..data.corpus import batch_windows, stdlib_corpus
 from ..dist.context import init
 from ..nn.gpt import GPT, GPTConfig
 from ..tables import format_table
-from ..train.config import load_job
+from ..train.config_load import load_job
 from ..train.strategies import make_strategy
 from .step import limit_blas_threads
 

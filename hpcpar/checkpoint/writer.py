@@ -30,18 +30,19 @@ with one warning (the run stays correct, training just waits for the write). Wit
 ``collective=True``, where h5py is built against parallel HDF5, all ranks write one
 ``shared.h5`` with ``driver="mpio"`` instead of a file each, a dataset per piece (PyPI's
 h5py is serial: then it is a clear error).
+
+This module runs the save as a transaction over the ranks; ``save_plan`` makes the plan (who
+writes which piece, the manifest's tensor table, the bytes of ``index.h5``) and ``save_files``
+writes and measures the files (small fsynced files, flat datasets filled with ``pwritev``, the
+free-space check, the steps retention removes).
 """
 from __future__ import annotations
 
 import atexit
-import functools
-import io
 import json
-import math
 import os
 import shutil
 import threading
-import socket
 import time
 
 import h5py
@@ -52,13 +53,12 @@ from ..backend import to_host
 from ..dist.waiting import wait_politely
 from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, SHARED_FILE, VERSION, CheckpointError, chunk_checksums,
                        fsync_path, fsync_together, list_steps, shard_filename, step_dirname, sync_and_checksum)
-from ..state import checkpointable, slab_slices
+from .save_files import (DurableFile, allocate_flat_dataset, free_space, retired_steps, space_shortfalls,
+                         write_array)
+from .save_plan import Plan, index_image
+from ..state import checkpointable
 
 logger = log.get_logger(__name__)
-# What a save may write besides its data: HDF5's headers per file, index.h5 and the manifest
-# per piece. Generous on purpose: a refused save costs a warning, a full disk mid-write more.
-MARGIN_BYTES = 1 << 20
-MARGIN_PER_PIECE = 4096
 
 
 def split_extra(extra: dict | None) -> tuple[dict, dict]:
@@ -256,243 +256,6 @@ class SaveJob:
         if self.keep:
             for old in retired_steps(list_steps(self.root), self.step, self.keep):
                 shutil.rmtree(os.path.join(self.root, step_dirname(old)), ignore_errors=True)
-
-
-class DurableFile:
-    """A small file (index.h5, ``latest.tmp``) written and fsynced by a thread while the shards
-    are written; ``path()`` waits for it (and raises its error)."""
-
-    def __init__(self, path: str, data: bytes):
-        self.file, self.data, self.error = path, data, None
-        self.thread = threading.Thread(target=self._write)
-        self.thread.start()
-
-    def _write(self) -> None:
-        try:
-            with open(self.file, "wb") as f:
-                f.write(self.data)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as error:
-            self.error = error
-
-    def path(self) -> str:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.file
-
-    def discard(self) -> None:
-        self.thread.join()
-        if os.path.exists(self.file):
-            os.remove(self.file)
-
-
-class Plan:
-    """Who writes which piece, the manifest's tensor table and the index.h5 image: all follow
-    from what every rank holds, the same at every save of a run, so they are made once."""
-
-    _last = None  # the plan of the last save (a run saves the same layout again and again)
-
-    def __init__(self, everyone: list, shared_file: str | None, layout: dict):
-        self.everyone, self.shared_file, self.layout = everyone, shared_file, layout
-        self.owner, self.load = assign_writers(everyone)
-        self._tensors, self.index = None, None
-
-    @classmethod
-    def of(cls, everyone: list, shared_file: str | None, layout: dict) -> "Plan":
-        last = cls._last
-        if last is None or (last.everyone, last.shared_file, last.layout) != (everyone, shared_file, layout):
-            last = cls._last = cls(everyone, shared_file, layout)
-        return last
-
-    def tensors(self) -> dict:
-        if self._tensors is None:
-            self._tensors = tensor_table(self.everyone, self.owner, self.shared_file)
-        return self._tensors
-
-
-
-def index_image(tensors: dict, layout: dict) -> bytes:
-    """The bytes of index.h5: one virtual dataset per tensor at its global shape over the shard datasets.
-
-    Source files are named relative to the index, so the same bytes serve every step (and
-    the folder can be moved or copied as a whole); creating the virtual datasets costs
-    ~0.4 ms each, which made up half of a save before the image was reused.
-    """
-    buffer = io.BytesIO()
-    blob_sizes: dict = {}  # (file, flat dataset) -> elements
-    for table in tensors.values():
-        for piece in table["pieces"]:
-            if "start" in piece:
-                blob = (piece["file"], piece["dataset"])
-                blob_sizes[blob] = max(blob_sizes.get(blob, 0), piece["start"] + slab_size(piece["slab"]))
-    # The oldest format with virtual datasets (HDF5 1.10), so Debian's h5ls/h5dump read it too.
-    with h5py.File(buffer, "w", libver=("v110", "v110")) as index:
-        index.attrs["layout"] = json.dumps(layout)
-        for key, table in tensors.items():
-            dtype = np.dtype(table["dtype"])
-            virtual = h5py.VirtualLayout(shape=tuple(table["shape"]), dtype=dtype)
-            for piece in table["pieces"]:
-                shape = tuple(stop - start for start, stop in piece["slab"])
-                if "start" not in piece:  # a dataset of its own (a collective save's shared file)
-                    source = h5py.VirtualSource(piece["file"], piece["dataset"], shape=shape)
-                elif 0 in shape:
-                    continue
-                else:  # a range of the flat dataset, mapped onto the N-D block (row-major on both sides)
-                    start, flat = piece["start"], (blob_sizes[(piece["file"], piece["dataset"])],)
-                    source = h5py.VirtualSource(piece["file"], piece["dataset"], shape=flat)[
-                        start: start + slab_size(piece["slab"])]
-                virtual[slab_slices(piece["slab"])] = source
-            # NaN where no source is readable: a missing shard shows in plain readers instead of zeros.
-            index.create_virtual_dataset(key, virtual, fillvalue=np.nan if dtype.kind == "f" else None)
-    return buffer.getvalue()
-
-
-def assign_writers(everyone: list) -> dict:
-    """``({(key, slab): rank}, bytes per rank)``: one writer per distinct piece, evening out the bytes.
-
-    Largest pieces first, each to the holder with the fewest bytes so far (ties: lowest rank),
-    so data-parallel replicas split the writing instead of rank 0 writing everything.
-    """
-    holders: dict = {}
-    sizes: dict = {}
-    for rank, entries in enumerate(everyone):
-        for key, slab, _, dtype in entries:
-            piece = (key, tuple(map(tuple, slab)))
-            holders.setdefault(piece, []).append(rank)
-            sizes[piece] = slab_size(piece[1]) * itemsize(dtype)
-    load = [0] * len(everyone)
-    owner = {}
-    for piece in sorted(holders, key=lambda p: (-sizes[p], p[0])):
-        rank = min(holders[piece], key=lambda r: (load[r], r))
-        owner[piece] = rank
-        load[rank] += sizes[piece]
-    return owner, load
-
-
-def allocate_flat_dataset(file, dtype: str, size: int) -> int | None:
-    """Create the 1-D dataset ``dtype`` of ``size`` elements, its space allocated now and never
-    filled (the caller writes every byte); its byte offset in the file (None when empty)."""
-    plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    plist.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-    plist.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-    space = h5py.h5s.create_simple((size,))
-    dataset = h5py.h5d.create(file.id, dtype.encode(), h5py.h5t.py_create(np.dtype(dtype)), space, dcpl=plist)
-    return dataset.get_offset() if size else None
-
-
-def write_array(fd: int, arrays: list, offset: int) -> None:
-    """Write contiguous arrays end to end from byte ``offset`` of the file (a full disk raises
-    OSError): ``pwritev`` of up to 1024 at once, so the kernel sees large writes and keeps the
-    bytes in large page-cache folios (per-array writes of small tensors leave 4 KiB pages, which
-    a load then reads and maps at half the speed)."""
-    views = [memoryview(array).cast("B") for array in arrays if array.size]
-    for first in range(0, len(views), 1024):
-        batch = views[first: first + 1024]
-        while batch:
-            written = os.pwritev(fd, batch, offset)
-            if not written:
-                raise OSError(28, "No space left on device (a write wrote nothing)")
-            offset += written
-            while batch and written >= batch[0].nbytes:  # a short write: go on where it stopped
-                written -= batch[0].nbytes
-                batch = batch[1:]
-            if written:
-                batch[0] = batch[0][written:]
-
-
-def free_space(folder: str) -> dict:
-    """Where this rank writes and how much room there is: the file system (host, fsid) and free
-    bytes (None when it cannot be told: the writes will say)."""
-    folder = os.path.abspath(folder)
-    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
-        folder = os.path.dirname(folder)  # rank 0 may not have made it yet: its parent tells the same
-    try:
-        stat = os.statvfs(folder)
-    except OSError:
-        return {"fs": (socket.gethostname(), None), "free": None}
-    return {"fs": (socket.gethostname(), stat.f_fsid), "free": stat.f_bavail * stat.f_frsize}
-
-
-def space_shortfalls(spaces: list, load: list, everyone: list) -> list[str]:
-    """One line per file system (ranks that share one add up) where the planned bytes plus the
-    margin exceed the free bytes, naming the ranks and the numbers; empty when all fit."""
-    pieces = sum(len(entries) for entries in everyone)
-    need: dict = {}
-    for rank, space in enumerate(spaces):
-        if space["free"] is None:
-            continue
-        extra = MARGIN_BYTES + MARGIN_PER_PIECE * (len(everyone[rank]) + (pieces if rank == 0 else 0) * 2)
-        fs = need.setdefault(tuple(space["fs"]), {"ranks": [], "bytes": 0, "free": space["free"]})
-        fs["ranks"].append(rank)
-        fs["bytes"] += load[rank] + extra
-        fs["free"] = min(fs["free"], space["free"])
-    return [f"rank{'s' if len(fs['ranks']) > 1 else ''} {', '.join(map(str, fs['ranks']))} on {host} need "
-            f"{fs['bytes']} bytes (data and a margin for metadata), {fs['free']} bytes are free"
-            for (host, _), fs in need.items() if fs["bytes"] > fs["free"]]
-
-
-def retired_steps(steps: list[int], written: int, keep: int) -> list[int]:
-    """The steps a save of ``written`` removes: all but the last ``keep`` up to and including it.
-    Steps above it are left alone (another run's, or a run that went further before a restart)."""
-    mine = [s for s in steps if s <= written]
-    return mine[:-keep] if keep > 0 else []
-
-
-@functools.lru_cache(maxsize=None)
-def itemsize(dtype: str) -> int:
-    return np.dtype(dtype).itemsize
-
-
-@functools.lru_cache(maxsize=None)
-def dtype_name(dtype: str) -> str:
-    return np.dtype(dtype).name
-
-
-def slab_size(slab) -> int:
-    return math.prod(stop - start for start, stop in slab)
-
-
-def dataset_name(n: int, key: str) -> str:
-    """The name of the n-th piece in a collective save's shared file (one dataset per piece)."""
-    return f"{n:05d}:{key.replace('/', '|')}"
-
-
-def tensor_table(everyone: list, owner: dict, shared_file: str | None = None) -> dict:
-    """``{key: {shape, dtype, pieces: [{slab, rank, file, dataset, start}]}}``, each distinct slab once;
-    checks coverage.
-
-    A piece is the range from element ``start`` of the flat dataset ``dataset`` (its dtype's
-    name) of its writer's shard file: each writer lays its pieces end to end per dtype, in the
-    order it holds them. In ``shared_file`` (a collective save) each piece is a dataset of its own.
-    """
-    tensors = {}
-    for rank, entries in enumerate(everyone):
-        written = 0 if shared_file is None else sum(1 for e in everyone[:rank] for _ in e)  # unique names
-        filled: dict = {}  # dtype -> elements laid out so far in this rank's shard
-        for key, slab, shape, dtype in entries:
-            table = tensors.setdefault(key, {"shape": list(shape), "dtype": dtype, "pieces": []})
-            if list(shape) != table["shape"]:
-                raise CheckpointError(f"{key}: ranks disagree on its global shape ({table['shape']} vs {list(shape)})")
-            slab = tuple(map(tuple, slab))
-            if owner[(key, slab)] != rank:
-                continue
-            piece = {"slab": [list(s) for s in slab], "rank": rank, "file": shared_file or shard_filename(rank)}
-            if shared_file is None:
-                name = dtype_name(dtype)
-                piece |= {"dataset": name, "start": filled.get(name, 0)}
-                filled[name] = filled.get(name, 0) + slab_size(slab)
-            else:
-                piece["dataset"] = dataset_name(written, key)
-                written += 1
-            table["pieces"].append(piece)
-    for key, table in tensors.items():
-        covered = sum(slab_size(p["slab"]) for p in table["pieces"])
-        if covered != math.prod(table["shape"]):
-            raise CheckpointError(f"{key}: the pieces held by the ranks cover {covered} of "
-                                  f"{math.prod(table['shape'])} elements (overlapping or missing shards)")
-    return tensors
 
 
 # ----------------------------------------------------------------------------------------

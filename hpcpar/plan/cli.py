@@ -56,7 +56,8 @@ def machine_from(path: str | None):
 def run(args) -> int:
     if args.job == "calibrate":
         return run_calibrate(args)
-    from ..train.config import JobError, load_job
+    from ..train.config import JobError
+    from ..train.config_load import load_job
 
     try:
         job = load_job(args.job, args.set)
@@ -160,7 +161,8 @@ def dry_run(job_path: str, overrides: list, mpi_world: int, machine_path: str | 
     The world is the launch's (``mpiexec -n N``); launched alone, the job's own dp x pp x tp."""
     from .. import log
     from ..dist.failfast import UsageError
-    from ..train.config import JobError, load_job
+    from ..train.config import JobError
+    from ..train.config_load import load_job
     from ..train.validate import validate
     from .predict import StepPlan
 

@@ -1,25 +1,12 @@
-"""Job files: the TOML schema of a training run and ``--set`` overrides (validation: validate.py).
-
-    job = validate(load_job("jobs/demo.toml", ["parallel.tp=2", "train.steps=50"]), world_size)
-    if rank == 0:
-        print(job.describe())
+"""Job files: the TOML schema of a training run, its sections and keys with their defaults, and
+the ``Job`` they make (reading a file and ``--set`` overrides: config_load.py; the value types
+and checks of a key: config_types.py; validation: validate.py).
 
 A job file has the sections [model] [data] [parallel] [optimizer] [lr_schedule] [train]
 [checkpoint] ([schedule], the old name of [lr_schedule], is read for one more release with a
 notice); every key has a default, so an absent key or section means its defaults
-(``schema_table()`` lists them all). Checking happens in two steps, both pure functions
-of the file, the overrides and the world size, so every rank reaches the same verdict
-before any rank waits on another:
-
-- ``load_job``: TOML syntax (with the line), unknown sections and keys (with "did you
-  mean" and the allowed names), types, ranges and choices, and keys given a non-default
-  value where they have no effect (``parallel.staleness`` without ``mode = "ps"``).
-- ``validate``: what needs the keys together and the world size: the dp x pp x tp layout,
-  heads and vocabulary divisible by tp, batch divisible by dp and micro-batches, pipeline
-  stages versus layers, modes that exclude each other, the data file.
-
-Every problem is reported in one ``JobError`` (a ValueError) naming the file, the key
-(``parallel.tp``), the numbers and the fix; all problems of a step are listed at once.
+(``schema_table()`` lists them all). A job that cannot run is a ``JobError`` (a ValueError)
+naming the file, the key (``parallel.tp``), the numbers and the fix.
 
 Paths (``data.path``, ``train.metrics``, ``train.trace``, ``train.tensorboard``,
 ``checkpoint.dir``) are relative to the current folder — where ``hpcpar train``, ``mpiexec``
@@ -28,28 +15,17 @@ or ``sbatch`` is started, as for ``hpcpar data prepare --out`` — not to the jo
 """
 from __future__ import annotations
 
-import difflib
-import json
-import os
-import re
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable
+from dataclasses import dataclass, fields
+from typing import Any
 
 from .. import defaults
 from ..backend import DEVICES
 from ..nn.gpt import RECOMPUTE
 from ..parallel.compression import COMPRESSORS
-from ..parallel.pipeline.partition import PARTITION_METHODS
 from ..parallel.pipeline.schedules import SCHEDULES
 from . import tensorboard
-
-try:  # Python >= 3.11
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    try:
-        import tomli as tomllib
-    except ModuleNotFoundError:
-        tomllib = None
+from .config_types import (BOOLEAN, INTEGER, INTEGER_PAIR, NUMBER, NUMBER_PAIR, PARTITION, RESUME, STAGE_COUNTS, STRING,
+                           STRING_LIST, Check, _key, above, at_least, each, in_range, toml_key, toml_value)
 
 BYTE_VOCAB = 256  # token files made by ``hpcpar data prepare`` hold bytes
 
@@ -67,116 +43,6 @@ class JobError(ValueError):
             listed = "\n".join(f"  {key}: {text}" if key else f"  {text}" for key, text in self.problems)
             message = f"{source}: {len(self.problems)} problems:\n{listed}"
         super().__init__(message)
-
-
-# --- value types: each converts a TOML value or raises TypeError -------------------------------------
-
-@dataclass(frozen=True)
-class Type:
-    name: str  # for messages: "expected an integer"
-    convert: Callable[[Any], Any]
-
-
-def _integer(v):
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError
-    return v
-
-
-def _number(v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError
-    return float(v)
-
-
-def _boolean(v):
-    if not isinstance(v, bool):
-        raise TypeError
-    return v
-
-
-def _string(v):
-    if not isinstance(v, str):
-        raise TypeError
-    return v
-
-
-def _list_of(convert, length=None):
-    def check(v):
-        if not isinstance(v, list) or not v or (length is not None and len(v) != length):
-            raise TypeError
-        return tuple(convert(x) for x in v)
-    return check
-
-
-def _strings(v):
-    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
-        raise TypeError
-    return tuple(v)
-
-
-def _partition(v):
-    return v if isinstance(v, str) else _list_of(_integer)(v)
-
-
-INTEGER = Type("an integer", _integer)
-NUMBER = Type("a number", _number)
-BOOLEAN = Type("true or false", _boolean)
-STRING = Type("a string", _string)
-NUMBER_PAIR = Type("a list of 2 numbers", _list_of(_number, 2))
-INTEGER_PAIR = Type("a list of 2 integers", _list_of(_integer, 2))
-def _resume(v):
-    if isinstance(v, bool):  # the old boolean: true resumed when there was a checkpoint, false ignored them
-        raise TypeError
-    return _string(v)
-
-
-PARTITION = Type("a method name or a list of per-stage layer counts", _partition)
-STRING_LIST = Type("a list of non-empty strings (may be empty)", _strings)
-RESUME = Type("auto, never, must or a step folder (a string; the old true is \"auto\", false \"never\")", _resume)
-RESUME_MODES = ("auto", "never", "must")  # anything else is a step folder
-
-
-# --- range checks: each is called with a converted value and returns None or what is wrong ----------
-
-@dataclass(frozen=True)
-class Check:
-    text: str  # "must be ..." and the schema table's allowed column
-    test: Callable[[Any], bool]
-
-    def __call__(self, value) -> str | None:
-        return None if self.test(value) else f"must be {self.text}"
-
-
-def at_least(low) -> Check:
-    return Check(f">= {low}", lambda v: v >= low)
-
-
-def above(low) -> Check:
-    return Check(f"> {low}", lambda v: v > low)
-
-
-def in_range(low, high) -> Check:
-    return Check(f"in [{low}, {high})", lambda v: low <= v < high)
-
-
-def each(check: Check) -> Check:
-    return Check(f"each {check.text}", lambda values: all(check.test(v) for v in values))
-
-
-STAGE_COUNTS = Check(f"one of {', '.join(PARTITION_METHODS)} or per-stage counts each >= 1",
-                     lambda v: v in PARTITION_METHODS if isinstance(v, str) else all(c >= 1 for c in v))
-
-
-def _key(default, type_: Type, doc: str, *, choices=None, check=None, applies=None, name=None, hint=None):
-    """One key of a section. ``applies = (other key, values)``: it has an effect only then.
-    ``name``: the TOML key where it is not a Python name (``async``); ``hint``: {bad value: advice}."""
-    return field(default=default, metadata={"type": type_, "doc": doc, "choices": choices, "check": check,
-                                            "applies": applies, "name": name, "hint": hint or {}})
-
-
-def toml_key(f) -> str:
-    return f.metadata["name"] or f.name
 
 
 NO_DECAY = ("*.bias", "*ln_*", "embed.*")  # as GPT-2 / minGPT: no decay of shifts, norm scales, embeddings
@@ -341,16 +207,6 @@ PATH_KEYS = ("data.path", "train.metrics", "train.trace", "train.tensorboard", "
 DEPRECATED_SECTIONS = {"schedule": "lr_schedule"}  # old name -> new name, read with a notice for one release
 
 
-def toml_value(value) -> str:
-    """A value as TOML text (strings through JSON, whose escapes TOML's basic strings share)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    return repr(value)
-
 
 @dataclass(frozen=True)
 class Job:
@@ -441,175 +297,3 @@ def schema_table() -> str:
             default = "unset" if f.default is None else toml_value(f.default)
             rows.append(f"| {name}.{toml_key(f)} | {meta['type'].name} | `{default}` | {allowed} | {meta['doc']} |")
     return "\n".join(rows)
-
-
-# --- loading ------------------------------------------------------------------------------------------
-
-def _suggest(word: str, candidates) -> str:
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}? " if close else ""
-
-
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """``section.key=value`` -> (section, key, value); the value in TOML syntax, a bare word as a string."""
-    name, sep, raw = text.partition("=")
-    parts = name.strip().split(".")
-    if not sep or len(parts) != 2 or not all(parts):
-        raise JobError("--set", [(text, "expected section.key=value, e.g. --set parallel.tp=2 or "
-                                        "--set checkpoint.dir=\"runs/x\"")])
-    raw = raw.strip()
-    try:
-        doc = _toml("--set").loads(f"value = {raw}")
-        value = doc["value"] if len(doc) == 1 else raw
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare word: parallel.schedule=gpipe
-    return parts[0], parts[1], value
-
-
-def _toml(source: str):
-    if tomllib is None:  # pragma: no cover - Python 3.10 without tomli
-        raise JobError(source, [("", "reading TOML needs Python >= 3.11 or the tomli package (pip install tomli)")])
-    return tomllib
-
-
-def _read_toml(path: str) -> dict:
-    try:
-        with open(path, "rb") as f:
-            return _toml(path).load(f)
-    except FileNotFoundError:
-        raise JobError(path, [("", f"no such job file (looked in {os.path.abspath(path)})")]) from None
-    except tomllib.TOMLDecodeError as err:
-        text = f"invalid TOML: {err}"
-        line = re.search(r"at line (\d+)", str(err))
-        if line:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                lines = f.read().splitlines()
-            number = int(line.group(1))
-            if 1 <= number <= len(lines):
-                text += f"\n    line {number}: {lines[number - 1].strip()}"
-        raise JobError(path, [("", text)]) from None
-
-
-def load_job(path: str | None, overrides: list[str] = ()) -> Job:
-    """Read a job file (None: all defaults), apply ``section.key=value`` overrides, check each key."""
-    raw = _read_toml(path) if path is not None else {}
-    source = path if path is not None else "<defaults>"
-    notices, problems = _rename_deprecated_sections(raw, source)
-    from_cli = set()
-    for text in overrides:
-        section, key, value = parse_override(text)
-        if section in DEPRECATED_SECTIONS:
-            notices.append(f"--set {section}.{key}: [{section}] is now [{DEPRECATED_SECTIONS[section]}]; "
-                           f"write --set {DEPRECATED_SECTIONS[section]}.{key}")
-            section = DEPRECATED_SECTIONS[section]
-        table = raw.setdefault(section, {})
-        if isinstance(table, dict):
-            table[key] = value
-            from_cli.add(f"{section}.{key}")
-    stem = os.path.splitext(os.path.basename(path))[0] if path is not None else "job"
-    job = _build(raw, from_cli, source, stem, problems)
-    return replace(job, notices=tuple(notices))
-
-
-def _rename_deprecated_sections(raw: dict, source: str) -> tuple[list[str], list]:
-    """Read old section names as the new ones: (notices, problems)."""
-    notices, problems = [], []
-    for old, new in DEPRECATED_SECTIONS.items():
-        if old not in raw:
-            continue
-        if new in raw:
-            problems.append((f"[{old}]", f"is the old name of [{new}], and the file has both; keep [{new}] only"))
-            continue
-        raw[new] = raw.pop(old)
-        notices.append(f"{source}: [{old}] is deprecated and will not be read by the next release; rename it "
-                       f"[{new}] (read as [{new}] now)")
-    return notices, problems
-
-
-def _build(raw: dict, from_cli: set, source: str, stem: str, problems: list) -> Job:
-    """The Job of the raw tables, or a JobError listing ``problems`` and every one found here."""
-    def where(dotted):
-        return f"{dotted} (--set)" if dotted in from_cli else dotted
-
-    problems += _misplaced_tables(raw, from_cli)
-    sections, given = {}, set()
-    for name, cls in SECTIONS.items():
-        table = raw.get(name, {}) if isinstance(raw.get(name, {}), dict) else {}
-        values = {}
-        for key, value in table.items():
-            field_name, converted, problem = _convert_key(name, key, value)
-            if problem:
-                problems.append((where(f"{name}.{key}"), problem))
-                continue
-            values[field_name] = converted
-            given.add(f"{name}.{key}")
-        sections[name] = cls(**values)
-    job = Job(**sections, source=source, given=frozenset(given))
-    problems += [(where(dotted), text) for dotted, text in _without_effect(job)]
-    if problems:
-        raise JobError(source, problems)
-    return _with_paths(job, stem)
-
-
-def _misplaced_tables(raw: dict, from_cli: set) -> list[tuple[str, str]]:
-    """Sections that are not tables, unknown sections, keys outside any section."""
-    problems = []
-    for name, table in raw.items():
-        if name in SECTIONS:
-            if not isinstance(table, dict):
-                where = f"{name} (--set)" if name in from_cli else name
-                problems.append((where, f"must be a table [{name}], got {toml_value(table)}"))
-        elif isinstance(table, dict):
-            cli = " (--set)" if any(d.startswith(f"{name}.") for d in from_cli) else ""
-            problems.append((f"[{name}]{cli}", f"unknown section; {_suggest(name, SECTIONS)}"
-                                               f"sections are {', '.join(SECTIONS)}"))
-        else:
-            owner = [s for s, cls in SECTIONS.items() if name in _fields_by_key(cls)]
-            hint = f"did you mean {owner[0]}.{name}? " if owner else ""
-            problems.append((name, f"a key outside any section; {hint}keys go under a [section]: "
-                                   f"{', '.join(SECTIONS)}"))
-    return problems
-
-
-def _convert_key(section: str, key: str, value) -> tuple[str | None, Any, str | None]:
-    """(field name, converted value, None) for a valid key, or (None, None, what is wrong)."""
-    known = _fields_by_key(SECTIONS[section])
-    if key not in known:
-        elsewhere = [s for s, c in SECTIONS.items() if key in _fields_by_key(c)]
-        hint = f"did you mean {elsewhere[0]}.{key}? " if elsewhere else _suggest(key, known)
-        return None, None, f"unknown key; {hint}[{section}] keys are {', '.join(known)}"
-    meta = known[key].metadata
-    try:
-        value = meta["type"].convert(value)
-    except (TypeError, ValueError):
-        return None, None, f"expected {meta['type'].name}, got {toml_value(value)}"
-    if meta["choices"] and value not in meta["choices"]:
-        return None, None, (f"{toml_value(value)} is not one of {', '.join(meta['choices'])}; "
-                            f"{meta['hint'].get(value, '') or _suggest(value, meta['choices'])}").rstrip("; ")
-    if meta["check"] and (failed := meta["check"](value)):
-        return None, None, f"{toml_value(value)} {failed}"
-    return known[key].name, value, None
-
-
-def _without_effect(job: Job) -> list[tuple[str, str]]:
-    """Keys given a non-default value where another key's value makes them do nothing."""
-    problems = []
-    for dotted in sorted(job.given):
-        section, key = dotted.split(".")
-        f = _fields_by_key(SECTIONS[section])[key]
-        if not job.applies(dotted) and job.get(dotted) != f.default:
-            selector, allowed = f.metadata["applies"]
-            problems.append((dotted, f"{toml_value(job.get(dotted))} has no effect with {selector} = "
-                                     f"{toml_value(job.get(selector))}; it applies only with {selector} = "
-                                     f"{' or '.join(map(toml_value, allowed))}: remove it or set {selector}"))
-    return problems
-
-
-def _with_paths(job: Job, stem: str) -> Job:
-    """Put the job's name in for ``{job}`` in the path keys."""
-    for dotted in PATH_KEYS:
-        section, key = dotted.split(".")
-        value = job.get(dotted)
-        if isinstance(value, str) and "{job}" in value:
-            job = replace(job, **{section: replace(getattr(job, section), **{key: value.replace("{job}", stem)})})
-    return job

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from ..checkpoint.manifest import CheckpointError, MANIFEST, latest_step, list_steps, read_manifest, step_dirname
 from . import identity
-from .config import RESUME_MODES, JobError
+from .config import JobError
+from .config_types import RESUME_MODES
 
 class ResumeRefused(JobError):
     """A start the policy refuses: one message (every difference and the ways out), exit 2 on every rank."""

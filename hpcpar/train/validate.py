@@ -1,6 +1,6 @@
 """Validating a job against the world: the checks that need several keys together and the world size.
 
-``load_job`` (config.py) has already checked each key on its own; ``validate`` checks the
+``load_job`` (config_load.py) has already checked each key on its own; ``validate`` checks the
 dp x pp x tp layout, heads and vocabulary divisible by tp, batch divisible by dp and
 micro-batches, pipeline stages versus layers, modes that exclude each other, ``no_decay``
 patterns against the model's parameter names, and the data file, and reports every problem in one ``JobError``. A pure function of the job and the
@@ -13,7 +13,8 @@ from dataclasses import replace
 
 from .. import defaults
 from ..parallel.pipeline.schedules import interleaved_fit
-from .config import BYTE_VOCAB, Job, JobError, toml_value
+from .config import BYTE_VOCAB, Job, JobError
+from .config_types import toml_value
 
 
 def _divisors(n: int) -> str:

@@ -178,7 +178,7 @@ def test_one_replica_has_no_gradient_all_reduce_and_unused_parameters_still_get_
 
     from conftest import REPO
     from hpcpar.train.build import build
-    from hpcpar.train.config import load_job
+    from hpcpar.train.config_load import load_job
     from hpcpar.train.loop import start_context, train_one_step
     from hpcpar.train.strategies.allreduce import zero_unused_grads
     from hpcpar.train.validate import validate

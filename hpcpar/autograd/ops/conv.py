@@ -136,7 +136,9 @@ class AvgPool2d(Function):
         return out
 
     def backward(self, grad):
-        share = grad * (1.0 / (self.kernel[0] * self.kernel[1]))  # each window element's equal share
+        # Each window element's equal share, in the accumulation dtype (upcast explicitly: ml_dtypes
+        # 0.7 keeps a 16-bit array times a Python float in 16 bits, where 0.6 gave float32).
+        share = precision.upcast(grad) * (1.0 / (self.kernel[0] * self.kernel[1]))
         return (_fold(lambda i, j: share, self.shape, self.kernel, self.stride, self.out_hw,
                       precision.accumulation_dtype(self.dtype), self.xp(grad)),)
 

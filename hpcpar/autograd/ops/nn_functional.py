@@ -277,7 +277,10 @@ class Attention(Function):
         xp = get_array_module(q)
         steps, head_size = q.shape[-2], q.shape[-1]
         self.scale = 1.0 / math.sqrt(head_size)
-        q_scaled = q * self.scale  # scaling (T, hs) is cheaper than scaling (T, T)
+        # Scaling (T, hs) is cheaper than scaling (T, T). On NumPy a 16-bit q is upcast first: the
+        # product upcasts its operands anyway, and ml_dtypes' promotion of a 16-bit array times a
+        # Python float changed in 0.7 (float32 before, 16-bit since), so the dtype is not left to it.
+        q_scaled = precision.gemm_operand(q) * self.scale
         # (B, H, T, hs) @ (B, H, hs, T) -> (B, H, T, T), float32 for 16-bit inputs
         scores = precision.matmul(q_scaled, k.swapaxes(-1, -2), keep_float32=True)
         if causal:  # -inf above the diagonal: a key after the query gets probability 0

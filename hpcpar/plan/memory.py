@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .traffic import builds_ddp
+
 
 @dataclass
 class Memory:
@@ -71,7 +73,7 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
     if job.parallel.zero:  # the flat parameters are the masters (or the parameters); the flat gradient is extra
         buffers = (-(-elements // lay.dp)) * lay.dp * master
     else:
-        buffers = elements * d if (lay.pp == 1 or lay.dp > 1) else 0.0
+        buffers = elements * d if builds_ddp(job, lay) else 0.0
     per_stage = [sum(kept_bytes(plan, layer) for layer in plan.stage_layers[s]) for s in stages]
     activations = held * max(per_stage)
     workspace = max(_backward_temporaries(plan, plan.stage_layers[s]) for s in stages)

@@ -33,7 +33,7 @@ from ..parallel.pipeline.schedules import make_schedule, peak_activations, simul
 from .machine import Machine
 from .memory import Memory, memory_per_rank
 from .model import FP_BYTES, Layer, Work, layers, shape_of
-from .traffic import Traffic, bucket_bytes, stage_parameters, step_traffic
+from .traffic import Traffic, bucket_bytes, builds_ddp, stage_parameters, step_traffic
 
 ELEMENTWISE_RATE = {"gemm": "gemm_flops", "attention": "attention_flops", "conv": "conv_flops"}
 
@@ -267,7 +267,7 @@ class StepPlan:
         lay, job, d = self.layout, self.job, self.dtype_bytes
         params = self.rank_parameters(rank)
         buckets = []
-        if not job.parallel.zero and lay.dp > 1:
+        if builds_ddp(job, lay):
             buckets = [self.collective_seconds("dp", "iallreduce", n)
                        for n in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d))]
         total = sum(buckets)

@@ -67,6 +67,13 @@ def stage_parameters(stage_layers: list[list[Layer]]) -> list[tuple[str, int, bo
     return out
 
 
+def builds_ddp(job, lay) -> bool:
+    """Whether a rank of this layout all-reduces its gradients in DDP's buckets: not under ZeRO-1
+    (it reduce-scatters), and not for one replica (its gradients stay where backward left them)
+    unless a compressor must run on them (pp = 1: the all-reduce strategy)."""
+    return not job.parallel.zero and (lay.dp > 1 or (lay.pp == 1 and job.parallel.compression != "none"))
+
+
 def step_traffic(plan) -> Traffic:
     """Every counted call of one step of ``plan`` (a ``predict.StepPlan``)."""
     lay, job = plan.layout, plan.job
@@ -86,7 +93,7 @@ def step_traffic(plan) -> Traffic:
             tied = [e for name, e, _ in params if name == "embed.wte.weight"] if plan.tied_across_stages(rank) else []
             for elements in tied:
                 traffic.add("pp-tied", "allreduce", elements * d, group)
-        if not job.parallel.zero and (pp == 1 or dp > 1):  # DDP (a pipeline builds none for one replica)
+        if builds_ddp(job, lay):
             for nbytes in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d)):
                 traffic.add("dp", "iallreduce", nbytes, group)
         sp = [e for _, e, on in params if on]

@@ -257,6 +257,21 @@ def test_no_grad_records_nothing():
         y.backward()
 
 
+def test_an_intermediate_no_backward_reads_is_freed_while_the_graph_lives():
+    """The graph links a non-leaf input by a node without its array (PyTorch's grad_fn graph), so
+    the inputs of an add, whose backward reads only shapes, die with the forward's last reference."""
+    import weakref
+
+    w = Tensor(np.arange(6.0).reshape(2, 3), requires_grad=True)
+    a, b = w * 2.0, w + 1.0  # neither product's nor sum's output is saved by its own op
+    loss = (a + b).sum()
+    arrays = weakref.ref(a.data), weakref.ref(b.data)
+    del a, b
+    assert [ref() for ref in arrays] == [None, None]
+    loss.backward()
+    np.testing.assert_array_equal(w.grad, np.full((2, 3), 3.0))
+
+
 FLOAT32_CASES = {
     "arithmetic": lambda x, w: ((x * 2 + 1 - w / 3) ** 3 - 0.5 / (w ** 2 + 1.0)).sum(),
     "mlp": lambda x, w: ops.gelu(ops.linear(x, w)).mean(),

@@ -218,7 +218,7 @@ def test_the_whole_graph_is_embedding_blocks_and_head_by_the_formulas(mode):
 def test_recomputation_saves_what_the_formula_says():
     """Selective drops the (T, T) arrays; full keeps one activation per block."""
     none, selective, full = (block_kept_bytes(8, 128, 256, 4, recompute=m, dropout=0.1) for m in RECOMPUTE)
-    assert none - selective == 8 * 128 * 256 * 4 + 8 * 4 * 128 * 128 * 8  # q scaled; probabilities and scales
+    assert none - selective == 2 * 8 * 128 * 256 * 4 + 8 * 4 * 128 * 128 * 8  # q scaled, attention's output; (T, T)
     assert full == 8 * 128 * 256 * 4
     assert selective < none and full < selective
 

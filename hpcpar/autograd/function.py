@@ -56,8 +56,28 @@ def unbroadcast(grad, shape):
     return grad
 
 
+class GraphNode:
+    """A non-leaf tensor's place in the graph: the op that made it, and the tensor's dtype, not its array.
+
+    Ops link to their non-leaf inputs through these (as PyTorch links ``grad_fn`` nodes), so an
+    intermediate array stays alive for backward only where an op saved it on itself, not because
+    the graph holds the tensor that carries it. Made once per tensor (``Function.attach``): a
+    tensor several ops consume is one node, which backward's bookkeeping (by ``id``) relies on.
+    """
+
+    __slots__ = ("_fn", "dtype")
+    requires_grad = True  # only tensors that require a gradient get a node
+    is_leaf = False
+
+    def __init__(self, fn: "Function", dtype):
+        self._fn = fn  # set to None once the op's backward has run, releasing what it saved
+        self.dtype = dtype  # of the tensor's array: backward rounds the tensor's gradient to it
+
+
 class Function(ABC):
-    """One node of the graph: ``parents`` are the input Tensors, set by ``apply``.
+    """One op in the graph: ``parents`` are its inputs, set by ``attach``: leaf Tensors
+    (parameters, stage inputs, constants: gradients accumulate and hooks fire on them) as
+    themselves, non-leaf tensors as their ``GraphNode``, which keeps no array.
 
     ``op`` names the op in the precision policy (``precision.POLICY``), which decides the dtype of
     its output when an input is 16-bit; a Function that names none keeps the compute dtype.
@@ -100,11 +120,15 @@ class Function(ABC):
             data = precision.enforce(cls.precision_rule, data, compute)
         out = Tensor(data)
         if _grad_enabled and any(t.requires_grad for t in tensors):
-            fn.parents = tensors
-            out.requires_grad = True
-            out._fn = fn
-            memory.note(fn)  # activation-memory accounting, when a tally is open
+            fn.attach(tensors, out)
         return out
+
+    def attach(self, inputs, out) -> None:
+        """Record this op in the graph as the maker of ``out`` from the Tensors ``inputs``."""
+        self.parents = tuple(x if x.is_leaf else x._node for x in inputs)
+        out.requires_grad = True
+        out._node = GraphNode(self, out.dtype)
+        memory.note(self)  # activation-memory accounting, when a tally is open
 
     def xp(self, array):
         return get_array_module(array)

@@ -5,13 +5,14 @@
     kept.bytes      # the distinct buffers the graph holds, parameters excluded
     kept.by_op      # the same bytes, each buffer under the first op that held it
 
-A node of the graph holds two kinds of arrays until its backward has run: what its Function
-saved on itself for backward, and the arrays of its input tensors (``parents``), which stay alive
-through the graph whether backward reads them or not. Both are counted. A view counts as the
-whole buffer it views (that buffer stays alive), and each buffer once. Counting happens when a
-node joins the graph (``Function.apply`` calls ``note``), so only nodes made inside the block are
-seen; the tally holds references to what it counted until the block ends, and after that only
-the totals.
+An op of the graph holds two kinds of arrays until its backward has run: what its Function
+saved on itself for backward, and the arrays of its leaf inputs (``parents`` that are Tensors:
+parameters, stage inputs, constants). A non-leaf input is linked by its ``GraphNode``, which holds
+no array, so an intermediate that no backward reads is freed once the forward drops it. Both
+kinds are counted. A view counts as the whole buffer it views (that buffer stays alive), and each
+buffer once. Counting happens when an op joins the graph (``Function.attach`` calls ``note``), so
+only ops made inside the block are seen; the tally holds references to what it counted until the
+block ends, and after that only the totals.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ _active: "KeptForBackward | None" = None
 
 
 def note(fn) -> None:
-    """Count what the graph node ``fn`` keeps, when a tally is open (called as it joins the graph)."""
+    """Count what the graph's op ``fn`` keeps, when a tally is open (called as it joins the graph)."""
     if _active is not None:
         _active.add(fn)
 
@@ -38,9 +39,12 @@ def _is_array(value) -> bool:
 
 
 def _arrays_of(fn):
-    """The arrays node ``fn`` keeps: its inputs' and those saved on it (one level of tuples and lists)."""
+    """The arrays op ``fn`` keeps: its leaf inputs' and those saved on it (one level of tuples and lists).
+
+    A non-leaf input is linked by its ``GraphNode``, which holds no array."""
     for parent in getattr(fn, "parents", ()):
-        yield parent.data
+        if parent.is_leaf:
+            yield parent.data
     for value in vars(fn).values():
         if _is_array(value):
             yield value

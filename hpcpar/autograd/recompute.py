@@ -28,7 +28,6 @@ import contextlib
 
 import numpy as np
 
-from . import memory
 from .function import Function, enable_grad, is_grad_enabled, no_grad
 
 
@@ -57,7 +56,7 @@ def _restore(states) -> None:
 
 
 class Recompute(Function):
-    """The graph node of a recomputed region: its parents are the region's inputs."""
+    """The graph's op for a recomputed region: its parents are the region's inputs, ``inputs`` their arrays."""
 
     op = "recompute"
 
@@ -74,10 +73,9 @@ class Recompute(Function):
         data = fn.forward(*inputs)
         out = Tensor(data)
         if any(x.requires_grad for x in inputs) or any(p.requires_grad for p in params):
-            fn.parents = tuple(inputs)
-            out.requires_grad = True
-            out._fn = fn
-            memory.note(fn)
+            # The rerun needs the inputs' arrays, and the graph links non-leaf inputs without them.
+            fn.inputs = tuple(x.data for x in inputs)
+            fn.attach(inputs, out)
         return out
 
     def forward(self, *inputs):
@@ -91,7 +89,7 @@ class Recompute(Function):
     def backward(self, grad):
         from .tensor import Tensor
 
-        leaves = [Tensor(x.data, requires_grad=x.requires_grad) for x in self.parents]
+        leaves = [Tensor(array, requires_grad=x.requires_grad) for array, x in zip(self.inputs, self.parents)]
         now = [(source, _state(source)) for source, _ in self.states]
         _restore(self.states)
         try:

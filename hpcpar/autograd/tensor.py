@@ -5,7 +5,7 @@ import numpy as np
 
 from ..backend import get_array_module
 from . import deferred, precision
-from .function import Function
+from .function import Function, GraphNode
 
 
 class Tensor:
@@ -25,7 +25,7 @@ class Tensor:
         self.grad = None
         self.requires_grad = requires_grad
         self.name = name
-        self._fn: Function | None = None
+        self._node: GraphNode | None = None  # a non-leaf's place in the graph (Function.attach)
         self._grad_hooks: list = []
 
     # ----- construction -------------------------------------------------------------
@@ -66,6 +66,11 @@ class Tensor:
     @property
     def size(self) -> int:
         return self.data.size
+
+    @property
+    def _fn(self) -> Function | None:
+        """The op that made this tensor, until its backward has run."""
+        return None if self._node is None else self._node._fn
 
     @property
     def is_leaf(self) -> bool:
@@ -132,7 +137,11 @@ class Tensor:
         if tuple(grad.shape) != self.shape:
             raise ValueError(f"backward(): grad has shape {tuple(grad.shape)} but the tensor has shape {self.shape}")
 
-        order = _topological_order(self)
+        if self.is_leaf:
+            self._accumulate(grad)
+            return
+        root = self._node
+        order = _topological_order(root)
         # How many graph edges still have to deliver a gradient to each tensor; a leaf's
         # gradient is final (and its hooks fire) when its count reaches zero.
         pending: dict[int, int] = {}
@@ -141,10 +150,7 @@ class Tensor:
                 if parent.requires_grad:
                     pending[id(parent)] = pending.get(id(parent), 0) + 1
 
-        grads = {id(self): grad}
-        if self.is_leaf:
-            self._accumulate(grad)
-            return
+        grads = {id(root): grad}
         weights = deferred.active()  # zero-bubble pipelines: weight gradients left for later
         later: set[int] = set()  # leaves some op will accumulate into when the deferred work runs
         for node in reversed(order):
@@ -166,7 +172,7 @@ class Tensor:
                     continue
                 key = id(parent)
                 if parent_grad is not None:
-                    parent_grad = precision.like(parent_grad, parent.data.dtype)  # a float32 loss's grad -> bf16 logits
+                    parent_grad = precision.like(parent_grad, parent.dtype)  # a float32 loss's grad -> bf16 logits
                     previous = grads.get(key)
                     grads[key] = parent_grad if previous is None else previous + parent_grad
                 pending[key] -= 1
@@ -228,8 +234,8 @@ class Parameter(Tensor):
         super().__init__(data, requires_grad=True, name=name)
 
 
-def _topological_order(root: Tensor) -> list:
-    """Non-leaf tensors reachable from ``root``, each after all the ops it consumes (no recursion)."""
+def _topological_order(root: GraphNode) -> list:
+    """The graph nodes reachable from ``root``, each after all the ops it consumes (no recursion)."""
     order, visited = [], set()
     stack = [(root, False)]
     while stack:

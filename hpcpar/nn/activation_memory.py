@@ -1,9 +1,11 @@
 """Bytes one GPT block keeps alive for backward, per micro-batch and rank: a formula, exact for NumPy.
 
 What a graph keeps is what ``hpcpar.autograd.memory.kept_for_backward`` counts: the arrays the ops
-saved and the input arrays the graph's nodes hold, each buffer once. ``tests/test_recompute.py``
-checks this formula against that count, byte for byte, for each recomputation mode, float64,
-float32 and bfloat16, with and without dropout, with tensor and sequence parallelism.
+saved for their backward and the arrays of leaf inputs, each buffer once (an intermediate no
+backward reads is not kept: the graph links it by a node without its array).
+``tests/test_recompute.py`` checks this formula against that count, byte for byte, for each
+recomputation mode, float64, float32 and bfloat16, with and without dropout, with tensor and
+sequence parallelism.
 
 With b rows of s tokens (N = b s), width h, a heads, t tensor-parallel ranks, e the bytes of the
 compute dtype, f those of its accumulation dtype (4 for 16-bit, else e), and sigma = 1/t under
@@ -11,32 +13,37 @@ sequence parallelism (else 1), a block keeps, by recomputation mode:
 
 - ``full``: its input only, ``sigma N h e``.
 - ``none``:
-  - (2 + 2 [t > 1]) N h e: the two row-parallel products before their all-reduce, and their
-    all-reduced sums (sequence parallelism: the all-gathered inputs of qkv and fc instead);
-  - (6 + 2 [32/64-bit] + 2 [sp]) sigma N h e: block input, the two LayerNorm outputs, the residual
-    sum, the two branch outputs, the LayerNorms' normalised inputs (kept in 32/64 bits; 16-bit
-    LayerNorm keeps its input and recomputes them), the reduce-scatter outputs (sp);
+  - 2 N h e: the inputs of qkv and fc that their products save (the LayerNorm outputs; under
+    sequence parallelism their all-gathers, the LayerNorm outputs themselves are not kept);
+  - 2 sigma N h e: the LayerNorms' normalised inputs (32/64-bit), or at 16 bits their inputs,
+    the block input and the residual sum (16-bit LayerNorm recomputes the normalised input);
   - LayerNorm statistics: 2 sigma N e (1/std twice), 16-bit: 4 sigma N f (mean and 1/std);
   - (12 + [a > t] + 4 [32/64-bit]) N h e / t: qkv's output (3, which k and v view), attention's
     output and its copy with the heads side by side (the proj input; a view with one head per
-    rank), fc's output, GELU's output (4 each), GELU's tanh (4, 32/64-bit only); plus q scaled
-    by 1/sqrt(hs), N h / t in e (NumPy 16-bit: float32, f);
+    rank), fc's output (GELU's input), GELU's output (4 each), GELU's tanh (4, 32/64-bit only);
+    plus q scaled by 1/sqrt(hs), N h / t in e (NumPy 16-bit: float32, f);
   - b (a / t) s^2 (e + [attention dropout] f): the probabilities and the dropout scales;
-  - with residual dropout: 2 sigma N h (f + e), its two scales (float32 under 16 bits) and outputs.
-- ``selective``: ``none`` less the scaled q and the b (a/t) s^2 terms.
+  - with residual dropout: 2 sigma N h f, its two scales (float32 under 16 bits).
+  Not kept: the products of proj and fc's proj (before and after their all-reduce or
+  reduce-scatter, and after the bias add), the dropout outputs, and (32/64-bit) the block input
+  and the residual sum: no backward reads them.
+- ``selective``: ``none`` less the scaled q, the b (a/t) s^2 terms and attention's output (the
+  recomputed region's output, which the region's node does not keep; with one head per rank
+  the proj input is a view of it, so it is kept as that).
 
-Outside the blocks (``embedding_kept_bytes``, ``head_kept_bytes``): the embedding keeps its token
-and position rows (and under tensor parallelism the masked rows before their all-reduce), its
-dropout's input and scales, and integer ids; the head keeps the final LayerNorm's input (the last
-block's output), its output (gathered under sequence parallelism), the logits (N V / t) and the
-loss's float32-or-wider softmax of them (N V / t f), and integer targets. A block keeps its own
-input, so embedding + n_layer blocks + head is the whole graph.
+Outside the blocks (``embedding_kept_bytes``, ``head_kept_bytes``): the embedding keeps its integer
+ids (and under tensor parallelism the mask of rows outside this rank's vocabulary) and its
+dropout's scales; the head keeps the final LayerNorm's normalised input (16-bit: its input, the
+last block's output) and statistics, its output (gathered under sequence parallelism), which
+the logits' product saves, the loss's float32-or-wider softmax of the logits (N V / t f; the
+logits themselves are not kept), and integer targets. Each block counts the input it keeps
+itself, so embedding + n_layer blocks + head is the whole graph.
 
 Against Korthikanti et al. (2022), ``s b h (34 + 5 a s / h)`` bytes at 16 bits (t = 1), this
-graph keeps 58 s b h + 6 a s^2 b bytes in bfloat16 with dropout, plus 16 s b: the extra s b h
-terms are arrays no backward reads but the graph holds as inputs of its nodes (the products
-before the bias adds, the dropout outputs, the residual sums), q scaled in float32 and the
-attention output; dropout scales are float32 where a GPU keeps a 1-byte mask.
+graph keeps 46 s b h + 6 a s^2 b bytes in bfloat16 with dropout, plus 16 s b: the extra s b h
+terms are attention's output (2, kept for the softmax backward's row sums), q scaled in float32
+(4) and the dropout scales, float32 where a GPU keeps a 1-byte mask (6 more; 1 a s^2 b more
+for the attention dropout's, whose output is not kept).
 """
 from __future__ import annotations
 
@@ -62,15 +69,14 @@ def block_kept_bytes(batch: int, seq: int, n_embd: int, n_head: int, *, dtype=np
     if recompute == "full":
         return sigma * n * h * e
     wide = 0 if low else 1
-    kept = (2 + 2 * (t > 1)) * n * h * e
-    kept += (6 + 2 * wide + 2 * sp) * sigma * n * h * e
+    kept = 2 * n * h * e + 2 * sigma * n * h * e
     kept += sigma * n * (4 * f if low else 2 * e)
     copy = 1 if n_head > t else 0  # (B, T, nh, hs) -> (B, T, nh hs) needs a copy unless one head per rank
-    kept += (12 + copy + 4 * wide) * n * h * e / t
     if dropout > 0:
-        kept += 2 * sigma * n * h * (f + e)
-    if recompute == "selective":
-        return kept
+        kept += 2 * sigma * n * h * f
+    if recompute == "selective":  # the attention output is kept only as the proj input it is a view of
+        return kept + (12 + 4 * wide) * n * h * e / t
+    kept += (12 + copy + 4 * wide) * n * h * e / t
     attn_dropout = dropout if attn_dropout is None else attn_dropout
     kept += n * h / t * f  # q scaled: float32 under 16 bits on NumPy (and e otherwise, where f = e)
     kept += batch * (n_head / t) * seq * seq * (e + (f if attn_dropout > 0 else 0))
@@ -91,10 +97,9 @@ def embedding_kept_bytes(batch: int, seq: int, n_embd: int, *, dtype=np.float32,
     n, h = batch * seq, n_embd
     kept = n * 8 + sigma * seq * 8  # token ids (tp: their local rows) and position ids
     if tp > 1:
-        kept += n + n * h * e  # rows outside this rank's vocabulary; the masked rows before the all-reduce
-    kept += sigma * (n + seq) * h * e  # token and position rows, the inputs of their sum
+        kept += n  # the mask of rows outside this rank's vocabulary
     if dropout > 0:
-        kept += sigma * n * h * (e + f)  # the dropout's input and scales
+        kept += sigma * n * h * f  # the dropout's scales
     return kept
 
 
@@ -103,10 +108,9 @@ def head_kept_bytes(batch: int, seq: int, n_embd: int, vocab_size: int, *, dtype
     """Bytes the head (final LayerNorm, logits, cross entropy) keeps per micro-batch and tp rank, its input included."""
     e, f, low, sigma, sp = _shares(dtype, tp, sequence_parallel)
     n, h = batch * seq, n_embd
-    kept = sigma * n * h * e * (2 if low else 3)  # LayerNorm input, output and (32/64-bit) normalised input
+    kept = sigma * n * h * e  # LayerNorm's normalised input (16-bit: its input)
     kept += sigma * n * (2 * f if low else e)  # its statistics
-    if sp:
-        kept += n * h * e  # the gathered LayerNorm output, the logits' input
-    kept += n * vocab_size / tp * (e + f)  # logits and the loss's softmax
+    kept += n * h * e  # its output, the logits' input (all-gathered under sequence parallelism)
+    kept += n * vocab_size / tp * f  # the loss's softmax of the logits
     kept += (n * (8 + 8 + 1) if tp == 1 else n * (1 + 8 + 1)) + 8  # target rows, masks, the count (0-d int64)
     return kept

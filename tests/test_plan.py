@@ -136,6 +136,20 @@ def test_zero_bubble_and_interleaving_predict_less_idle_than_1f1b(job_file):
     assert idle["zb1"] < idle["1f1b"] and idle["interleaved"] < idle["1f1b"]
 
 
+def test_a_later_pipeline_stage_keeps_its_received_input_where_its_first_layer_does_not(job_file):
+    """32-bit blocks keep their normalised input, not their input: the stage adds what it received."""
+    from hpcpar.plan.memory import kept_bytes, stage_kept_bytes
+
+    machine = machines.load_machine("dgx-a100")
+    base = load_job(job_file, ["parallel.pp=2", "parallel.micro_batches=4"])
+    for precision, recompute, adds in (("fp32", "none", True), ("fp32", "full", False), ("bf16", "none", False)):
+        job = validate(replace(base, train=replace(base.train, precision=precision)), 2)
+        plan = StepPlan(job, machine, recompute)
+        layers_only = sum(kept_bytes(plan, layer) for layer in plan.stage_layers[1])
+        assert stage_kept_bytes(plan, 1) == layers_only + (plan.boundary_bytes(0) if adds else 0), precision
+        assert stage_kept_bytes(plan, 0) == sum(kept_bytes(plan, layer) for layer in plan.stage_layers[0])
+
+
 def test_a_20b_gpt_on_two_dgx_h100_nodes_keeps_tensor_parallelism_inside_a_node(tmp_path):
     path = tmp_path / "gpt20b.toml"
     path.write_text('[model]\nkind = "gpt"\nvocab_size = 51200\nblock_size = 2048\nn_layer = 44\nn_head = 48\n'

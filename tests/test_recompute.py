@@ -215,6 +215,25 @@ def test_the_whole_graph_is_embedding_blocks_and_head_by_the_formulas(mode):
             assert whole_graph_bytes(config, dtype, mode, 3) == formula_bytes(config, dtype, mode, 3), np.dtype(dtype).name
 
 
+@pytest.mark.parametrize("mode", RECOMPUTE)
+def test_a_pipeline_stage_keeps_its_received_input_and_its_layers_by_the_formulas(mode):
+    """A later stage's input is a leaf the graph keeps; the formulas count it where the first layer
+    keeps it itself (``keeps_input``), and the planner adds it where not (``plan.memory``)."""
+    from hpcpar.nn.activation_memory import keeps_input
+
+    for dtype in dtypes():
+        model = GPT(CONFIG, dtype)
+        model.recompute = mode
+        x = Tensor(np.random.default_rng(0).normal(size=(3, CONFIG.block_size, CONFIG.n_embd)).astype(dtype),
+                   requires_grad=True)
+        with dropout_key(DropoutKey(0)), kept_for_backward(model.parameters()) as kept:
+            model.loss_from_logits(model.head(model.blocks[1](x)), batch(0, 3)[1])
+        want = block_kept_bytes(3, CONFIG.block_size, CONFIG.n_embd, CONFIG.n_head, dtype=dtype, recompute=mode,
+                                dropout=CONFIG.dropout)
+        want += head_kept_bytes(3, CONFIG.block_size, CONFIG.n_embd, CONFIG.vocab_size, dtype=dtype)
+        assert kept.bytes == want + (0 if keeps_input(dtype, mode) else x.data.nbytes), np.dtype(dtype).name
+
+
 def test_recomputation_saves_what_the_formula_says():
     """Selective drops the (T, T) arrays; full keeps one activation per block."""
     none, selective, full = (block_kept_bytes(8, 128, 256, 4, recompute=m, dropout=0.1) for m in RECOMPUTE)

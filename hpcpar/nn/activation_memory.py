@@ -83,6 +83,13 @@ def block_kept_bytes(batch: int, seq: int, n_embd: int, n_head: int, *, dtype=np
     return kept
 
 
+def keeps_input(dtype=np.float32, recompute: str = "none") -> bool:
+    """Whether a block (or, with recompute "none", the head) keeps its own input for backward, so that
+    its kept bytes count it: a 16-bit LayerNorm keeps its input, a fully recomputed block keeps it
+    to rerun; a 32/64-bit LayerNorm keeps its normalised input instead, and nothing else reads it."""
+    return precision.is_low(np.dtype(dtype)) or recompute == "full"
+
+
 def _shares(dtype, tp: int, sequence_parallel: bool):
     dtype = np.dtype(dtype)
     low = precision.is_low(dtype)

@@ -9,9 +9,10 @@ Per pipeline rank (the largest is reported):
   and parameter buffers;
 - gradients as backward makes them (one array per parameter, before DDP copies them in);
 - activations: the bytes each layer keeps for backward per micro-batch (``model.Layer``)
-  times the micro-batches in flight on this rank under the schedule (``peak_activations`` of
-  the schedule itself: 1F1B holds p - r, GPipe m), less what recomputation drops; plus the
-  largest temporary of one backward, and the received activations of a pipeline.
+  and a stage's received input where its first layer does not keep it itself, times the
+  micro-batches in flight on this rank under the schedule (``peak_activations`` of the schedule
+  itself: 1F1B holds p - r, GPipe m), less what recomputation drops; plus the largest temporary
+  of one backward, and the receive buffers of a pipeline.
 
 ``activation_peak`` is what ``hpcpar compare`` measures with tracemalloc during one
 ``train_step`` (gradients + activations + temporaries); ``param_state`` what it reports as
@@ -51,6 +52,17 @@ def kept_bytes(plan, layer) -> float:
     return layer.kept_by_recompute.get(plan.recompute, layer.saved_bytes)
 
 
+def stage_kept_bytes(plan, stage: int) -> float:
+    """What virtual stage ``stage`` keeps per micro-batch: its layers' kept bytes, and its received
+    input (a leaf the engine and the graph hold until its gradient is sent) where the first layer's
+    count leaves it out (a 32/64-bit block keeps its normalised input, not its input)."""
+    layers = plan.stage_layers[stage]
+    kept = sum(kept_bytes(plan, layer) for layer in layers)
+    if stage > 0 and not layers[0].keeps_input.get(plan.recompute, True):
+        kept += plan.boundary_bytes(stage - 1)
+    return kept
+
+
 def _backward_temporaries(plan, layers) -> float:
     """The largest temporary of a backward through ``layers`` beyond what it has freed by then:
     backward runs from the last layer down, releasing each layer's kept bytes when it is done."""
@@ -74,7 +86,7 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
         buffers = (-(-elements // lay.dp)) * lay.dp * master
     else:
         buffers = elements * d if builds_ddp(job, lay) else 0.0
-    per_stage = [sum(kept_bytes(plan, layer) for layer in plan.stage_layers[s]) for s in stages]
+    per_stage = [stage_kept_bytes(plan, s) for s in stages]
     activations = held * max(per_stage)
     workspace = max(_backward_temporaries(plan, plan.stage_layers[s]) for s in stages)
     # a weight gradient before it is summed in, and with several micro-batches the sum beside the old total

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from ..nn.activation_memory import block_kept_bytes, embedding_kept_bytes, head_kept_bytes
+from ..nn.activation_memory import block_kept_bytes, embedding_kept_bytes, head_kept_bytes, keeps_input
 from ..nn.gpt import RECOMPUTE
 
 FP_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
@@ -68,6 +68,7 @@ class Layer:
     tp_forward: list = field(default_factory=list)  # [(op, bytes given)] on the tp communicator
     tp_backward: list = field(default_factory=list)
     kept_by_recompute: dict = field(default_factory=dict)  # recomputation mode -> saved bytes (blocks)
+    keeps_input: dict = field(default_factory=dict)  # recomputation mode -> whether those bytes count its input (unlisted: yes)
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,8 @@ def gpt_block(shape: Shape, index: int) -> Layer:
         names = [n for n in names if not n[0].endswith("bias")]
     return Layer(f"blocks.{index}", [(f"blocks.{index}.{n}", e, sp) for n, e, sp in names], fwd, bwd_input, bwd_weight,
                  saved_bytes=kept["none"], workspace_bytes=workspace, output_elements=r * h, tp_forward=tp_f,
-                 tp_backward=tp_b, kept_by_recompute=kept)
+                 tp_backward=tp_b, kept_by_recompute=kept,
+                 keeps_input={mode: keeps_input(shape.dtype, mode) for mode in RECOMPUTE})
 
 
 def gpt_head(shape: Shape) -> Layer:
@@ -213,7 +215,8 @@ def gpt_head(shape: Shape) -> Layer:
     params = [("head.ln_f.weight", h, True)] + ([("head.ln_f.bias", h, True)] if shape.bias else [])
     params += [("embed.wte.weight", V // t * h, False)] if shape.tie_weights else [("head.lm_head.weight", h * V // t, False)]
     return Layer("head", params, fwd, bwd_input, bwd_weight, saved_bytes=saved,
-                 workspace_bytes=N * V / t * c + N * h * d, output_elements=0, tp_forward=tp_f, tp_backward=tp_b)
+                 workspace_bytes=N * V / t * c + N * h * d, output_elements=0, tp_forward=tp_f, tp_backward=tp_b,
+                 keeps_input=dict.fromkeys(RECOMPUTE, keeps_input(shape.dtype)))  # the head is never recomputed
 
 
 def conv_runs(rows: int, channels: int, side: int) -> int:

@@ -3,7 +3,7 @@
     y = recompute(block, x, params=block.parameters(), context=replay_dropout_key())
 
 runs ``block(x)`` without recording a graph, so none of the activations inside it stay alive;
-the node it leaves in the graph keeps ``x`` only. Its backward puts back what the first run's
+the op it leaves in the graph keeps ``x``'s array only. Its backward puts back what the first run's
 randomness depended on (the state of the generators listed in ``random``; ``context``, made at
 the forward: the GPT's is ``nn.dropout_keys.replay_dropout_key()``, the dropout key then in
 force), runs ``block`` again on ``x`` with the graph on, restores the generators to where they

@@ -24,11 +24,11 @@ sequence parallelism (else 1), a block keeps, by recomputation mode:
     plus q scaled by 1/sqrt(hs), N h / t in e (NumPy 16-bit: float32, f);
   - b (a / t) s^2 (e + [attention dropout] f): the probabilities and the dropout scales;
   - with residual dropout: 2 sigma N h f, its two scales (float32 under 16 bits).
-  Not kept: the products of proj and fc's proj (before and after their all-reduce or
-  reduce-scatter, and after the bias add), the dropout outputs, and (32/64-bit) the block input
-  and the residual sum: no backward reads them.
+  Not kept: the products of the two row-parallel projections (before and after their
+  all-reduce or reduce-scatter, and after the bias add), the dropout outputs, and (32/64-bit)
+  the block input and the residual sum: no backward reads them.
 - ``selective``: ``none`` less the scaled q, the b (a/t) s^2 terms and attention's output (the
-  recomputed region's output, which the region's node does not keep; with one head per rank
+  recomputed region's output, which the region's op does not keep; with one head per rank
   the proj input is a view of it, so it is kept as that).
 
 Outside the blocks (``embedding_kept_bytes``, ``head_kept_bytes``): the embedding keeps its integer
@@ -42,8 +42,9 @@ itself, so embedding + n_layer blocks + head is the whole graph.
 Against Korthikanti et al. (2022), ``s b h (34 + 5 a s / h)`` bytes at 16 bits (t = 1), this
 graph keeps 46 s b h + 6 a s^2 b bytes in bfloat16 with dropout, plus 16 s b: the extra s b h
 terms are attention's output (2, kept for the softmax backward's row sums), q scaled in float32
-(4) and the dropout scales, float32 where a GPU keeps a 1-byte mask (6 more; 1 a s^2 b more
-for the attention dropout's, whose output is not kept).
+(4) and the residual dropouts' scales, float32 where a GPU keeps a 1-byte mask (8 against 2); the
+attention dropout keeps 4 a s^2 b bytes of scales where Korthikanti counts a 1-byte mask and the
+2-byte dropout output (3), which this graph does not keep.
 """
 from __future__ import annotations
 

@@ -63,13 +63,20 @@ def stage_kept_bytes(plan, stage: int) -> float:
     return kept
 
 
-def _backward_temporaries(plan, layers) -> float:
-    """The largest temporary of a backward through ``layers`` beyond what it has freed by then:
-    backward runs from the last layer down, releasing each layer's kept bytes when it is done."""
-    freed, worst = 0.0, 0.0
+def _backward_peak(plan, layers, waiting: float, gradients: float, all_gradients: float) -> tuple:
+    """(kept, gradients, temporaries) alive at the fullest moment of one micro-batch's backward
+    through ``layers`` (a stage). From the last layer down: what is still ``waiting`` for backward
+    (this layer's kept bytes and those below it, from ``stage_kept_bytes``), the gradients made so
+    far with this layer's (capped at the rank's: a tied weight has one), and this layer's
+    temporaries with what recomputation rebuilds for it. A layer's kept bytes are freed when its
+    backward is done; the gradients stay to the step's end."""
+    worst = (0.0, 0.0, 0.0)
     for layer in reversed(layers):
-        worst = max(worst, layer.workspace_bytes - freed)
-        freed += kept_bytes(plan, layer)
+        kept = kept_bytes(plan, layer)
+        gradients = min(all_gradients, gradients + sum(e for _, e, _ in layer.params) * plan.dtype_bytes)
+        now = (waiting, gradients, layer.workspace_bytes + layer.saved_bytes - kept)
+        worst = max(worst, now, key=sum)
+        waiting -= kept
     return worst
 
 
@@ -87,16 +94,17 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
     else:
         buffers = elements * d if builds_ddp(job, lay) else 0.0
     per_stage = [stage_kept_bytes(plan, s) for s in stages]
-    activations = held * max(per_stage)
-    workspace = max(_backward_temporaries(plan, plan.stage_layers[s]) for s in stages)
+    # One micro-batch through one stage makes the gradients in its backward; otherwise earlier
+    # backwards of the step (accumulating micro-batches, the rank's later stages) made them all.
+    before = 0.0 if lay.micro_batches == 1 and len(stages) == 1 else elements * d
+    kept, gradients, workspace = max((_backward_peak(plan, plan.stage_layers[s], k, before, elements * d)
+                                      for s, k in zip(stages, per_stage)), key=sum)
+    kept += (held - 1) * max(per_stage)  # the other micro-batches in flight, each at most a stage's kept bytes
     # a weight gradient before it is summed in, and with several micro-batches the sum beside the old total
     workspace += max((e for _, e, _ in params), default=0) * d * (2 if lay.micro_batches > 1 else 1)
-    blocks = [layer for s in stages for layer in plan.stage_layers[s] if layer.kept_by_recompute]
-    if blocks and plan.recompute != "none":  # what one block rebuilds while its backward runs
-        workspace += max(layer.saved_bytes - kept_bytes(plan, layer) for layer in blocks)
     if lay.pp > 1:  # receive buffers of the activations and gradients on their way
         workspace += 2 * max(plan.boundary_bytes(s) for s in range(lay.pp * lay.chunks - 1))
-    return Memory(elements * d, optimizer, buffers, elements * d, activations, workspace)
+    return Memory(elements * d, optimizer, buffers, gradients, kept, workspace)
 
 
 def memory_per_rank(plan) -> Memory:

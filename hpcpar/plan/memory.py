@@ -7,16 +7,18 @@ Per pipeline rank (the largest is reported):
   shard: 1/dp, padded), plus float32 masters under fp16/bf16;
 - communication buffers: DDP's flat buckets (the gradients' home), or ZeRO's flat gradient
   and parameter buffers;
-- gradients as backward makes them (one array per parameter, before DDP copies them in);
-- activations: the bytes each layer keeps for backward per micro-batch (``model.Layer``)
-  and a stage's received input where its first layer does not keep it itself, times the
-  micro-batches in flight on this rank under the schedule (``peak_activations`` of the schedule
-  itself: 1F1B holds p - r, GPipe m), less what recomputation drops; plus the largest temporary
-  of one backward, and the receive buffers of a pipeline.
+- the step peak, taken when things are alive together rather than as the sum of each part's
+  maximum: the micro-batches in flight on this rank under the schedule (``peak_activations`` of
+  the schedule itself: 1F1B holds p - r, GPipe m) keep the bytes each layer keeps for backward
+  (``model.Layer``, less what recomputation drops) and a stage's received input where its first
+  layer does not keep it itself; one of them then runs its backward from the last layer down,
+  freeing each layer's kept bytes as it makes its gradients and its temporaries (``_backward_peak``).
+  Gradients exist from the start where earlier backwards of the step made them (accumulating
+  micro-batches); plus a weight gradient before it is summed in and a pipeline's receive buffers.
 
 ``activation_peak`` is what ``hpcpar compare`` measures with tracemalloc during one
-``train_step`` (gradients + activations + temporaries); ``param_state`` what it reports as
-parameters + optimizer state.
+``train_step`` (gradients + activations + temporaries at that moment); ``param_state`` what it
+reports as parameters + optimizer state.
 """
 from __future__ import annotations
 
@@ -30,9 +32,9 @@ class Memory:
     params: float
     optimizer: float  # state and master weights
     buffers: float  # DDP buckets / ZeRO's flat buffers
-    gradients: float
-    activations: float  # kept for backward, at the peak
-    workspace: float  # the largest backward temporary
+    gradients: float  # made by the step's peak
+    activations: float  # kept for backward at the peak
+    workspace: float  # temporaries at the peak
 
     @property
     def param_state(self) -> float:

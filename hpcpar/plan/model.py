@@ -69,6 +69,9 @@ class Layer:
     tp_backward: list = field(default_factory=list)
     kept_by_recompute: dict = field(default_factory=dict)  # recomputation mode -> saved bytes (blocks)
     keeps_input: dict = field(default_factory=dict)  # recomputation mode -> whether those bytes count its input (unlisted: yes)
+    # [(its kept bytes freed by then, temporaries)] as its backward goes; none listed: [(0, workspace_bytes)]
+    backward_steps: list = field(default_factory=list)
+    forward_temporaries: float = 0.0  # the largest of its forward beyond what it keeps
 
 
 @dataclass(frozen=True)
@@ -176,9 +179,15 @@ def gpt_block(shape: Shape, index: int) -> Layer:
     # Kept for backward: the exact count of what the graph holds (nn.activation_memory), per mode
     kept = {mode: block_kept_bytes(b, s, h, a, dtype=shape.dtype, tp=t, sequence_parallel=shape.sequence_parallel,
                                    recompute=mode, dropout=shape.attn_dropout) for mode in RECOMPUTE}
-    # backward temporaries on top of what is kept: attention's two (T, T) arrays, GELU's three
-    # 4 N h / t ones, the gradient in flight (2 N h)
-    workspace = 2 * scores * c + 12 * N * h / t * c + 2 * N * h * d
+    # backward temporaries on top of what is kept: attention's two (T, T) arrays, GELU's (its
+    # incoming gradient, g and 1 - t^2 in float32, and under 16 bits the input's float32 copy and
+    # the tanh it recomputes), the gradient in flight (2 N h)
+    gelu = 4 * N * h / t * (d + (4 if c > d else 2) * c)
+    workspace = 2 * scores * c + gelu + 2 * N * h * d
+    # Backward frees as it goes: GELU's temporaries come after the MLP projection has released its
+    # input (the GELU output, 4 N h / t); attention's after GELU has released the fc output
+    # (4 N h / t). The projection's own temporaries, before either, are smaller than GELU's.
+    steps = [(4 * N * h / t * d, gelu + 2 * N * h * d), (8 * N * h / t * d, workspace)]
     tp_f, tp_b = [], []
     for entering in (_enter, _leave, _enter, _leave):  # attention in and out, MLP in and out
         f, bk = entering(shape, N * h)
@@ -193,7 +202,7 @@ def gpt_block(shape: Shape, index: int) -> Layer:
     return Layer(f"blocks.{index}", [(f"blocks.{index}.{n}", e, sp) for n, e, sp in names], fwd, bwd_input, bwd_weight,
                  saved_bytes=kept["none"], workspace_bytes=workspace, output_elements=r * h, tp_forward=tp_f,
                  tp_backward=tp_b, kept_by_recompute=kept,
-                 keeps_input={mode: keeps_input(shape.dtype, mode) for mode in RECOMPUTE})
+                 keeps_input={mode: keeps_input(shape.dtype, mode) for mode in RECOMPUTE}, backward_steps=steps)
 
 
 def gpt_head(shape: Shape) -> Layer:
@@ -216,7 +225,9 @@ def gpt_head(shape: Shape) -> Layer:
     params += [("embed.wte.weight", V // t * h, False)] if shape.tie_weights else [("head.lm_head.weight", h * V // t, False)]
     return Layer("head", params, fwd, bwd_input, bwd_weight, saved_bytes=saved,
                  workspace_bytes=N * V / t * c + N * h * d, output_elements=0, tp_forward=tp_f, tp_backward=tp_b,
-                 keeps_input=dict.fromkeys(RECOMPUTE, keeps_input(shape.dtype)))  # the head is never recomputed
+                 keeps_input=dict.fromkeys(RECOMPUTE, keeps_input(shape.dtype)),  # the head is never recomputed
+                 # the loss's forward: the logits, their float32 copy under 16 bits, shifted and exponentiated
+                 forward_temporaries=N * V / t * (d + (c if c > d else 0) + 2 * c))
 
 
 def conv_runs(rows: int, channels: int, side: int) -> int:

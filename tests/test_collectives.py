@@ -174,6 +174,11 @@ def test_bfloat16_moves_as_words_and_reduces_in_float32(comm):
     assert comm.allreduce(x).dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(comm.allreduce(x, out=x.copy()), expected)
     np.testing.assert_array_equal(comm.iallreduce(x).wait(), expected)
+    np.testing.assert_array_equal(comm.allreduce(x), expected)
+    np.testing.assert_array_equal(x, rank_data(comm.rank, (4, 3)).astype(x.dtype))  # without out, x stays
+    inplace = x.copy()
+    assert comm.iallreduce(inplace, out=inplace).wait() is inplace  # a DDP bucket's call
+    np.testing.assert_array_equal(inplace, expected)
     np.testing.assert_array_equal(comm.allgather(x)[comm.size - 1], rank_data(comm.size - 1, (4, 3)).astype(x.dtype))
     y = x.copy()
     comm.broadcast(y, root=0)

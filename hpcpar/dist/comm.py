@@ -160,8 +160,10 @@ class Communicator:
     # ----- collectives --------------------------------------------------------------
     def allreduce(self, x, op: str = "sum", out=None):
         """Reduce ``x`` over all ranks; ``out=x`` reduces in place. ``mean`` divides by size."""
-        if _is_bfloat16(x.dtype):
-            return _into(out, self.allreduce(x.astype(np.float32), op).astype(x.dtype))
+        if _is_bfloat16(x.dtype):  # MPI has no bfloat16: reduced as a float32 copy, in place
+            wide = x.astype(np.float32)
+            self.allreduce(wide, op, out=wide)
+            return _narrowed(wide, x.dtype, out)
         if self.shm is not None and (result := self.shm.allreduce(x, op, out)) is not None:
             return result
         start = time.perf_counter()
@@ -176,10 +178,11 @@ class Communicator:
 
     def iallreduce(self, x, op: str = "sum", out=None) -> Handle:
         """Start an all-reduce; the returned handle's ``wait()`` gives the result."""
-        if _is_bfloat16(x.dtype):
-            handle = self.iallreduce(x.astype(np.float32), op)
+        if _is_bfloat16(x.dtype):  # as in allreduce: one float32 copy in flight per call
+            wide = x.astype(np.float32)
+            handle = self.iallreduce(wide, op, out=wide)
             inner = handle._finish
-            handle._finish = lambda: _into(out, inner().astype(x.dtype))
+            handle._finish = lambda: _narrowed(inner(), x.dtype, out)
             return handle
         if self.shm is not None and (handle := self.shm.iallreduce(x, op, out)) is not None:
             return handle
@@ -375,6 +378,11 @@ def _into(out, result):
         return result
     out[...] = result
     return out
+
+
+def _narrowed(wide, dtype, out):
+    """A float32 result back in ``dtype``: cast into ``out`` when one was given, else a new array."""
+    return wide.astype(dtype) if out is None else _into(out, wide)
 
 
 def _reduce_op(op: str):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .traffic import builds_ddp
+from .traffic import bucket_bytes, builds_ddp
 
 
 @dataclass
@@ -123,7 +123,26 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
     workspace += max((e for _, e, _ in params), default=0) * per_element
     if lay.pp > 1:  # receive buffers of the activations and gradients on their way
         workspace += 2 * max(plan.boundary_bytes(s) for s in range(lay.pp * lay.chunks - 1))
+    copies = _float32_bucket_copies(plan, params)
+    if copies:
+        # Buckets launch as backward fills them, the last one when it ends: during backward all
+        # but one copy may be in flight; after it, every copy beside the gradients, and a bucket's
+        # result cast back (half its copy). The larger moment is the peak.
+        during = kept + gradients + workspace + sum(copies) - min(copies)
+        after = elements * d + sum(copies) + max(copies) / 2
+        if after > during:
+            return Memory(elements * d, optimizer, buffers, elements * d, 0.0, after - elements * d)
+        workspace += sum(copies) - min(copies)
     return Memory(elements * d, optimizer, buffers, gradients, kept, workspace)
+
+
+def _float32_bucket_copies(plan, params) -> list:
+    """Bytes of the float32 copy of each DDP bucket in flight: MPI has no bfloat16, so
+    ``dist.comm`` all-reduces a bfloat16 bucket as a float32 copy (NCCL takes it as it is)."""
+    job, d = plan.job, plan.dtype_bytes
+    if not builds_ddp(job, plan.layout) or job.train.precision != "bf16" or job.parallel.backend == "nccl":
+        return []
+    return [n / d * 4 for n in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d))]
 
 
 def memory_per_rank(plan) -> Memory:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from ..autograd import no_grad
 from ..dist.failfast import UsageError
@@ -79,8 +78,8 @@ def run_mode(spec: dict, world_ctx, args, train_tokens, held_out) -> dict | None
     member = True
     if spec.get("subset"):  # like-for-like with the parameter server: only its W worker ranks train
         member = world.rank < workers
-        group = world.mpi.Split(0 if member else MPI.UNDEFINED, world.rank)
-        ctx = init(comm=group, device="cpu", wait_policy=world.wait_policy) if member else None
+        group = world.split(0 if member else None, world.rank, "subset")  # None outside it
+        ctx = init(comm=group.mpi, device="cpu", wait_policy=world.wait_policy) if member else None
 
     model = GPT(BENCH_CONFIG, dtype=np.float32)
     strategy = make_strategy(bench_job(spec, args), ctx, model, data=None) if member else None
@@ -109,6 +108,9 @@ def run_mode(spec: dict, world_ctx, args, train_tokens, held_out) -> dict | None
     mine = {"elapsed": elapsed, "worker": is_worker, "tail": float(np.mean(losses[-TAIL_STEPS:])) if losses else None,
             "busy": compute / elapsed, "staleness": ps.max_staleness if ps else 0, "lead": ps.max_lead if ps else 0}
     everyone = world.allgather_object(mine)
+    if ctx is not world_ctx and member:  # the subset's context, then the group it was made on (collective)
+        ctx.close()
+        group.close()
     if world.rank != 0:
         return None
     with no_grad():

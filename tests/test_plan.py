@@ -10,6 +10,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from hpcpar.autograd import Tensor
+from hpcpar.nn.cnn import DigitsCNN
 from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.parallel.pipeline.schedules import make_schedule, simulate
 from hpcpar.plan import machine as machines
@@ -94,6 +96,22 @@ def test_activations_kept_match_tracemalloc_within_10_percent(n_layer, width, he
     held = kept_by_forward(GPT(config), rows)
     shape = Shape("gpt", rows, "fp32", 1, False, 32, n_layer, heads, width, 256)
     predicted = sum(layer.saved_bytes for layer in layers(shape))
+    assert abs(predicted - held) / held < 0.10
+
+
+@pytest.mark.parametrize("channels, rows", [((16, 32), 32), ((32, 64), 64)])
+def test_the_cnn_s_kept_bytes_match_tracemalloc_within_10_percent(channels, rows):
+    """Each array once: the columns each convolution keeps, the ReLUs' and the poolings' outputs."""
+    model = DigitsCNN(channels=channels)
+    images = Tensor(np.random.default_rng(0).standard_normal((rows, 1, 8, 8)).astype(np.float32))
+    labels = np.arange(rows) % 10
+    model.loss(images, labels).backward()
+    tracemalloc.start()
+    loss = model.loss(images, labels)
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del loss
+    predicted = sum(layer.saved_bytes for layer in layers(Shape("cnn", rows, "fp32", channels=channels)))
     assert abs(predicted - held) / held < 0.10
 
 

@@ -10,11 +10,11 @@ Per pipeline rank (the largest is reported):
 - the step peak, taken when things are alive together rather than as the sum of each part's
   maximum: the micro-batches in flight on this rank under the schedule (``peak_activations`` of
   the schedule itself: 1F1B holds p - r, GPipe m) keep the bytes each layer keeps for backward
-  (``model.Layer``, less what recomputation drops) and a stage's received input where its first
-  layer does not keep it itself, and the graph's own objects; at the end of its forward (the
-  loss's temporaries on top of all that) one of them runs its backward from the last layer down,
-  freeing each layer's kept bytes as it makes its gradients and its temporaries, a block's in two
-  steps (``_backward_peak``, ``model.Layer.backward_steps``). Gradients exist from the start where
+  (``model.Layer``, less what recomputation drops) and a stage's received input and sent output
+  where its first and last layers do not keep them themselves, and the graph's own objects; at
+  the end of its forward (the loss's temporaries on top of all that) one of them runs its backward
+  from the last layer down, freeing each layer's kept bytes as it makes its gradients and its
+  temporaries, a block's in two steps (``_backward_peak``, ``model.Layer.backward_steps``). Gradients exist from the start where
   earlier backwards of the step made them (accumulating micro-batches); plus a weight gradient
   before it is summed in and a pipeline's receive buffers.
 
@@ -69,11 +69,15 @@ def rebuilt_bytes(plan, layer) -> float:
 def stage_kept_bytes(plan, stage: int) -> float:
     """What virtual stage ``stage`` keeps per micro-batch: its layers' kept bytes, and its received
     input (a leaf the engine and the graph hold until its gradient is sent) where the first layer's
-    count leaves it out (a 32/64-bit block keeps its normalised input, not its input)."""
+    count leaves it out (a 32/64-bit block keeps its normalised input, not its input), and its sent
+    output (the engine holds it until its gradient comes back) where the last layer's leaves it out
+    (a convolution keeps its columns)."""
     layers = plan.stage_layers[stage]
     kept = sum(kept_bytes(plan, layer) for layer in layers)
     if stage > 0 and not layers[0].keeps_input.get(plan.recompute, True):
         kept += plan.boundary_bytes(stage - 1)
+    if stage < len(plan.stage_layers) - 1 and not layers[-1].keeps_output:
+        kept += plan.boundary_bytes(stage)
     return kept
 
 

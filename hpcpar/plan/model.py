@@ -72,6 +72,7 @@ class Layer:
     # [(its kept bytes freed by then, temporaries)] as its backward goes; none listed: [(0, workspace_bytes)]
     backward_steps: list = field(default_factory=list)
     forward_temporaries: float = 0.0  # the largest of its forward beyond what it keeps
+    keeps_output: bool = True  # whether its kept bytes (or a view of them) hold its output
 
 
 @dataclass(frozen=True)
@@ -247,13 +248,17 @@ def pool_rows(rows: int, channels: int, side: int) -> int:
 # The digits CNN: (N, 1, 8, 8) -> conv 3x3 -> relu -> pool 2 -> conv 3x3 -> relu -> pool 2 -> linear
 def cnn_layers(shape: Shape) -> list[Layer]:
     n, d = shape.rows, shape.dtype_bytes
+    c = max(d, 4)  # float32 at least: conv's input-gradient columns, max pooling's fold
+    wide = 4 if d < 4 else 0  # under 16 bits NumPy's matmul multiplies float32 copies of its operands
     c1, c2 = shape.channels
     convs = [(1, c1, 8), (c1, c2, 4)]  # (in, out, side)
     out = []
+    not_input = dict.fromkeys(RECOMPUTE, False)  # these keep no input of theirs: a stage's received input counts
     for i, (cin, cout, side) in enumerate(convs):
         pixels = n * side * side
         flops = 2 * pixels * cin * 9 * cout  # one product each way
         cols = pixels * cin * 9  # im2col
+        padded = n * cin * (side + 2) ** 2
         runs = conv_runs(n, cin, side)
         forward = (Work(ops=1).add("conv", flops).add("im2col", passes("im2col", cols, d)).add("strided_runs", runs)
                    .add("copy", 2 * pixels * cout * d))
@@ -262,19 +267,36 @@ def cnn_layers(shape: Shape) -> list[Layer]:
         if i > 0:
             (backward.add("conv", flops).add("im2col", passes("im2col", cols, d, True)).add("strided_runs", runs)
              .add("copy", 2 * pixels * cin * d))
+        # Alive in backward beside the kept columns: the incoming gradient and its (Cout, N Ho Wo)
+        # copy; the columns' gradient (float32) to the end, with the padded fold and then the input
+        # gradient; last the weight gradient's product of float32 copies (under 16 bits; the
+        # transposed columns are cast through NumPy's buffers of 8192 elements of either dtype).
+        grads = 2 * pixels * cout * d
+        weight_gemm = (pixels * cout + cols) * wide + (8192 * (d + wide) if wide else 0)
+        input_grad = cols * c + max(padded * c + pixels * cin * c, pixels * cout * wide) if i > 0 else 0
+        last = grads + (cols + pixels * cin) * c * (i > 0) + weight_gemm
         out.append(Layer(f"net.{3 * i}", [(f"net.{3 * i}.weight", cout * cin * 9, False), (f"net.{3 * i}.bias", cout, False)],
                          forward, backward, Work().add("conv", flops),
-                         saved_bytes=(cols + pixels * cin) * d, output_elements=pixels * cout,
-                         # backward: the columns' gradient, the output gradient's copy, the folded input gradient
-                         workspace_bytes=(cols + pixels * cout + 2 * pixels * cin) * d + cols * d))
+                         # the columns; its input is the pooling's output (the images for the first)
+                         saved_bytes=cols * d, output_elements=pixels * cout, keeps_input=not_input, keeps_output=False,
+                         workspace_bytes=max(grads + input_grad, last),
+                         # the padded input to the end; the product (of float32 copies under 16 bits,
+                         # rounded to a copy) and then the output's transposed copy
+                         forward_temporaries=padded * d + (cols * wide + pixels * cout * (wide + d) if wide
+                                                           else 2 * pixels * cout * d)))
         out.append(Layer(f"net.{3 * i + 1}", [], Work(ops=1).add("copy", 3 * pixels * cout * d),
                          Work(ops=1).add("copy", 4 * pixels * cout * d), Work(), saved_bytes=pixels * cout * d,
-                         workspace_bytes=pixels * cout * d, output_elements=pixels * cout))
+                         # the incoming gradient, the mask, the product
+                         workspace_bytes=pixels * cout * (2 * d + 1), output_elements=pixels * cout, keeps_input=not_input))
         pooled = pool_rows(n, cout, side)
         out.append(Layer(f"net.{3 * i + 2}", [],
                          Work(ops=1).add("pool", passes("pool", pixels * cout, d)).add("pool_rows", pooled),
                          Work(ops=1).add("pool", passes("pool", pixels * cout, d, True)).add("pool_rows", pooled), Work(),
-                         saved_bytes=pixels * cout * d, workspace_bytes=pixels * cout * d, output_elements=pixels * cout / 4))
+                         # its output; its input is the ReLU's output, kept there
+                         saved_bytes=pixels * cout / 4 * d, keeps_input=not_input, output_elements=pixels * cout / 4,
+                         # the fold (float32 at least) rounded to a copy; the incoming gradient, a tap's
+                         # masks and gradient beside it
+                         workspace_bytes=pixels * cout * (c + (d if d < c else 0)) + pixels * cout / 4 * (2 * d + 2)))
     features = 4 * c2
     out.append(Layer("net.6", [], Work(ops=1), Work(ops=1), Work(), 0.0, 0.0, n * features))
     out.append(Layer("net.7", [("net.7.weight", features * 10, False), ("net.7.bias", 10, False)],

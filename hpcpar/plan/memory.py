@@ -54,6 +54,9 @@ class Memory:
 # The graph's own objects per forward op (its Function, GraphNode, output Tensor): tracemalloc
 # counts them beside the arrays, about 0.65-0.75 KiB per op in the held-out GPTs.
 GRAPH_OP_BYTES = 1024
+# The pipeline engine's own objects per micro-batch it holds on a stage (its saved input and output
+# Tensors, their graph nodes, the requests): about 1.9 KiB in the digits CNN's pipelines.
+PIPELINE_MICRO_BATCH_BYTES = 2048
 
 
 def kept_bytes(plan, layer) -> float:
@@ -121,6 +124,8 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
     kept, gradients, workspace = max((_backward_peak(plan, plan.stage_layers[s], k, before, elements * d)
                                       for s, k in zip(stages, per_stage)), key=sum)
     kept += (held - 1) * max(per_stage)  # the other micro-batches in flight, each at most a stage's kept bytes
+    if lay.pp > 1:
+        kept += held * PIPELINE_MICRO_BATCH_BYTES
     # a weight gradient before it is summed in, and with several micro-batches the sum beside the old
     # total; under 16 bits NumPy's float32 product beside its cast
     per_element = max(d * (2 if lay.micro_batches > 1 else 1), 4 + d if d < 4 else 0)

@@ -244,6 +244,12 @@ def pool_rows(rows: int, channels: int, side: int) -> int:
     return 4 * channels * rows * (side // 2)
 
 
+def ufunc_buffers(elements: float, itemsize: int) -> float:
+    """Bytes a NumPy ufunc over strided views (an in-place add into a tap) allocates for its buffered
+    loop: up to 8192 elements (NumPy's buffer size) for each of its three operands."""
+    return 3 * min(elements, 8192) * itemsize
+
+
 # ---------------------------------------------------------------------------------------------
 # The digits CNN: (N, 1, 8, 8) -> conv 3x3 -> relu -> pool 2 -> conv 3x3 -> relu -> pool 2 -> linear
 def cnn_layers(shape: Shape) -> list[Layer]:
@@ -268,12 +274,13 @@ def cnn_layers(shape: Shape) -> list[Layer]:
             (backward.add("conv", flops).add("im2col", passes("im2col", cols, d, True)).add("strided_runs", runs)
              .add("copy", 2 * pixels * cin * d))
         # Alive in backward beside the kept columns: the incoming gradient and its (Cout, N Ho Wo)
-        # copy; the columns' gradient (float32) to the end, with the padded fold and then the input
-        # gradient; last the weight gradient's product of float32 copies (under 16 bits; the
-        # transposed columns are cast through NumPy's buffers of 8192 elements of either dtype).
+        # copy; the columns' gradient (float32) to the end, with the padded fold (its strided adds
+        # buffered) and then the input gradient; last the weight gradient's product of float32
+        # copies (under 16 bits; the transposed columns are cast through NumPy's buffers as well).
         grads = 2 * pixels * cout * d
-        weight_gemm = (pixels * cout + cols) * wide + (8192 * (d + wide) if wide else 0)
-        input_grad = cols * c + max(padded * c + pixels * cin * c, pixels * cout * wide) if i > 0 else 0
+        weight_gemm = (pixels * cout + cols) * wide + (min(cols, 8192) * (d + wide) if wide else 0)
+        fold = padded * c + max(ufunc_buffers(pixels * cin, c), pixels * cin * c)
+        input_grad = cols * c + max(fold, pixels * cout * wide) if i > 0 else 0
         last = grads + (cols + pixels * cin) * c * (i > 0) + weight_gemm
         out.append(Layer(f"net.{3 * i}", [(f"net.{3 * i}.weight", cout * cin * 9, False), (f"net.{3 * i}.bias", cout, False)],
                          forward, backward, Work().add("conv", flops),
@@ -295,8 +302,10 @@ def cnn_layers(shape: Shape) -> list[Layer]:
                          # its output; its input is the ReLU's output, kept there
                          saved_bytes=pixels * cout / 4 * d, keeps_input=not_input, output_elements=pixels * cout / 4,
                          # the fold (float32 at least) rounded to a copy; the incoming gradient, a tap's
-                         # masks and gradient beside it
-                         workspace_bytes=pixels * cout * (c + (d if d < c else 0)) + pixels * cout / 4 * (2 * d + 2)))
+                         # masks and gradient beside it, its strided add buffered
+                         workspace_bytes=pixels * cout * (c + (d if d < c else 0)) + pixels * cout / 4 * (2 * d + 2)
+                         + ufunc_buffers(pixels * cout / 4, c),
+                         forward_temporaries=ufunc_buffers(pixels * cout / 4, d)))  # each tap's strided maximum
     features = 4 * c2
     out.append(Layer("net.6", [], Work(ops=1), Work(ops=1), Work(), 0.0, 0.0, n * features))
     out.append(Layer("net.7", [("net.7.weight", features * 10, False), ("net.7.bias", 10, False)],

@@ -11,12 +11,13 @@ Per pipeline rank (the largest is reported):
   maximum: the micro-batches in flight on this rank under the schedule (``peak_activations`` of
   the schedule itself: 1F1B holds p - r, GPipe m) keep the bytes each layer keeps for backward
   (``model.Layer``, less what recomputation drops) and a stage's received input and sent output
-  where its first and last layers do not keep them themselves, and the graph's own objects; at
-  the end of its forward (the loss's temporaries on top of all that) one of them runs its backward
-  from the last layer down, freeing each layer's kept bytes as it makes its gradients and its
-  temporaries, a block's in two steps (``_backward_peak``, ``model.Layer.backward_steps``). Gradients exist from the start where
-  earlier backwards of the step made them (accumulating micro-batches); plus a weight gradient
-  before it is summed in and a pipeline's receive buffers.
+  where its first and last layers do not keep them themselves, and the graph's and the pipeline
+  engine's own objects; at the end of its forward (the loss's temporaries on top of all that) one
+  of them runs its backward from the last layer down, freeing each layer's kept bytes as it makes
+  its gradients and its temporaries, a block's in two steps (``_backward_peak``,
+  ``model.Layer.backward_steps``). Gradients exist from the start where earlier backwards of the
+  step made them (accumulating micro-batches); plus a weight gradient before it is summed in and a
+  pipeline's receive buffers.
 
 ``activation_peak`` is what ``hpcpar compare`` measures with tracemalloc during one
 ``train_step`` (gradients + activations + temporaries at that moment); ``param_state`` what it

@@ -119,6 +119,9 @@ def test_point_to_point_in_both_directions_is_grouped(nccl):
     handles = [nccl.isend(xp.asarray(rank_data(nccl.rank, big)), right, tag=1),
                nccl.isend(xp.asarray(rank_data(nccl.rank, big) * 2), left, tag=2),
                nccl.irecv(from_left, left, tag=1), nccl.irecv(from_right, right, tag=2)]
+    # Looking at a queued call (as the pipeline does after each action) issues nothing.
+    assert not any(handle.test(start_queued=False) for handle in handles)
+    assert nccl_double.groups == groups
     for handle in reversed(handles):
         handle.wait()
     assert nccl_double.groups - groups == 1

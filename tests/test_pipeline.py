@@ -86,6 +86,28 @@ def test_peak_live_activations(world, schedule):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_sent_buffers_are_released_during_the_step(world):
+    """A completed send is dropped after the action that follows it, not kept to the end of the
+    step (a sent gradient has no other holder). A stage's first send has been consumed by its
+    neighbour before the neighbour sends anything back, so it completes well before the last."""
+    ctx = hpcpar.init(pp=world.Get_size(), device="cpu")
+    m = BATCH
+    pipe = PipelineParallel(GPT(CONFIG, dtype=np.float64), ctx, schedule="1f1b", micro_batches=m)
+    posted, outstanding = [], []  # sends each call posted; sends held after it
+    post = pipe._post_send
+
+    def counting_post(*args, **kwargs):
+        before = len(pipe._sends)
+        post(*args, **kwargs)
+        posted.append(len(pipe._sends) - before)
+        outstanding.append(len(pipe._sends))
+    pipe._post_send = counting_post
+    pipe.train_step(*batch())
+    assert sum(posted) >= m  # every rank sends activations forward or gradients back
+    assert max(outstanding) < sum(posted), (outstanding, sum(posted))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_exact_point_to_point_traffic(world):
     ctx = hpcpar.init(pp=world.Get_size(), device="cpu")
     p, r, m = ctx.pp_size, ctx.pp_rank, 4

@@ -65,8 +65,13 @@ class Handle:
         self._result = None
         self.done = False
 
-    def test(self) -> bool:
-        if not self.done and self._request.Test():
+    def test(self, start_queued: bool = True) -> bool:
+        """Whether the call has completed (then its result is ready). ``start_queued=False`` only
+        looks: a call an NCCL communicator still holds in its queue (issued with the next group)
+        reads as not done rather than being issued alone, which would split the group."""
+        if self.done or (not start_queued and not getattr(self._request, "issued", True)):
+            return self.done
+        if self._request.Test():
             self._complete()
         return self.done
 

@@ -160,6 +160,10 @@ class _EventRequest:
     def __init__(self, comm: "NcclCommunicator", done=None):
         self._comm, self.done = comm, done
 
+    @property
+    def issued(self) -> bool:
+        return self.done is not None
+
     def _issue(self) -> None:
         if self.done is None:
             self._comm._flush()
@@ -435,7 +439,7 @@ class _Done:
     def wait(self):
         return self._result
 
-    def test(self) -> bool:
+    def test(self, start_queued: bool = True) -> bool:
         return True
 
 

@@ -131,8 +131,14 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
     # total; under 16 bits NumPy's float32 product beside its cast
     per_element = max(d * (2 if lay.micro_batches > 1 else 1), 4 + d if d < 4 else 0)
     workspace += max((e for _, e, _ in params), default=0) * per_element
-    if lay.pp > 1:  # receive buffers of the activations and gradients on their way
-        workspace += 2 * max(plan.boundary_bytes(s) for s in range(lay.pp * lay.chunks - 1))
+    if lay.pp > 1:
+        # Gradients on their way: the one a backward consumes (received from the next stage), and
+        # the one the last backward sent to the previous stage, freed when that send completes,
+        # which may be during the next action. (A received activation is the stage's kept input;
+        # a sent one is its kept output: counted above.)
+        last = lay.pp * lay.chunks - 1
+        workspace += max((plan.boundary_bytes(s) for s in stages if s < last), default=0.0)
+        workspace += max((plan.boundary_bytes(s - 1) for s in stages if s > 0), default=0.0)
     copies = _float32_bucket_copies(plan, params)
     if copies:
         # Buckets launch as backward fills them, the last one when it ends: during backward all

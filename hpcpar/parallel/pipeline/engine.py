@@ -157,6 +157,12 @@ class PipelineParallel(ParameterHolder):
         handle = self.comm.irecv(buf, self._rank_of(from_stage), _channel_tag(from_stage, gradient))
         return handle, dtype
 
+    def _release_sent(self) -> None:
+        """Forget the sends that have completed, so that their buffers (a gradient no one else
+        holds, a cast copy for the wire) are freed now rather than at the end of the step. Only
+        looks: a send an NCCL communicator still queues stays for its group."""
+        self._sends = [h for h in self._sends if not h.test(start_queued=False)]
+
     def _recv_header(self, from_stage: int):
         header = np.empty(HEADER_LEN, dtype=np.int64)
         self.comm.recv(header, self._rank_of(from_stage), _channel_tag(from_stage, False, True))
@@ -204,6 +210,7 @@ class PipelineParallel(ParameterHolder):
                     by_kind[action.kind] += end - start - (self._idle - idle_before)
                 self.trace.append((str(action), start, end))
                 peak = max(peak, len(self._saved))
+                self._release_sent()
         compute = sum(by_kind.values())
         send_wait = time.perf_counter()
         for handle in self._sends:
@@ -340,7 +347,7 @@ class PipelineParallel(ParameterHolder):
                         handover = x
                     else:
                         self._post_send(x.data, s + 1, s, gradient=False, with_header=True)
-                self._sends = [h for h in self._sends if not h.test()]  # free what has gone out
+                self._sends = [h for h in self._sends if not h.test()]  # issue this batch's, free what has gone out
         for handle in self._sends:
             handle.wait()
         self._sends = []

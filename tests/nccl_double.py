@@ -174,7 +174,8 @@ class NcclCommunicator:
         pass
 
     def destroy(self) -> None:
-        pass
+        calls["destroy"] += 1
+        self.mpi.Free()
 
 
 def runtime() -> DeviceRuntime:

@@ -209,6 +209,20 @@ class NcclCommunicator(Communicator):
     def __repr__(self) -> str:
         return f"NcclCommunicator({self.name}, rank {self.rank} of {self.size})"
 
+    def close(self) -> None:
+        """Destroy the NCCL communicator (its connections and device buffers: each layout of
+        ``hpcpar compare`` builds its own), then free the MPI side; collective, a second call does
+        nothing. What is still queued goes out first, and its end is waited for as any call's
+        (watchdog, wait policy), so destroying never waits on work a peer will not match."""
+        if self.nccl is not None:
+            self._flush()
+            done = self.runtime.event()
+            done.record(self.stream)
+            self._wait(_EventRequest(self, done), self._next_collective("close"))
+            self.nccl.destroy()
+            self.nccl = None
+        super().close()
+
     # ----- streams and events --------------------------------------------------------
     def _after_producer(self):
         """The communication stream waits for the work enqueued so far on the current stream."""

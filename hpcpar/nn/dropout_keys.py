@@ -12,7 +12,8 @@ and the rows' place in the global batch are the data position it restores anyway
 The stream of (seed, step, site[, head]) holds the samples one after the other, each row-major
 (sample ``s``, element ``e`` of its ``N`` is draw ``s * N + e``); a rank jumps to the draws of
 its samples and of its rows (sequence parallelism) without drawing the others
-(``PCG64.advance``). The key in force is a context variable: the training loop sets it per
+(``PCG64.advance`` on the host; on a device, Philox computes any draw from its index:
+``philox``). The key in force is a context variable: the training loop sets it per
 step, engines that cut a batch into micro-batches move it on by their offset
 (``offset_dropout_key``), and a recomputation that replays a forward later re-enters the key
 the forward ran under (``replay_dropout_key``, made at the forward, entered around the replay).
@@ -24,6 +25,8 @@ import contextvars
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from .philox import uniform_runs
 
 
 @dataclass(frozen=True)
@@ -74,32 +77,38 @@ def draw_dtype(dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-def keyed_uniform(words: tuple, per_sample: tuple, samples: range, rows: range | None, dtype) -> np.ndarray:
+def keyed_uniform(words: tuple, per_sample: tuple, samples: range, rows: range | None, dtype, xp=np):
     """Uniform [0, 1) draws of shape (len(samples), len(rows), *per_sample[1:]) from the stream keyed by ``words``.
 
     ``per_sample``: the whole shape of one sample's mask; ``samples``: global sample indices
     (consecutive); ``rows``: the rows of axis 0 of each sample wanted (None: all). ``dtype``:
-    float32 or float64 (``draw_dtype``); a float32 draw takes half of the generator's 64-bit
-    output, so a start at an odd float32 draw discards one.
+    float32 or float64 (``draw_dtype``). On the host (``xp`` NumPy) the stream is PCG64's: a
+    float32 draw takes half of the generator's 64-bit output, so a start at an odd float32 draw
+    discards one. On a device (CuPy, the transfer guard) it is Philox4x32-10's (``philox``),
+    computed there: the same draws in every layout, other values than the host's.
     """
     dtype = np.dtype(dtype)
-    per_output = 2 if dtype == np.float32 else 1  # draws per 64-bit output
     size = int(np.prod(per_sample))
     row = size // per_sample[0] if per_sample[0] else 0
     rows = range(per_sample[0]) if rows is None else rows
-    if len(rows) == per_sample[0]:  # whole samples: one run of draws
-        runs = [(samples.start * size, len(samples) * size)]
-    else:
-        runs = [(s * size + rows.start * row, len(rows) * row) for s in samples]
+    shape = (len(samples), len(rows)) + tuple(per_sample[1:])
+    whole = len(rows) == per_sample[0]  # whole samples: one run of draws, else one run per sample
+    first = samples.start * size + (0 if whole else rows.start * row)
+    runs, count = (1, len(samples) * size) if whole else (len(samples), len(rows) * row)
+    if not runs * count:
+        return xp.empty(shape, dtype=dtype)
+    if xp is not np:
+        return uniform_runs(words, first, size, runs, count, dtype, xp).reshape(shape)
+    per_output = 2 if dtype == np.float32 else 1  # draws per 64-bit output
     bits = np.random.PCG64(np.random.SeedSequence([int(w) for w in words]))
     generator = np.random.Generator(bits)
-    out = np.empty(len(samples) * len(rows) * row, dtype=dtype)
+    out = np.empty(runs * count, dtype=dtype)
     position, filled = 0, 0  # 64-bit outputs consumed; draws written
-    for start, count in runs:
-        first, skip = divmod(start, per_output)
-        bits.advance(first - position)  # also drops a buffered half of an output
+    for start in range(first, first + runs * size, size):
+        begin, skip = divmod(start, per_output)
+        bits.advance(begin - position)  # also drops a buffered half of an output
         if skip:
             generator.random(skip, dtype=dtype)
         generator.random(dtype=dtype, out=out[filled:filled + count])
-        position, filled = first + -(-(skip + count) // per_output), filled + count
-    return out.reshape((len(samples), len(rows)) + tuple(per_sample[1:]))
+        position, filled = begin + -(-(skip + count) // per_output), filled + count
+    return out.reshape(shape)

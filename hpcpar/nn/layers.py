@@ -104,8 +104,9 @@ class Dropout(Module):
         parts = 1 if shards is None else shards.size
         positions = range(length) if parts == 1 else range(shards.rank * length, (shards.rank + 1) * length)
         uniform = keyed_uniform((self.seed, key.step, self.site), (length * parts,) + tuple(x.shape[2:]),
-                                range(key.first_sample, key.first_sample + batch), positions, draw_dtype(x.dtype))
-        scale = scale_from_uniform(x.xp.asarray(uniform.reshape(x.shape)), self.p, x.dtype)
+                                range(key.first_sample, key.first_sample + batch), positions, draw_dtype(x.dtype),
+                                x.xp)
+        scale = scale_from_uniform(uniform.reshape(x.shape), self.p, x.dtype)
         return ops.dropout(x, self.p, scale=scale)
 
     def extra_repr(self):
@@ -135,12 +136,12 @@ class HeadDropout(Module):
             return None
         key = _key_for(self)
         samples = range(key.first_sample, key.first_sample + batch)
-        keep = np.empty((batch, len(self.heads), steps, steps), dtype=draw_dtype(dtype))
+        keep = xp.empty((batch, len(self.heads), steps, steps), dtype=draw_dtype(dtype))
         for local, head in enumerate(self.heads):
             keep[:, local] = keyed_uniform((self.seed, key.step, self.site, head), (steps, steps), samples, None,
-                                           keep.dtype)
+                                           keep.dtype, xp)
         # 16-bit models: float32 scales, as dropout_scale gives them (1/(1-p) unrounded)
-        return scale_from_uniform(xp.asarray(keep), self.p, dtype)
+        return scale_from_uniform(keep, self.p, dtype)
 
     def extra_repr(self):
         return f"p={self.p}, heads={self.heads.start}..{self.heads.stop - 1}"

@@ -65,3 +65,21 @@ def test_paired_sends_and_receives(ctx):
         handle.wait()
     np.testing.assert_array_equal(backend.to_host(from_left), rank_data(left, big))
     np.testing.assert_array_equal(backend.to_host(from_right), rank_data(right, big) * 2)
+
+
+def test_dropout_masks_are_drawn_on_the_device_alike_in_every_split(ctx):
+    """Philox4x32-10 on the device's own arrays gives Random123's answer, and this rank's share
+    of a batch's keyed masks (as a dp replica draws it) is that share of the whole batch's."""
+    from hpcpar.nn.dropout_keys import keyed_uniform
+    from hpcpar.nn.philox import philox4x32
+
+    xp, n, r = ctx.xp, ctx.dp.size, ctx.dp.rank
+    counter = tuple(xp.full(2, c, dtype=xp.uint64) for c in (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344))
+    words = philox4x32(counter, (0xA4093822, 0x299F31D0))
+    assert [backend.to_host(w).tolist() for w in words] == [[e, e] for e in (0xD16CFE09, 0x94FDCCEB, 0x5001E420,
+                                                                            0x24126EA1)]
+    for dtype in (np.float32, np.float64):
+        whole = backend.to_host(keyed_uniform((5, 1, 0), (7, 3), range(0, 2 * n), None, dtype, xp))
+        mine = keyed_uniform((5, 1, 0), (7, 3), range(2 * r, 2 * r + 2), None, dtype, xp)
+        assert backend.is_gpu_array(mine)  # drawn on the device (the guard's, without a GPU)
+        np.testing.assert_array_equal(backend.to_host(mine), whole[2 * r: 2 * r + 2])

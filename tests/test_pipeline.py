@@ -108,6 +108,27 @@ def test_sent_buffers_are_released_during_the_step(world):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_compression_runs_in_the_pipelines_gradient_reduction(world):
+    """A compressor reaches the pipeline's dp reduction: top-k's two all-gathers per bucket
+    replace the all-reduce, and at dp = 1 it still changes the gradient, as the all-reduce
+    strategy's does (it was once accepted and left unused with pp > 1)."""
+    from hpcpar.parallel.compression import TopKCompression
+
+    for layout in layouts(world):
+        ctx = hpcpar.init(device="cpu", **layout)
+        rows = slice(ctx.dp_rank * BATCH // ctx.dp_size, (ctx.dp_rank + 1) * BATCH // ctx.dp_size)
+        grads = []
+        for compression in (None, TopKCompression(ratio=0.1)):
+            pipe = PipelineParallel(GPT(CONFIG, dtype=np.float64), ctx, micro_batches=2, compression=compression)
+            ctx.reset_stats()
+            pipe.train_step(*(part[rows] for part in batch()))
+            grads.append({name: p.grad.copy() for name, p in pipe.named_parameters()})
+        assert ctx.dp.stats.calls("allgather") == 2 * len(pipe.ddp.buckets)
+        assert ctx.dp.stats.calls("iallreduce") == ctx.dp.stats.calls("allreduce") == 0
+        assert any(not np.array_equal(grads[0][name], grads[1][name]) for name in grads[0])
+
+
+@pytest.mark.mpi(min_size=2)
 def test_exact_point_to_point_traffic(world):
     ctx = hpcpar.init(pp=world.Get_size(), device="cpu")
     p, r, m = ctx.pp_size, ctx.pp_rank, 4

@@ -62,10 +62,12 @@ class PipelineParallel(ParameterHolder):
     def __init__(self, model, ctx, schedule: str = defaults.PIPELINE_SCHEDULE, micro_batches: int = defaults.MICRO_BATCHES,
                  loss_fn=None, partition="uniform", chunks: int = defaults.CHUNKS, sample_input=None, wire_dtype=None,
                  bucket_mb: float = defaults.BUCKET_MB,
-                 dp_average: bool = True, backward_loss=None):
+                 dp_average: bool = True, backward_loss=None, compression=None):
         """``dp_average=False`` leaves the dp reduction of gradients to the optimizer (ZeRO-1);
         ``backward_loss(loss)`` runs the last stage's backward (mixed precision: ``amp.backward``,
-        which seeds it with the loss scale)."""
+        which seeds it with the loss scale); ``compression``, a compressor of
+        ``parallel.compression``, runs in the dp all-reduce of the buckets (at dp = 1 too: it
+        changes the gradient)."""
         loss_fn = loss_fn or getattr(model, "loss_from_logits", None)
         if loss_fn is None:
             raise ValueError("PipelineParallel needs loss_fn(output, targets) for the last stage")
@@ -100,8 +102,8 @@ class PipelineParallel(ParameterHolder):
                         seen.add(id(param))
                         self._named.append((names[id(param)], param))
         self._tied = self._tied_groups(layers, holders, names)
-        self.ddp = (DistributedDataParallel(self, ctx, bucket_mb=bucket_mb, overlap=False)
-                    if ctx.dp_size > 1 and dp_average else None)
+        self.ddp = (DistributedDataParallel(self, ctx, bucket_mb=bucket_mb, overlap=False, compression=compression)
+                    if dp_average and (ctx.dp_size > 1 or compression is not None) else None)
         self.stats: dict = {}
         self.trace: list = []
 

@@ -5,6 +5,7 @@ import numpy as np
 
 from ...autograd import Tensor, no_grad
 from ...parallel.pipeline import PipelineParallel
+from .ingredients import make_gradient_compressor
 from .synchronous import SynchronousStrategy
 
 
@@ -20,7 +21,8 @@ class Pipeline(SynchronousStrategy):
             sample = inputs[: max(1, len(inputs) // p.micro_batches)]
         self.pipe = PipelineParallel(model, ctx, schedule=p.schedule, micro_batches=p.micro_batches,
                                      chunks=p.chunks, partition=p.partition, bucket_mb=p.bucket_mb,
-                                     dp_average=not p.zero, sample_input=sample)
+                                     dp_average=not p.zero, sample_input=sample,
+                                     compression=make_gradient_compressor(p))
         self.build_update(self.pipe.named_parameters(), owns_for_norm=self.pipe.owns_for_norm)
         self.pipe.backward_loss = self.precision.backward  # the last stage's backward seeded with the scale
 

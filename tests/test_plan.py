@@ -17,7 +17,7 @@ from hpcpar.parallel.pipeline.schedules import make_schedule, simulate
 from hpcpar.plan import machine as machines
 from hpcpar.plan.layouts import plan_layouts
 from hpcpar.plan.model import Shape, activation_ratio, gpt_block, korthikanti_bytes, layers
-from hpcpar.plan.predict import StepPlan
+from hpcpar.plan.predict import NotModelled, StepPlan
 from hpcpar.train.config_load import load_job
 from hpcpar.train.validate import validate
 
@@ -197,6 +197,21 @@ def test_plan_prints_the_ranked_table_and_explains_a_layout(job_file):
 def test_plan_without_a_machine_file_is_a_usage_error(job_file, tmp_path):
     result = run_hpcpar("plan", job_file, "--world", "2", "--machine", str(tmp_path / "none.toml"))
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "none.toml" in result.stderr
+
+
+@pytest.mark.parametrize("job, overrides", [("gpt-local-sgd.toml", []), ("gpt-ps.toml", ["--world", "3"]),
+                                             ("gpt-dp.toml", ["--set", 'parallel.compression="topk"']),
+                                             ("gpt-pp.toml", ["--set", 'parallel.compression="powersgd"'])])
+def test_what_the_planner_does_not_model_is_refused_in_one_line(job, overrides):
+    """The parameter server, local SGD and gradient compression move other bytes than an
+    all-reduce: one line and exit 2 rather than an all-reduce's prediction (which plan printed
+    for local SGD and compression before, and an empty table for the parameter server)."""
+    result = run_hpcpar("plan", f"jobs/{job}", "--machine", "dgx-a100", *overrides)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "not modelled" in result.stderr
+    assert result.stdout == ""
+    with pytest.raises(NotModelled, match="not modelled"):
+        StepPlan(load_job(os.path.join(REPO, "jobs", job), [o for o in overrides[1:] if "=" in o]),
+                 machines.load_machine("dgx-a100"))
 
 
 def test_train_dry_run_predicts_and_trains_nothing(job_file, tmp_path):

@@ -63,6 +63,11 @@ def run(args) -> int:
         job = load_job(args.job, args.set)
     except JobError as error:
         raise _usage(str(error)) from None
+    from .predict import unmodelled
+
+    why = unmodelled(job)
+    if why:
+        raise _usage(f"{job.source}: {why}")
     world = args.world or (job.parallel.dp * job.parallel.pp * job.parallel.tp if job.parallel.dp else None)
     if not world or world < 1:
         raise _usage("--world N is needed (the job does not set parallel.dp)")
@@ -164,7 +169,7 @@ def dry_run(job_path: str, overrides: list, mpi_world: int, machine_path: str | 
     from ..train.config import JobError
     from ..train.config_load import load_job
     from ..train.validate import validate
-    from .predict import StepPlan
+    from .predict import StepPlan, unmodelled
 
     try:
         job = load_job(job_path, overrides)
@@ -176,6 +181,12 @@ def dry_run(job_path: str, overrides: list, mpi_world: int, machine_path: str | 
     path = machine_path or (DEFAULT_MACHINE if os.path.exists(DEFAULT_MACHINE) else None)
     machine = machine_from(path) if path else None
     if log.world_rank() != 0:
+        return 0
+    why = unmodelled(job)
+    if why:
+        p = job.parallel
+        print(f"{job.source}: valid for {world} ranks, layout {p.dp}x{p.pp}x{p.tp}; nothing trained (--dry-run)")
+        print(f"no prediction: {why}")
         return 0
     plan = StepPlan(job, machine or load_machine("dgx-a100"))  # memory and bytes do not depend on the machine
     q = plan.predict()

@@ -38,6 +38,26 @@ from .traffic import Traffic, bucket_bytes, builds_ddp, stage_parameters, step_t
 ELEMENTWISE_RATE = {"gemm": "gemm_flops", "attention": "attention_flops", "conv": "conv_flops"}
 
 
+class NotModelled(ValueError):
+    """A valid job whose step the planner does not model (``unmodelled`` says why)."""
+
+
+def unmodelled(job) -> str | None:
+    """Why the planner cannot predict ``job``, or None. It models synchronous training, mode =
+    "allreduce" in every dp x pp x tp with ZeRO-1 or DDP, without gradient compression: the
+    parameter server, local SGD and the compressors move other bytes and do other work, and
+    predicting them as an all-reduce would be wrong without saying so."""
+    p = job.parallel
+    if p.mode != "allreduce":
+        return (f'parallel.mode = "{p.mode}" is not modelled (the planner predicts mode = "allreduce": every '
+                f'dp x pp x tp, DDP or ZeRO-1); measure it with hpcpar compare')
+    if p.compression != "none":
+        return (f'parallel.compression = "{p.compression}" is not modelled (its bytes and its compressor\'s work); '
+                f'plan the job without it (--set parallel.compression=\'"none"\') and measure the compressed one '
+                f'with hpcpar compare')
+    return None
+
+
 @functools.lru_cache(maxsize=256)
 def schedule_of(name: str, p: int, m: int, v: int) -> tuple:
     """The schedule's action lists (built once per (name, p, m, v): planning tries many layouts)."""
@@ -111,6 +131,9 @@ class StepPlan:
     """A job in its layout on a machine: the stages, their times, the messages, the memory."""
 
     def __init__(self, job, machine: Machine, recompute: str | None = None):
+        why = unmodelled(job)
+        if why:
+            raise NotModelled(why)
         self.job, self.machine, self.layout = job, machine, Layout.of(job)
         lay = self.layout
         self.precision = job.train.precision

@@ -102,10 +102,9 @@ class ParallelSection:
                        applies=("parallel.schedule", ("interleaved",)))
     partition: Any = _key("uniform", PARTITION, "how layers are cut into pp x chunks stages",
                           check=STAGE_COUNTS)
-    bucket_mb: float = _key(defaults.BUCKET_MB, NUMBER, "gradient all-reduce bucket size in MiB", check=above(0),
-                            applies=("parallel.mode", ("allreduce",)))
+    bucket_mb: float = _key(defaults.BUCKET_MB, NUMBER, "gradient all-reduce bucket size in MiB", check=above(0))
     overlap: bool = _key(True, BOOLEAN, "all-reduce buckets while backward runs (a pipeline reduces them after "
-                              "its schedule)", applies=[("parallel.mode", ("allreduce",)), ("parallel.pp", (1,))])
+                              "its schedule)", applies=("parallel.pp", (1,)))
     compression: str = _key("none", STRING, "gradient compression", choices=tuple(COMPRESSORS))
     compression_ratio: float = _key(0.01, NUMBER, "share of entries top-k sends",
                                     check=Check("in (0, 1]", lambda v: 0 < v <= 1),
@@ -234,13 +233,9 @@ class Job:
 
     def applies(self, dotted: str) -> bool:
         """Whether a key has an effect given the others (``model.vocab_size`` only for gpt)."""
-        return self.unmet_rule(dotted) is None
-
-    def unmet_rule(self, dotted: str) -> tuple | None:
-        """(other key, the values it needs) of the first condition of ``dotted`` the job does not meet."""
         section, key = dotted.split(".")
-        rules = _fields_by_key(SECTIONS[section])[key].metadata["applies"]
-        return next(((selector, allowed) for selector, allowed in rules if self.get(selector) not in allowed), None)
+        rule = _fields_by_key(SECTIONS[section])[key].metadata["applies"]
+        return rule is None or self.get(rule[0]) in rule[1]
 
     def to_dict(self) -> dict:
         """{section: {toml key: value}} with lists for tuples and None for unset keys."""
@@ -298,8 +293,7 @@ def schema_table() -> str:
             meta = f.metadata
             limits = [" \\| ".join(meta["choices"]) if meta["choices"] else meta["check"].text if meta["check"] else ""]
             if meta["applies"]:
-                limits.append("only with " + " and ".join(f"{selector} = {' or '.join(map(str, allowed))}"
-                                                          for selector, allowed in meta["applies"]))
+                limits.append(f"only with {meta['applies'][0]} = {' or '.join(map(str, meta['applies'][1]))}")
             allowed = "; ".join(filter(None, limits))
             default = "unset" if f.default is None else toml_value(f.default)
             rows.append(f"| {name}.{toml_key(f)} | {meta['type'].name} | `{default}` | {allowed} | {meta['doc']} |")

@@ -103,8 +103,7 @@ class ParallelSection:
     partition: Any = _key("uniform", PARTITION, "how layers are cut into pp x chunks stages",
                           check=STAGE_COUNTS)
     bucket_mb: float = _key(defaults.BUCKET_MB, NUMBER, "gradient all-reduce bucket size in MiB", check=above(0))
-    overlap: bool = _key(True, BOOLEAN, "all-reduce buckets while backward runs (a pipeline reduces them after "
-                              "its schedule)", applies=("parallel.pp", (1,)))
+    overlap: bool = _key(True, BOOLEAN, "all-reduce buckets while backward runs")
     compression: str = _key("none", STRING, "gradient compression", choices=tuple(COMPRESSORS))
     compression_ratio: float = _key(0.01, NUMBER, "share of entries top-k sends",
                                     check=Check("in (0, 1]", lambda v: 0 < v <= 1),
@@ -293,7 +292,7 @@ def schema_table() -> str:
             meta = f.metadata
             limits = [" \\| ".join(meta["choices"]) if meta["choices"] else meta["check"].text if meta["check"] else ""]
             if meta["applies"]:
-                limits.append(f"only with {meta['applies'][0]} = {' or '.join(map(str, meta['applies'][1]))}")
+                limits.append(f"only with {meta['applies'][0]} = {' or '.join(meta['applies'][1])}")
             allowed = "; ".join(filter(None, limits))
             default = "unset" if f.default is None else toml_value(f.default)
             rows.append(f"| {name}.{toml_key(f)} | {meta['type'].name} | `{default}` | {allowed} | {meta['doc']} |")

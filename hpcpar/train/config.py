@@ -93,17 +93,20 @@ class ParallelSection:
     pp: int = _key(1, INTEGER, "pipeline stages", check=at_least(1))
     tp: int = _key(1, INTEGER, "tensor-parallel shards of each layer", check=at_least(1))
     schedule: str = _key(defaults.PIPELINE_SCHEDULE, STRING,
-                         "pipeline schedule (zb1: ZB-H1, weight gradients deferred)",
+                         "pipeline schedule, with pp > 1 (zb1: ZB-H1, weight gradients deferred)",
                          choices=tuple(SCHEDULES))
     micro_batches: int = _key(defaults.MICRO_BATCHES, INTEGER,
                               "micro-batches per step of each dp replica (pipeline or accumulation)",
                               check=at_least(1))
     chunks: int = _key(defaults.CHUNKS, INTEGER, "model chunks per pipeline rank", check=at_least(1),
                        applies=("parallel.schedule", ("interleaved",)))
-    partition: Any = _key("uniform", PARTITION, "how layers are cut into pp x chunks stages",
+    partition: Any = _key("uniform", PARTITION, "how layers are cut into pp x chunks stages (pp > 1)",
                           check=STAGE_COUNTS)
-    bucket_mb: float = _key(defaults.BUCKET_MB, NUMBER, "gradient all-reduce bucket size in MiB", check=above(0))
-    overlap: bool = _key(True, BOOLEAN, "all-reduce buckets while backward runs")
+    bucket_mb: float = _key(defaults.BUCKET_MB, NUMBER, "gradient all-reduce bucket size in MiB (DDP; ZeRO-1 "
+                            "reduce-scatters one flat buffer, the parameter server and local SGD move whole arrays)",
+                            check=above(0))
+    overlap: bool = _key(True, BOOLEAN, "all-reduce buckets while backward runs (pp = 1; a pipeline reduces them "
+                              "after its schedule, and ZeRO-1 in its step)")
     compression: str = _key("none", STRING, "gradient compression", choices=tuple(COMPRESSORS))
     compression_ratio: float = _key(0.01, NUMBER, "share of entries top-k sends",
                                     check=Check("in (0, 1]", lambda v: 0 < v <= 1),

@@ -128,6 +128,9 @@ def test_unknown_key_names_it_suggests_and_lists_the_allowed(tmp_path):
      'parallel.staleness: 2 has no effect with parallel.mode = "allreduce"; it applies only with parallel.mode '
      '= "ps"'),
     (('kind = "gpt"', 'kind = "gpt"\nchannels = [8, 8]'), "model.channels: [8, 8] has no effect"),
+    (('micro_batches = 4', 'micro_batches = 4\nmode = "ps"\n[checkpoint]\nasync = true'),  # the servers write in step
+     'checkpoint.async: true has no effect with parallel.mode = "ps"; it applies only with parallel.mode = '
+     '"allreduce" or "local_sgd"'),
 ])
 def test_bad_values_name_the_key_and_what_is_allowed(tmp_path, change, expected):
     assert expected in job_error(tmp_path, GOOD.replace(*change))

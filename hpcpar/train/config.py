@@ -106,7 +106,8 @@ class ParallelSection:
                             "reduce-scatters one flat buffer, the parameter server and local SGD move whole arrays)",
                             check=above(0))
     overlap: bool = _key(True, BOOLEAN, "all-reduce buckets while backward runs (pp = 1; a pipeline reduces them "
-                              "after its schedule, and ZeRO-1 in its step)")
+                              "after its schedule, ZeRO-1 in its step; the parameter server and local SGD have no "
+                              "buckets)")
     compression: str = _key("none", STRING, "gradient compression", choices=tuple(COMPRESSORS))
     compression_ratio: float = _key(0.01, NUMBER, "share of entries top-k sends",
                                     check=Check("in (0, 1]", lambda v: 0 < v <= 1),

@@ -194,6 +194,8 @@ def test_validate_fills_dp_and_describe_round_trips(tmp_path):
     (["parallel.mode=ps", "parallel.pp=1", "parallel.servers=2", "parallel.micro_batches=1"], 2,
      "parallel.servers: 2 server(s) leave no worker among 2 ranks"),
     (["parallel.zero=true", "parallel.compression=fp16"], 2, "parallel.zero: ZeRO reduce-scatters gradients"),
+    (["parallel.shm=false", "parallel.node_size=2"], 2, "parallel.node_size: pretend nodes of 2 ranks serve only "
+                                                        "the shared-memory collectives, which parallel.shm = false"),
     (["parallel.sequence_parallel=true"], 4, "parallel.sequence_parallel: splits activations over the tp ranks; "
                                              "with tp = 1 there is nothing to split"),
     (["parallel.sequence_parallel=true", "parallel.tp=2", "parallel.pp=1", "model.block_size=33"], 2,

@@ -70,6 +70,10 @@ def _check_modes(job: Job) -> list:
     if p.zero and p.compression != "none":
         problems.append(("parallel.zero", f"ZeRO reduce-scatters gradients itself and cannot use "
                                           f"compression = {toml_value(p.compression)}; set one of them off"))
+    if p.node_size is not None and p.shm is False:  # pretend nodes are seen by the shared-memory collectives only
+        problems.append(("parallel.node_size", f"pretend nodes of {p.node_size} ranks serve only the shared-memory "
+                                               f"collectives, which parallel.shm = false turns off; remove node_size "
+                                               f"or set shm = true"))
     if p.compression != "none" and p.mode != "allreduce":
         problems.append(("parallel.compression", f"compression hooks into the gradient all-reduce; mode = "
                                                  f"{toml_value(p.mode)} needs compression = \"none\""))

@@ -190,7 +190,8 @@ class TrainSection:
 @dataclass(frozen=True)
 class CheckpointSection:
     dir: str = _key("runs/{job}/checkpoints", STRING, "checkpoint root folder")
-    interval: int = _key(0, INTEGER, "steps between checkpoints; 0 = none during training", check=at_least(0))
+    interval: int = _key(0, INTEGER, "steps between checkpoints; 0 = none during training (local SGD: a multiple of "
+                                    "parallel.local_steps, since it saves right after an average)", check=at_least(0))
     keep: int = _key(2, INTEGER, "checkpoints kept (older ones are removed)", check=at_least(1))
     async_: bool = _key(False, BOOLEAN, "write checkpoints in a background thread (it calls MPI: needs "
                           "MPI.THREAD_MULTIPLE, else they are written synchronously with one warning; a parameter "

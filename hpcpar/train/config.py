@@ -193,9 +193,10 @@ class CheckpointSection:
     interval: int = _key(0, INTEGER, "steps between checkpoints; 0 = none during training (local SGD: a multiple of "
                                     "parallel.local_steps, since it saves right after an average)", check=at_least(0))
     keep: int = _key(2, INTEGER, "checkpoints kept (older ones are removed)", check=at_least(1))
-    async_: bool = _key(False, BOOLEAN, "write checkpoints in a background thread (it calls MPI: needs "
-                          "MPI.THREAD_MULTIPLE, else they are written synchronously with one warning; a parameter "
-                          "server's are synchronous: its servers pause serving to write)", name="async",
+    async_: bool = _key(False, BOOLEAN, "write the periodic checkpoints (checkpoint.interval) in a background "
+                          "thread; the last one, at the end or a stop, is written before the run ends. It calls MPI: "
+                          "needs MPI.THREAD_MULTIPLE, else they are written synchronously with one warning; a "
+                          "parameter server's are synchronous: its servers pause serving to write", name="async",
                         applies=("parallel.mode", ("allreduce", "local_sgd")))
     resume: str = _key("auto", RESUME, "auto: continue this run from dir's latest checkpoint (fresh when dir has "
                                        "none; refuses another run's checkpoints); never: a new run, dir must hold no "

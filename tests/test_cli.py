@@ -105,7 +105,7 @@ USAGE_ERRORS = [
     (["plot", "CORRUPT"], "hpcpar plot: error: CORRUPT, line 2: not JSON"),
     (["train", "jobs/gpt-dp.toml", "--machine", "m.toml"], "hpcpar train: error: --machine FILE is the machine of "
                                                            "--dry-run"),  # training never read it
-    (["generate", "/nope", "--top-k", "0"], "hpcpar generate: error: --top-k must be >= 1"),  # 0 sampled every token
+    (["generate", "/nope", "--top-k", "0"], "hpcpar generate: error: --tokens must be >= 0, --top-k >= 1"),  # 0 sampled every token
 ]
 
 

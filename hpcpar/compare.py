@@ -251,6 +251,8 @@ def cpu_budget(world) -> tuple[str, str | None]:
 
 def run(args) -> int:
     world = MPI.COMM_WORLD
+    if args.steps < 1:  # every figure is a median over the timed steps
+        raise UsageError(f"hpcpar compare: error: --steps must be >= 1 (timed steps per layout), got {args.steps}")
     precisions = [None] if args.precision is None else ["fp32"] + [p for p in args.precision if p != "fp32"]
     try:  # the same verdict on every rank, before any rank waits on another
         job = load_job(args.job, args.set)

@@ -197,8 +197,6 @@ def test_validate_fills_dp_and_describe_round_trips(tmp_path):
     (["parallel.mode=local_sgd", "parallel.pp=1", "parallel.local_steps=4", "checkpoint.interval=10"], 2,
      "checkpoint.interval: 10 is not a multiple of parallel.local_steps = 4: local SGD can save only right after a "
      "parameter average, so it would save every 20 steps; use 12"),  # it did, silently
-    (["parallel.shm=false", "parallel.node_size=2"], 2, "parallel.node_size: pretend nodes of 2 ranks serve only "
-                                                        "the shared-memory collectives, which parallel.shm = false"),
     (["parallel.sequence_parallel=true"], 4, "parallel.sequence_parallel: splits activations over the tp ranks; "
                                              "with tp = 1 there is nothing to split"),
     (["parallel.sequence_parallel=true", "parallel.tp=2", "parallel.pp=1", "model.block_size=33"], 2,

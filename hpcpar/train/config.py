@@ -120,8 +120,9 @@ class ParallelSection:
     shm: bool | None = _key(None, BOOLEAN, "shared-memory collectives among a node's ranks (DDP buckets and ZeRO's "
                                             "buffers in an MPI shared window; CPUs); unset: HPCPAR_SHM, else on")
     node_size: int | None = _key(None, INTEGER, "pretend nodes of this many ranks for the shared-memory collectives "
-                                                "(their inter-node step on one machine); unset: HPCPAR_NODE_SIZE, "
-                                                "else the real nodes", check=at_least(1))
+                                                "(their inter-node step on one machine; nothing else sees them, so "
+                                                "with shm off the key does nothing); unset: HPCPAR_NODE_SIZE, else "
+                                                "the real nodes", check=at_least(1))
     backend: str = _key("auto", STRING, "what moves GPU buffers: nccl (NVIDIA's NCCL through CuPy, on its own "
                                         "stream), mpi (CUDA-aware MPI, else staged through pinned host memory); auto: "
                                         "nccl on GPUs when CuPy has it, else mpi; CPUs always use mpi",

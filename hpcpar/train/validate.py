@@ -71,10 +71,6 @@ def _check_modes(job: Job) -> list:
     if p.zero and p.compression != "none":
         problems.append(("parallel.zero", f"ZeRO reduce-scatters gradients itself and cannot use "
                                           f"compression = {toml_value(p.compression)}; set one of them off"))
-    if p.node_size is not None and p.shm is False:  # pretend nodes are seen by the shared-memory collectives only
-        problems.append(("parallel.node_size", f"pretend nodes of {p.node_size} ranks serve only the shared-memory "
-                                               f"collectives, which parallel.shm = false turns off; remove node_size "
-                                               f"or set shm = true"))
     interval = job.checkpoint.interval
     if p.mode == "local_sgd" and interval % p.local_steps:  # only a step right after an average is saved
         problems.append(("checkpoint.interval", f"{interval} is not a multiple of parallel.local_steps = "

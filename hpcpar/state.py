@@ -134,6 +134,27 @@ def checkpointable(obj) -> Checkpointable:
     return obj if isinstance(obj, Checkpointable) else ParameterList(obj)
 
 
+class Together(Checkpointable):
+    """Several Checkpointables saved and loaded as one (an optimizer and its compressor's state)."""
+
+    def __init__(self, *parts):
+        self.parts = [checkpointable(part) for part in parts]
+
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
+        pieces, scalars = [], {}
+        for part in self.parts:
+            more, numbers = part.checkpoint_pieces()
+            pieces += more
+            scalars.update(numbers)
+        return pieces, scalars
+
+    def load_plan(self, saved: Saved) -> LoadPlan:
+        plan = LoadPlan()
+        for part in self.parts:
+            plan.extend(part.load_plan(saved))
+        return plan
+
+
 # ----------------------------------------------------------------------------------------
 # Slabs
 # ----------------------------------------------------------------------------------------

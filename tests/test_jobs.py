@@ -149,6 +149,37 @@ def test_bfloat16_trains_with_pipelines_and_zero_and_resumes_exactly(tmp_path, t
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+@pytest.mark.parametrize("layout", [["parallel.dp=4", "parallel.pp=1", 'parallel.compression="topk"',
+                                     "parallel.compression_ratio=0.05"],
+                                    ["parallel.dp=2", "parallel.pp=2", 'parallel.compression="powersgd"'],
+                                    ["parallel.dp=4", "parallel.pp=1", 'parallel.compression="powersgd"'],
+                                    ["parallel.dp=2", "parallel.pp=2", 'parallel.compression="topk"']],
+                         ids=["topk-dp4", "powersgd-dp2-pp2", "powersgd-dp4", "topk-dp2-pp2"])
+def test_compressed_training_resumes_exactly(tmp_path, token_file, layout):
+    """Top-k's residuals and PowerSGD's errors and Q factors are in the checkpoint
+    (parallel.compression_state): a run stopped at step 4 and resumed in its layout ends with the
+    masters of the uninterrupted run, bit for bit (it did not before). Resumed in another layout,
+    the error feedback starts afresh, and the run says so."""
+    job = os.path.join(REPO, "jobs", "gpt-pp.toml")
+    common = [*layout, "model.n_layer=2", "model.n_embd=32", "parallel.micro_batches=2", "parallel.bucket_mb=0.02",
+              "train.log_interval=1", "train.eval_interval=0", "train.sample_tokens=0", "checkpoint.interval=4"]
+    straight = train(job, tmp_path / "straight", token_file, *common, "train.steps=8")
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    for run in ("stopped", "elsewhere"):
+        shutil.copytree(tmp_path / "straight" / "ckpt" / "step-00000004", tmp_path / run / "ckpt" / "step-00000004")
+        (tmp_path / run / "ckpt" / "latest").write_text("step-00000004\n")
+    resumed = train(job, tmp_path / "stopped", token_file, *common, "train.steps=8")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout and "starts afresh" not in resumed.stdout + resumed.stderr
+    a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / "stopped" / "ckpt")
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    other = train(job, tmp_path / "elsewhere", token_file, *common, "train.steps=8", "parallel.dp=1", "parallel.pp=2",
+                  "parallel.tp=2")
+    assert other.returncode == 0, other.stdout + other.stderr
+    assert "error feedback was saved in another layout or with other buckets: it starts afresh" in other.stdout + other.stderr
+
+
 def test_bfloat16_parameter_server_trains_and_resumes_exactly(tmp_path, token_file):
     """bf16 with mode = "ps": float32 masters on the 2 servers, float32 pushes from the 2 workers. The
     loss falls, nothing is skipped, the checkpoint holds the float32 masters, and a run resumed

@@ -129,6 +129,27 @@ def test_compression_runs_in_the_pipelines_gradient_reduction(world):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name, options", [("topk", {"ratio": 0.1}), ("powersgd", {"rank": 2})])
+def test_tied_weights_are_compressed_alike_on_both_holders(world, name, options):
+    """The embedding tied between the first and last stage gets the same compressed gradient on
+    both holders, so the copies stay equal: it has a bucket of its own (top-k ranks a bucket's
+    entries together) and PowerSGD seeds its Q by shape (once by bucket and slot, which differ)."""
+    from hpcpar.parallel.compression import make_compressor
+
+    ctx = hpcpar.init(pp=world.Get_size(), device="cpu")
+    pipe = PipelineParallel(GPT(CONFIG, dtype=np.float64), ctx, micro_batches=2, bucket_mb=25,
+                            compression=make_compressor(name, **options))
+    for seed in range(2):  # the second step uses the error feedback of the first
+        pipe.train_step(*batch(seed))
+        for comm, _, params in pipe._tied:
+            for p in params:
+                first, *others = comm.mpi.allgather(p.grad)
+                assert all(np.array_equal(first, other) for other in others)
+        pipe.zero_grad()
+    assert ctx.pp_rank not in (0, ctx.pp_size - 1) or pipe._tied  # the ends hold the tied embedding
+
+
+@pytest.mark.mpi(min_size=2)
 def test_exact_point_to_point_traffic(world):
     ctx = hpcpar.init(pp=world.Get_size(), device="cpu")
     p, r, m = ctx.pp_size, ctx.pp_rank, 4

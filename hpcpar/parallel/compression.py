@@ -56,6 +56,7 @@ class _Finish:
 class Compressor(ABC):
     name = "none"
     sums_prescaled = False  # True: bucket.flat holds gradient / ranks, and start() sums it
+    carries_state = False  # True: what a step leaves behind changes the next (state_arrays)
 
     def __init__(self):
         self.bytes_sent = 0
@@ -73,6 +74,14 @@ class Compressor(ABC):
     def _count(self, sent: int, flat) -> None:
         self.bytes_sent += int(sent)
         self.bytes_uncompressed += flat.nbytes
+
+    def state_arrays(self) -> dict:
+        """{name: array} of what this rank carries from step to step (error feedback), which an
+        exact resume needs; names are dot-separated integers after a word. None by default."""
+        return {}
+
+    def load_state_arrays(self, arrays: dict) -> None:
+        """Carry on from ``state_arrays``'s output of another run (the same names and shapes)."""
 
 
 class NoCompression(Compressor):
@@ -109,7 +118,7 @@ class TopKCompression(Compressor):
         if not 0 < ratio <= 1:
             raise ValueError(f"top-k ratio must be in (0, 1], got {ratio}")
         self.topk_ratio = ratio
-        self.error_feedback = error_feedback
+        self.error_feedback = self.carries_state = error_feedback
         self.residuals: dict[int, object] = {}
 
     def start(self, comm, bucket):
@@ -130,11 +139,18 @@ class TopKCompression(Compressor):
         flat /= comm.size
         return _Done(flat)
 
+    def state_arrays(self) -> dict:
+        return {f"residual.{bucket}": values for bucket, values in self.residuals.items()}
+
+    def load_state_arrays(self, arrays: dict) -> None:
+        self.residuals = {int(name.split(".")[1]): values for name, values in arrays.items()}
+
 
 class PowerSGDCompression(Compressor):
     """Rank-``rank`` PowerSGD with error feedback; Q starts from the same seed on every rank."""
 
     name = "powersgd"
+    carries_state = True
 
     def __init__(self, rank: int = 4, seed: int = 0):
         super().__init__()
@@ -178,8 +194,8 @@ class PowerSGDCompression(Compressor):
         m = view.reshape(view.shape[0], -1)
         if key in self.errors:
             m = m + self.errors[key]
-        if key not in self.qs:
-            rng = np.random.default_rng([self.seed, *key])
+        if key not in self.qs:  # seeded by the shape: every rank holding this matrix (a tied weight) starts alike
+            rng = np.random.default_rng([self.seed, *m.shape])
             self.qs[key] = xp.asarray(rng.standard_normal((m.shape[1], self.rank)).astype(m.dtype))
         p = m @ self.qs[key]
         comm.allreduce(p, "sum", out=p)
@@ -191,6 +207,16 @@ class PowerSGDCompression(Compressor):
         self.errors[key] = m - approx
         view[...] = approx.reshape(view.shape)
         return p.nbytes + q.nbytes
+
+    def state_arrays(self) -> dict:
+        arrays = {f"error.{b}.{s}": values for (b, s), values in self.errors.items()}
+        return arrays | {f"q.{b}.{s}": values for (b, s), values in self.qs.items()}
+
+    def load_state_arrays(self, arrays: dict) -> None:
+        self.errors, self.qs = {}, {}
+        for name, values in arrays.items():
+            kind, bucket, slot = name.split(".")
+            (self.errors if kind == "error" else self.qs)[(int(bucket), int(slot))] = values
 
 
 COMPRESSORS = {"none": NoCompression, "fp16": FP16Compression, "topk": TopKCompression,

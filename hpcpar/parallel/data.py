@@ -51,15 +51,17 @@ class Bucket:
         return self.flat[self.offsets[i]: self.offsets[i] + p.size].reshape(p.shape)
 
 
-def plan_buckets(params: list, bucket_bytes: float) -> list[list[int]]:
-    """Indices of ``params`` per bucket: reverse order, split by dtype and by ``bucket_bytes``.
+def plan_buckets(params: list, bucket_bytes: float, alone=frozenset()) -> list[list[int]]:
+    """Indices of ``params`` per bucket: reverse order, split by dtype and by ``bucket_bytes``;
+    a parameter whose id is in ``alone`` gets a bucket of its own.
 
     ``bucket_bytes=0`` gives one parameter per bucket, ``math.inf`` one bucket per dtype.
     """
     plan, current, current_bytes = [], [], 0
     for i in reversed(range(len(params))):
         p = params[i]
-        if current and (current_bytes >= bucket_bytes or params[current[-1]].dtype != p.dtype):
+        if current and (current_bytes >= bucket_bytes or params[current[-1]].dtype != p.dtype or id(p) in alone
+                        or id(params[current[-1]]) in alone):
             plan.append(current)
             current, current_bytes = [], 0
         current.append(i)
@@ -73,7 +75,7 @@ class DistributedDataParallel(ParameterHolder):
     """Wraps a Module: broadcasts its parameters and averages its gradients over ``ctx.dp``."""
 
     def __init__(self, module, ctx, bucket_mb: float = defaults.BUCKET_MB, overlap: bool = True, compression=None,
-                 broadcast_parameters: bool = True):
+                 broadcast_parameters: bool = True, alone=()):
         self.module = module
         self.ctx = ctx
         self.comm = ctx.dp
@@ -87,7 +89,9 @@ class DistributedDataParallel(ParameterHolder):
         bucket_bytes = math.inf if bucket_mb is None or bucket_mb == math.inf else bucket_mb * (1 << 20)
         self.buckets: list[Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, slot)
-        for b, indices in enumerate(plan_buckets(self.params, bucket_bytes)):
+        # ``alone``: parameters another rank holds too (a pipeline's tied embedding), whose
+        # gradient a compressor must treat the same there: in a bucket of their own.
+        for b, indices in enumerate(plan_buckets(self.params, bucket_bytes, frozenset(map(id, alone)))):
             members = [self.params[i] for i in indices]
             offsets, total = [], 0
             for p in members:

@@ -102,7 +102,11 @@ class PipelineParallel(ParameterHolder):
                         seen.add(id(param))
                         self._named.append((names[id(param)], param))
         self._tied = self._tied_groups(layers, holders, names)
-        self.ddp = (DistributedDataParallel(self, ctx, bucket_mb=bucket_mb, overlap=False, compression=compression)
+        # A compressor sees a bucket whole (top-k ranks its entries, PowerSGD factors its matrices):
+        # a tied weight alone in its bucket is compressed alike by each holder, so the copies agree.
+        tied = [p for _, _, params in self._tied for p in params] if compression is not None else []
+        self.ddp = (DistributedDataParallel(self, ctx, bucket_mb=bucket_mb, overlap=False, compression=compression,
+                                            alone=tied)
                     if dp_average and (ctx.dp_size > 1 or compression is not None) else None)
         self.stats: dict = {}
         self.trace: list = []

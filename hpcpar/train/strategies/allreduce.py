@@ -35,6 +35,9 @@ class AllReduce(SynchronousStrategy):
     def named_parameters(self) -> list:
         return list(self.model.named_parameters())
 
+    def gradient_compressor(self):
+        return self.ddp.compression if self.ddp is not None else None
+
     def train_step(self, inputs, targets):
         start = time.perf_counter()
         comm_before = self.ctx.tp.stats.total_seconds + (self.ddp.sync_seconds if self.ddp else 0.0)

@@ -30,6 +30,9 @@ class Pipeline(SynchronousStrategy):
     def named_parameters(self) -> list:
         return self.pipe.named_parameters()
 
+    def gradient_compressor(self):
+        return self.pipe.ddp.compression if self.pipe.ddp is not None else None
+
     def train_step(self, inputs, targets):
         tp_before = self.ctx.tp.stats.total_seconds
         loss = self.pipe.train_step(inputs, targets)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import time
 
+from ...parallel.compression_state import CompressionState
 from ...parallel.zero import ZeroRedundancyOptimizer
+from ...state import Together
 from .base import Strategy
 from .ingredients import make_precision, optimizer_class, state_bytes
 from .update import ReplicatedUpdate, ShardedUpdate
@@ -54,8 +56,17 @@ class SynchronousStrategy(Strategy):
     def weight_decays(self) -> dict:
         return self._optimizer.named_weight_decays()
 
+    def gradient_compressor(self):
+        """The compressor in the dp reduction of gradients (None: a plain all-reduce or ZeRO-1)."""
+        return None
+
     def checkpoint_target(self) -> tuple:
-        return self.precision.named_master_parameters(), self._optimizer, self.ctx
+        """The float32 masters, the optimizer and, when the compressor carries error feedback
+        from step to step, that too (``parallel.compression_state``): the resume is then exact."""
+        optimizer, compressor = self._optimizer, self.gradient_compressor()
+        if compressor is not None and compressor.carries_state:
+            optimizer = Together(optimizer, CompressionState(compressor, self.ctx))
+        return self.precision.named_master_parameters(), optimizer, self.ctx
 
     def checkpoint_extra(self) -> dict:
         return {} if self.precision.scaler is None else {"scaler": self.precision.scaler}

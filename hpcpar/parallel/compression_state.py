@@ -1,0 +1,68 @@
+"""A gradient compressor's error feedback in checkpoints, so that a compressed run resumes exactly.
+
+Top-k's residuals and PowerSGD's errors and Q factors are this rank's own: each dp replica
+carries its own from step to step. They are saved as this rank's row of a tensor per state
+array, ``compression/<compressor>/<name>/dp<D>.pp<p>.tp<t>/<shape>`` of global shape
+(D, *shape); the key names the layout and the shape, so a run that resumes in the same layout
+reads exactly its row back (then bitwise the uninterrupted run), and one in another layout, or
+with other buckets, finds none of its keys: its compressor starts afresh, which the load logs.
+"""
+from __future__ import annotations
+
+from .. import log
+from ..backend import to_device
+from ..state import Checkpointable, LoadPlan, Piece, Read
+
+logger = log.get_logger(__name__)
+PREFIX = "compression"
+
+
+class CompressionState(Checkpointable):
+    """The state ``compressor.state_arrays()`` gives, on the dp, pp and tp ranks of ``ctx``."""
+
+    def __init__(self, compressor, ctx):
+        self.compressor, self.ctx = compressor, ctx
+        self.place = f"dp{ctx.dp_size}.pp{ctx.pp_rank}.tp{ctx.tp_rank}"
+
+    def _key(self, name: str, shape: tuple) -> str:
+        return f"{PREFIX}/{self.compressor.name}/{name}/{self.place}/{'x'.join(map(str, shape))}"
+
+    def _slab(self, shape: tuple) -> tuple:
+        rank = self.ctx.dp_rank
+        return ((rank, rank + 1),) + tuple((0, n) for n in shape)
+
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
+        pieces = []
+        for name, values in sorted(self.compressor.state_arrays().items()):
+            shape = tuple(values.shape)
+            pieces.append(Piece(self._key(name, shape), (self.ctx.dp_size,) + shape, self._slab(shape),
+                                values.reshape((1,) + shape)))
+        return pieces, {}
+
+    def load_plan(self, saved) -> LoadPlan:
+        """Read this rank's rows where the checkpoint has them for this layout; the compressor's
+        state is replaced once the load commits (by nothing, when none were saved for it)."""
+        mine = f"/{self.place}/"
+        prefix = f"{PREFIX}/{self.compressor.name}/"
+        staged, reads = {}, []
+        for key in sorted(saved.tensor_keys):
+            if not (key.startswith(prefix) and mine in key):
+                continue
+            name, _, shape_text = key[len(prefix):].partition(mine)
+            shape = tuple(int(n) for n in shape_text.split("x"))
+
+            def assign(values, name=name, shape=shape):
+                staged[name] = to_device(values.reshape(shape), self.ctx.xp)
+            reads.append(Read(key, (self.ctx.dp_size,) + shape, self._slab(shape), assign))
+        missing = None
+        if not reads and self.compressor.carries_state:
+            missing = ("was saved in another layout or with other buckets"
+                       if any(key.startswith(f"{PREFIX}/") for key in saved.tensor_keys) else
+                       "is not in the checkpoint (a run without compression, or an hpcpar from before it was kept)")
+
+        def finish():
+            if missing:
+                logger.warning(f"{self.compressor.name}'s error feedback {missing}: it starts afresh here, so this "
+                               f"run is not bitwise the one it continues")
+            self.compressor.load_state_arrays(staged)
+        return LoadPlan(reads, [finish])

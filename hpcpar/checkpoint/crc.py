@@ -38,6 +38,8 @@ def _blocks():
             blocks = lib.hpcpar_crc32_blocks
             if zlib.crc32(probe[4096:], blocks(7, probe.ctypes.data, 4096)) == zlib.crc32(probe, 7):
                 _state["blocks"] = blocks
+                lib.hpcpar_crc32_spans.restype = None
+                lib.hpcpar_crc32_spans.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_void_p] * 3
     return _state["blocks"]
 
 
@@ -51,3 +53,19 @@ def crc32(data, crc: int = 0) -> int:
     if whole < 64:
         return zlib.crc32(array, crc)
     return zlib.crc32(array[whole:], blocks(crc, array.ctypes.data, whole))
+
+
+def crc32_spans(data: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """CRC-32 of each span ``data[offsets[k]: offsets[k] + lengths[k]]`` of a uint8 array, as
+    uint32: many MiB chunks in one native call (else zlib, a span at a time)."""
+    offsets = np.ascontiguousarray(offsets, dtype=np.uint64)
+    lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
+    out = np.empty(offsets.size, dtype=np.uint32)
+    if _blocks() is None or not data.size:
+        out[:] = [zlib.crc32(data[at: at + n]) for at, n in zip(offsets.tolist(), lengths.tolist())]
+    elif out.size:
+        if int((offsets + lengths).max()) > data.size:
+            raise ValueError(f"crc32_spans: a span ends past the {data.size} bytes given")
+        native_library().hpcpar_crc32_spans(data.ctypes.data, out.size, offsets.ctypes.data, lengths.ctypes.data,
+                                            out.ctypes.data)
+    return out

@@ -188,7 +188,7 @@ def read_checked(source: RawSource, plan, mine: dict) -> tuple[list[str], list]:
     try:
         damaged = source.read_and_verify(mine)
         if not damaged:
-            values = [source.read(n, read) for n, read in enumerate(plan.reads)]
+            values = source.read_all(plan.reads)
     except (OSError, ValueError, KeyError) as error:
         damaged.append(f"{type(error).__name__}: {error}")
     return damaged, values

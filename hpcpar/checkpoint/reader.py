@@ -52,21 +52,31 @@ logger = log.get_logger(__name__)
 
 def check_reads(reads, manifest: dict) -> list[str]:
     """What does not fit: a tensor the checkpoint lacks, another global shape or dtype, a slab outside it."""
-    problems = []
+    problems, tensors = [], manifest["tensors"]
     for read in reads:
-        table = manifest["tensors"].get(read.key)
+        table = tensors.get(read.key)
         if table is None:
             problems.append(f"the checkpoint has no tensor {read.key!r}")
-        elif tuple(table["shape"]) != tuple(read.global_shape):
+        elif list(read.global_shape) != table["shape"]:
             problems.append(f"{read.key} has global shape {tuple(table['shape'])} in the checkpoint but "
                             f"{tuple(read.global_shape)} here")
         elif read.dtype is not None and number_kind(table["dtype"]) != number_kind(read.dtype):
             problems.append(f"{read.key} is {table['dtype']} in the checkpoint but {np.dtype(read.dtype)} here")
-        elif len(read.slab) != len(table["shape"]) or any(
-                not 0 <= a <= b <= n for (a, b), n in zip(read.slab, table["shape"])):
+        elif not slab_inside(read.slab, table["shape"]):
             problems.append(f"{read.key}: this rank's slab {[list(s) for s in read.slab]} is not inside its "
                             f"global shape {tuple(table['shape'])}")
     return problems
+
+
+def slab_inside(slab, shape: list) -> bool:
+    """Whether ``slab`` has an axis per axis of ``shape`` and lies inside it (a loop, not a
+    generator: a load asks this for each tensor it reads)."""
+    if len(slab) != len(shape):
+        return False
+    for (a, b), n in zip(slab, shape):
+        if not 0 <= a <= b <= n:
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=256)

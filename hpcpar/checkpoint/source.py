@@ -305,15 +305,16 @@ def chunk_crc(mapped: FileMap, segments: list, begin: int, end: int) -> str:
 
 def direct_spans(direct: dict, needed: dict) -> dict:
     """{file: (first bytes, lengths, destination addresses)} of the direct pieces, in byte order
-    (uint64 arrays: the copy's table, and the span ``FileMap`` maps)."""
+    (arrays: the copy's table, and the span ``FileMap`` maps)."""
     by_file: dict = {}
     for (name, begin), target in direct.items():
         by_file.setdefault(name, []).append((begin, needed[name][begin][0] - begin, address(target)))
     spans = {}
     for name, rows in by_file.items():
         rows.sort()
-        begins, lengths, addresses = np.array(rows, dtype=np.uint64).reshape(-1, 3).T
-        spans[name] = (begins.astype(np.int64), lengths.astype(np.int64), addresses)
+        begins, lengths, addresses = zip(*rows)
+        spans[name] = (np.array(begins, dtype=np.int64), np.array(lengths, dtype=np.int64),
+                       np.array(addresses, dtype=np.uint64))
     return spans
 
 
@@ -348,18 +349,20 @@ def chunk_problems_of(path: str, chunks: np.ndarray, found: list[str], expected:
 
 def verifier_chunks(everyone: list[dict], rank: int) -> dict:
     """{file: chunks this rank checks}: each chunk some rank reads is checked by one of its readers
-    (in turn, so replicas that read the same file share the CRC work: chunk c by its readers'
-    ``c % readers``-th in rank order)."""
+    (in turn, so replicas that read the same file share the CRC work: chunk c by the
+    ``c % readers``-th of its readers in rank order). Worked out per stretch of chunks with the
+    same readers, not per chunk: a replica's runs are one stretch per file."""
     mine: dict = {}
     for name in sorted(set().union(*everyone)):
-        runs = [rank_runs.get(name, ()) for rank_runs in everyone]
-        size = max((end for file_runs in runs for _, end in file_runs), default=0)
-        reads = np.zeros((len(everyone), size), dtype=bool)
-        for r, file_runs in enumerate(runs):
-            for first, end in file_runs:
-                reads[r, first:end] = True
-        readers, before = reads.sum(axis=0), reads[:rank].sum(axis=0)
-        picked = reads[rank] & (np.arange(size) % np.maximum(readers, 1) == before)
-        if picked.any():
-            mine[name] = np.flatnonzero(picked)
+        runs = [rank_runs.get(name, []) for rank_runs in everyone]
+        starts = [[first for first, _ in file_runs] for file_runs in runs]
+        cuts = sorted({bound for file_runs in runs for run in file_runs for bound in run})
+        picked = []
+        for low, high in zip(cuts, cuts[1:]):
+            readers = [r for r, file_runs in enumerate(runs)
+                       if (k := bisect.bisect_right(starts[r], low) - 1) >= 0 and low < file_runs[k][1]]
+            if rank in readers and (first := low + (readers.index(rank) - low) % len(readers)) < high:
+                picked.append(np.arange(first, high, len(readers)))
+        if picked:
+            mine[name] = np.concatenate(picked)
     return mine

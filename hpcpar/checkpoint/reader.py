@@ -156,9 +156,8 @@ def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: 
     for kind, error in (("damaged", CheckpointDamaged), ("mismatch", CheckpointError)):
         raise_if_any([mine[kind] for mine in everyone], what, error)
     manifest = source.manifest
-    if strict:
-        loaded = set().union(*(mine["model_keys"] for mine in everyone))
-        unused = sorted(k for k in manifest["tensors"] if k.startswith("model/") and k not in loaded)
+    if strict:  # the model tensors no rank reads: those each rank left unread (few, often none, to send)
+        unused = sorted(set.intersection(*(set(mine["unread"]) for mine in everyone)))
         if unused:
             raise CheckpointError(f"{what}: tensors no rank of this model takes: {unused[:5]}"
                                   f"{' ...' if len(unused) > 5 else ''} (pass strict=False to ignore)")
@@ -206,9 +205,9 @@ def read_checked(source: RawSource, plan, mine: dict) -> tuple[list[str], list]:
 
 def plan_load(step_dir: str, model, optimizer, comm) -> tuple:
     """(load plan, RawSource, what this rank found: damage, mismatches, the model tensors it
-    reads, the MiBs it will read) before reading any tensor."""
+    does not read, the MiBs it will read) before reading any tensor."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    found = {"damaged": [], "mismatch": [], "model_keys": set(), "runs": {}}
+    found = {"damaged": [], "mismatch": [], "unread": [], "runs": {}}
     try:
         manifest = read_manifest(step_dir)
     except CheckpointDamaged as error:
@@ -221,7 +220,8 @@ def plan_load(step_dir: str, model, optimizer, comm) -> tuple:
     found["mismatch"] = check_reads(plan.reads, manifest)
     if found["mismatch"]:
         return plan, None, found
-    found["model_keys"] = {r.key for r in plan.reads if r.key.startswith("model/")}
+    read = {r.key for r in plan.reads}
+    found["unread"] = [key for key in manifest["tensors"] if key.startswith("model/") and key not in read]
     source = RawSource(step_dir, manifest, plan.reads)
     names = sorted(manifest["files"])
     # Presence and size of every file (a share each) and of those this rank reads; the full

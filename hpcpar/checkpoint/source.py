@@ -55,16 +55,18 @@ class RawSource:
                 if both is None:
                     continue
                 parts.append((piece, both))
+                name = piece["file"]
                 if "start" not in piece:
-                    self.legacy.add(piece["file"])
+                    self.legacy.add(name)
                     continue
                 shape = tuple([b - a for a, b in piece["slab"]])
                 nbytes = math.prod(shape) * dtype.itemsize
                 if not nbytes:
                     continue
-                begin = files[piece["file"]]["blobs"][piece["dataset"]] + piece["start"] * dtype.itemsize
-                where = (piece["file"], begin)
-                self.needed.setdefault(piece["file"], {})[begin] = (begin + nbytes, shape, dtype)
+                begin = files[name]["blobs"][piece["dataset"]] + piece["start"] * dtype.itemsize
+                where = (name, begin)
+                pieces = self.needed.get(name) or self.needed.setdefault(name, {})
+                pieces[begin] = (begin + nbytes, shape, dtype)
                 uses[where] = uses.get(where, 0) + 1
                 if same:
                     exactly = where
@@ -261,8 +263,10 @@ def dtype_named(name: str) -> np.dtype:
 def fits(target, dtype, shape: tuple) -> bool:
     """Whether ``target`` can take a piece's bytes as they are: a writable contiguous host array of that
     dtype and shape."""
-    return (isinstance(target, np.ndarray) and target.dtype == dtype and target.flags.c_contiguous
-            and target.flags.writeable and target.size > 0 and target.shape == shape)
+    if not isinstance(target, np.ndarray) or target.dtype != dtype or target.shape != shape or not target.size:
+        return False
+    flags = target.flags
+    return flags.c_contiguous and flags.writeable
 
 
 def read_segments(fd: int, segments: list) -> list | None:

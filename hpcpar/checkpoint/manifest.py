@@ -118,11 +118,11 @@ def fsync_together(*paths: str) -> None:
 
 def read_manifest(step_dir: str) -> dict:
     path = os.path.join(step_dir, MANIFEST)
-    if not os.path.exists(path):
-        raise CheckpointDamaged(f"{path}: no manifest (an unfinished or foreign checkpoint)")
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
+    try:  # bytes to json.loads: no text layer (a load reads this on every rank, every time)
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+    except FileNotFoundError:
+        raise CheckpointDamaged(f"{path}: no manifest (an unfinished or foreign checkpoint)") from None
     except (OSError, ValueError) as error:
         raise CheckpointDamaged(f"{path}: unreadable manifest ({error})") from None
     if not isinstance(manifest, dict):

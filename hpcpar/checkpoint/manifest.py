@@ -169,12 +169,13 @@ def list_steps(root: str) -> list[int]:
 def latest_step(root: str) -> int | None:
     """The step ``latest`` names (the source of truth); the highest committed step only when
     ``latest`` is absent or unreadable (a root written before it, or by hand)."""
-    path = os.path.join(root, LATEST)
-    if os.path.exists(path):
-        with open(path) as f:
-            match = STEP_PATTERN.match(f.read().strip())
-        if match:
-            return int(match.group(1))
+    try:  # bytes, no text layer: every load of a root reads this
+        with open(os.path.join(root, LATEST), "rb") as f:
+            match = STEP_PATTERN.match(f.read().decode(errors="replace").strip())
+    except FileNotFoundError:
+        match = None
+    if match:
+        return int(match.group(1))
     steps = list_steps(root)
     return steps[-1] if steps else None
 

@@ -42,7 +42,7 @@ class RawSource:
         self.h5files: dict = {}
         self.maps: dict = {}  # file -> FileMap of the bytes checked and copied from
         self.exact: list = []  # per read: (file, first byte) of the piece that is exactly its slab, or None
-        uses: dict = {}
+        shared: set = set()
         exact: dict = {}
         tensors, files = manifest["tensors"], manifest["files"]
         for read in reads:  # one pass: the pieces each read overlaps, their bytes, whether direct
@@ -66,8 +66,9 @@ class RawSource:
                 begin = files[name]["blobs"][piece["dataset"]] + piece["start"] * dtype.itemsize
                 where = (name, begin)
                 pieces = self.needed.get(name) or self.needed.setdefault(name, {})
+                if begin in pieces:  # a piece more than one read takes
+                    shared.add(where)
                 pieces[begin] = (begin + nbytes, shape, dtype)
-                uses[where] = uses.get(where, 0) + 1
                 if same:
                     exactly = where
                     if fits(read.target, dtype, shape):
@@ -77,7 +78,7 @@ class RawSource:
         # Read straight into the destination once the load commits (no new memory, no copy): a
         # read that is exactly one piece, the only read of it, whose ``target`` is a contiguous
         # host array of the checkpoint's dtype. Their MiBs are checked from the file first.
-        self.direct = {where: target for where, target in exact.items() if uses[where] == 1}
+        self.direct = {where: target for where, target in exact.items() if where not in shared}
         self.spans = direct_spans(self.direct, self.needed)
 
     def byte_range(self, piece: dict, dtype) -> tuple[int, int]:

@@ -44,6 +44,7 @@ class RawSource:
         self.exact: list = []  # per read: (file, first byte) of the piece that is exactly its slab, or None
         shared: set = set()
         exact: dict = {}
+        rows: list = []  # (file, first byte, bytes, destination address) of each exact piece with a target
         tensors, files = manifest["tensors"], manifest["files"]
         for read in reads:  # one pass: the pieces each read overlaps, their bytes, whether direct
             table = tensors[read.key]
@@ -73,13 +74,14 @@ class RawSource:
                     exactly = where
                     if fits(read.target, dtype, shape):
                         exact[where] = read.target
+                        rows.append((name, begin, nbytes, address(read.target)))
             self.parts.append(parts)
             self.exact.append(exactly)
         # Read straight into the destination once the load commits (no new memory, no copy): a
-        # read that is exactly one piece, the only read of it, whose ``target`` is a contiguous
-        # host array of the checkpoint's dtype. Their MiBs are checked from the file first.
+        # read that is exactly one piece, the only read of it, whose ``target`` is a writable
+        # contiguous host array of the checkpoint's dtype. Their MiBs are checked from the file first.
         self.direct = {where: target for where, target in exact.items() if where not in shared}
-        self.spans = direct_spans(self.direct, self.needed)
+        self.spans = direct_spans([row for row in rows if row[:2] not in shared] if shared else rows)
 
     def byte_range(self, piece: dict, dtype) -> tuple[int, int]:
         """[begin, end) of the piece's bytes in its file ((0, 0) for an empty piece: not in the file)."""
@@ -308,16 +310,16 @@ def chunk_crc(mapped: FileMap, segments: list, begin: int, end: int) -> str:
     return f"{crc:08x}"
 
 
-def direct_spans(direct: dict, needed: dict) -> dict:
-    """{file: (first bytes, lengths, destination addresses)} of the direct pieces, in byte order
-    (arrays: the copy's table, and the span ``FileMap`` maps)."""
+def direct_spans(rows: list) -> dict:
+    """{file: (first bytes, lengths, destination addresses)} in byte order, of the direct pieces'
+    ``rows`` (file, first byte, bytes, address): the copy's table, and the span ``FileMap`` maps."""
     by_file: dict = {}
-    for (name, begin), target in direct.items():
-        by_file.setdefault(name, []).append((begin, needed[name][begin][0] - begin, address(target)))
+    for name, begin, nbytes, where in rows:
+        by_file.setdefault(name, []).append((begin, nbytes, where))
     spans = {}
-    for name, rows in by_file.items():
-        rows.sort()
-        begins, lengths, addresses = zip(*rows)
+    for name, file_rows in by_file.items():
+        file_rows.sort()
+        begins, lengths, addresses = zip(*file_rows)
         spans[name] = (np.array(begins, dtype=np.int64), np.array(lengths, dtype=np.int64),
                        np.array(addresses, dtype=np.uint64))
     return spans

@@ -156,8 +156,8 @@ def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: 
     for kind, error in (("damaged", CheckpointDamaged), ("mismatch", CheckpointError)):
         raise_if_any([mine[kind] for mine in everyone], what, error)
     manifest = source.manifest
-    if strict:  # the model tensors no rank reads: those each rank left unread (few, often none, to send)
-        unused = sorted(set.intersection(*(set(mine["unread"]) for mine in everyone)))
+    if strict:
+        unused = unused_model_keys(manifest, [mine["model_keys"] for mine in everyone])
         if unused:
             raise CheckpointError(f"{what}: tensors no rank of this model takes: {unused[:5]}"
                                   f"{' ...' if len(unused) > 5 else ''} (pass strict=False to ignore)")
@@ -207,7 +207,7 @@ def plan_load(step_dir: str, model, optimizer, comm) -> tuple:
     """(load plan, RawSource, what this rank found: damage, mismatches, the model tensors it
     does not read, the MiBs it will read) before reading any tensor."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    found = {"damaged": [], "mismatch": [], "unread": [], "runs": {}}
+    found = {"damaged": [], "mismatch": [], "model_keys": ("read", []), "runs": {}}
     try:
         manifest = read_manifest(step_dir)
     except CheckpointDamaged as error:
@@ -220,8 +220,7 @@ def plan_load(step_dir: str, model, optimizer, comm) -> tuple:
     found["mismatch"] = check_reads(plan.reads, manifest)
     if found["mismatch"]:
         return plan, None, found
-    read = {r.key for r in plan.reads}
-    found["unread"] = [key for key in manifest["tensors"] if key.startswith("model/") and key not in read]
+    found["model_keys"] = model_keys_taken(manifest, plan.reads)
     source = RawSource(step_dir, manifest, plan.reads)
     names = sorted(manifest["files"])
     # Presence and size of every file (a share each) and of those this rank reads; the full
@@ -231,6 +230,25 @@ def plan_load(step_dir: str, model, optimizer, comm) -> tuple:
     found["damaged"] = problems
     found["runs"] = source.chunk_runs()
     return plan, source, found
+
+
+def model_keys_taken(manifest: dict, reads) -> tuple[str, list]:
+    """The checkpoint's model tensors this rank reads, for the first all-gather, in the shorter
+    of two forms: ("unread", those it does not read: none for a replica, a tensor-parallel
+    shard) or ("read", those it reads: a pipeline stage's)."""
+    taken = {read.key for read in reads}
+    model = [key for key in manifest["tensors"] if key.startswith("model/")]
+    unread = [key for key in model if key not in taken]
+    return ("unread", unread) if 2 * len(unread) <= len(model) else ("read", [k for k in model if k in taken])
+
+
+def unused_model_keys(manifest: dict, everyone: list) -> list[str]:
+    """The checkpoint's model tensors no rank reads (``model_keys_taken`` of every rank), sorted."""
+    model = {key for key in manifest["tensors"] if key.startswith("model/")}
+    loaded: set = set()
+    for form, keys in everyone:
+        loaded |= set(keys) if form == "read" else model.difference(keys)
+    return sorted(model - loaded)
 
 
 def raise_if_any(everyone: list, what: str, error) -> None:

@@ -38,9 +38,18 @@ def _blocks():
             blocks = lib.hpcpar_crc32_blocks
             if zlib.crc32(probe[4096:], blocks(7, probe.ctypes.data, 4096)) == zlib.crc32(probe, 7):
                 _state["blocks"] = blocks
-                lib.hpcpar_crc32_spans.restype = None
-                lib.hpcpar_crc32_spans.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_void_p] * 3
     return _state["blocks"]
+
+
+def _spans():
+    """The native many-spans function, or None (not built, unsupported, or a library built before it)."""
+    if "spans" not in _state:
+        spans = getattr(native_library(), "hpcpar_crc32_spans", None) if _blocks() is not None else None
+        if spans is not None:
+            spans.restype = None
+            spans.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_void_p] * 3
+        _state["spans"] = spans
+    return _state["spans"]
 
 
 def crc32(data, crc: int = 0) -> int:
@@ -61,11 +70,10 @@ def crc32_spans(data: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> n
     offsets = np.ascontiguousarray(offsets, dtype=np.uint64)
     lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
     out = np.empty(offsets.size, dtype=np.uint32)
-    if _blocks() is None or not data.size:
-        out[:] = [zlib.crc32(data[at: at + n]) for at, n in zip(offsets.tolist(), lengths.tolist())]
+    if out.size and int((offsets + lengths).max()) > data.size:
+        raise ValueError(f"crc32_spans: a span ends past the {data.size} bytes given")
+    if _spans() is None or not data.size:
+        out[:] = [crc32(data[at: at + n]) for at, n in zip(offsets.tolist(), lengths.tolist())]
     elif out.size:
-        if int((offsets + lengths).max()) > data.size:
-            raise ValueError(f"crc32_spans: a span ends past the {data.size} bytes given")
-        native_library().hpcpar_crc32_spans(data.ctypes.data, out.size, offsets.ctypes.data, lengths.ctypes.data,
-                                            out.ctypes.data)
+        _spans()(data.ctypes.data, out.size, offsets.ctypes.data, lengths.ctypes.data, out.ctypes.data)
     return out

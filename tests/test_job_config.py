@@ -128,11 +128,6 @@ def test_unknown_key_names_it_suggests_and_lists_the_allowed(tmp_path):
      'parallel.staleness: 2 has no effect with parallel.mode = "allreduce"; it applies only with parallel.mode '
      '= "ps"'),
     (('kind = "gpt"', 'kind = "gpt"\nchannels = [8, 8]'), "model.channels: [8, 8] has no effect"),
-    (('micro_batches = 4', 'micro_batches = 4\noverlap = false'),  # a pipeline reduces after its schedule
-     "parallel.overlap: false has no effect with parallel.pp = 2; it applies only with parallel.pp = 1"),
-    (('micro_batches = 4', 'micro_batches = 4\nmode = "local_sgd"\nbucket_mb = 5'),  # it averages parameters whole
-     'parallel.bucket_mb: 5.0 has no effect with parallel.mode = "local_sgd"; it applies only with parallel.mode '
-     '= "allreduce"'),
 ])
 def test_bad_values_name_the_key_and_what_is_allowed(tmp_path, change, expected):
     assert expected in job_error(tmp_path, GOOD.replace(*change))

@@ -69,9 +69,9 @@ def stage_parameters(stage_layers: list[list[Layer]]) -> list[tuple[str, int, bo
 
 def builds_ddp(job, lay) -> bool:
     """Whether a rank of this layout all-reduces its gradients in DDP's buckets: not under ZeRO-1
-    (it reduce-scatters), and not for one replica (its gradients stay where backward left them)
-    unless a compressor must run on them."""
-    return not job.parallel.zero and (lay.dp > 1 or job.parallel.compression != "none")
+    (it reduce-scatters), and not for one replica (its gradients stay where backward left them;
+    a compressor would run even there, but the planner refuses compressed jobs: ``unmodelled``)."""
+    return not job.parallel.zero and lay.dp > 1
 
 
 def step_traffic(plan) -> Traffic:

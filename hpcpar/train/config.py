@@ -93,19 +93,20 @@ class ParallelSection:
     pp: int = _key(1, INTEGER, "pipeline stages", check=at_least(1))
     tp: int = _key(1, INTEGER, "tensor-parallel shards of each layer", check=at_least(1))
     schedule: str = _key(defaults.PIPELINE_SCHEDULE, STRING,
-                         "pipeline schedule (zb1: ZB-H1, weight gradients deferred)",
+                         "pipeline schedule, with pp > 1 (zb1: ZB-H1, weight gradients deferred)",
                          choices=tuple(SCHEDULES))
     micro_batches: int = _key(defaults.MICRO_BATCHES, INTEGER,
                               "micro-batches per step of each dp replica (pipeline or accumulation)",
                               check=at_least(1))
     chunks: int = _key(defaults.CHUNKS, INTEGER, "model chunks per pipeline rank", check=at_least(1),
                        applies=("parallel.schedule", ("interleaved",)))
-    partition: Any = _key("uniform", PARTITION, "how layers are cut into pp x chunks stages",
+    partition: Any = _key("uniform", PARTITION, "how layers are cut into pp x chunks stages (pp > 1)",
                           check=STAGE_COUNTS)
-    bucket_mb: float = _key(defaults.BUCKET_MB, NUMBER, "gradient all-reduce bucket size in MiB", check=above(0),
-                            applies=("parallel.mode", ("allreduce",)))
-    overlap: bool = _key(True, BOOLEAN, "all-reduce buckets while backward runs (a pipeline reduces them after "
-                              "its schedule)", applies=[("parallel.mode", ("allreduce",)), ("parallel.pp", (1,))])
+    bucket_mb: float = _key(defaults.BUCKET_MB, NUMBER, "gradient all-reduce bucket size in MiB (DDP; ZeRO-1 "
+                            "reduce-scatters one flat buffer, the parameter server and local SGD move whole arrays)",
+                            check=above(0))
+    overlap: bool = _key(True, BOOLEAN, "all-reduce buckets while backward runs (pp = 1; a pipeline reduces them "
+                              "after its schedule, and ZeRO-1 in its step)")
     compression: str = _key("none", STRING, "gradient compression", choices=tuple(COMPRESSORS))
     compression_ratio: float = _key(0.01, NUMBER, "share of entries top-k sends",
                                     check=Check("in (0, 1]", lambda v: 0 < v <= 1),
@@ -234,13 +235,9 @@ class Job:
 
     def applies(self, dotted: str) -> bool:
         """Whether a key has an effect given the others (``model.vocab_size`` only for gpt)."""
-        return self.unmet_rule(dotted) is None
-
-    def unmet_rule(self, dotted: str) -> tuple | None:
-        """(other key, the values it needs) of the first condition of ``dotted`` the job does not meet."""
         section, key = dotted.split(".")
-        rules = _fields_by_key(SECTIONS[section])[key].metadata["applies"]
-        return next(((selector, allowed) for selector, allowed in rules if self.get(selector) not in allowed), None)
+        rule = _fields_by_key(SECTIONS[section])[key].metadata["applies"]
+        return rule is None or self.get(rule[0]) in rule[1]
 
     def to_dict(self) -> dict:
         """{section: {toml key: value}} with lists for tuples and None for unset keys."""
@@ -298,8 +295,7 @@ def schema_table() -> str:
             meta = f.metadata
             limits = [" \\| ".join(meta["choices"]) if meta["choices"] else meta["check"].text if meta["check"] else ""]
             if meta["applies"]:
-                limits.append("only with " + " and ".join(f"{selector} = {' or '.join(map(str, allowed))}"
-                                                          for selector, allowed in meta["applies"]))
+                limits.append(f"only with {meta['applies'][0]} = {' or '.join(meta['applies'][1])}")
             allowed = "; ".join(filter(None, limits))
             default = "unset" if f.default is None else toml_value(f.default)
             rows.append(f"| {name}.{toml_key(f)} | {meta['type'].name} | `{default}` | {allowed} | {meta['doc']} |")

@@ -191,7 +191,7 @@ def _without_effect(job: Job) -> list[tuple[str, str]]:
         section, key = dotted.split(".")
         f = _fields_by_key(SECTIONS[section])[key]
         if not job.applies(dotted) and job.get(dotted) != f.default:
-            selector, allowed = job.unmet_rule(dotted)
+            selector, allowed = f.metadata["applies"]
             problems.append((dotted, f"{toml_value(job.get(dotted))} has no effect with {selector} = "
                                      f"{toml_value(job.get(selector))}; it applies only with {selector} = "
                                      f"{' or '.join(map(toml_value, allowed))}: remove it or set {selector}"))

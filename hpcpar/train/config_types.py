@@ -114,12 +114,10 @@ STAGE_COUNTS = Check(f"one of {', '.join(PARTITION_METHODS)} or per-stage counts
 
 
 def _key(default, type_: Type, doc: str, *, choices=None, check=None, applies=None, name=None, hint=None):
-    """One key of a section. ``applies = (other key, values)``, or a list of them: it has an
-    effect only when each of those keys has one of its values (stored as a tuple of the pairs).
+    """One key of a section. ``applies = (other key, values)``: it has an effect only then.
     ``name``: the TOML key where it is not a Python name (``async``); ``hint``: {bad value: advice}."""
-    rules = () if applies is None else (applies,) if isinstance(applies[0], str) else tuple(applies)
     return field(default=default, metadata={"type": type_, "doc": doc, "choices": choices, "check": check,
-                                            "applies": rules, "name": name, "hint": hint or {}})
+                                            "applies": applies, "name": name, "hint": hint or {}})
 
 
 def toml_key(f) -> str:

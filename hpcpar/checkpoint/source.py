@@ -141,6 +141,8 @@ class RawSource:
     def _read_pieces(self, fd: int, name: str, pieces: dict) -> list | None:
         """[(first byte, uint8 view of the piece's new array)] in file order; None when the file is short."""
         segments = []
+        if name in self.spans and len(self.spans[name][0]) == len(pieces):
+            return segments  # every piece is direct (a load into the layout that saved): none to read
         for begin, (_, shape, dtype) in sorted(pieces.items()):
             if (name, begin) not in self.values and (name, begin) not in self.direct:
                 values = self.values[(name, begin)] = np.empty(shape, dtype=dtype)
@@ -331,12 +333,12 @@ def chunk_crcs(mapped: FileMap, segments: list, chunks: np.ndarray, size: int) -
     chunk: those bytes are the ones used, so ``chunk_crc`` takes them from there."""
     begins = chunks * CHUNK_BYTES
     ends = np.minimum(begins + CHUNK_BYTES, size)
-    covered = np.zeros(chunks.size, dtype=bool)
-    if segments:
-        starts = np.array([start for start, _ in segments], dtype=np.int64)
-        stops = starts + np.array([raw.size for _, raw in segments], dtype=np.int64)
-        following = np.searchsorted(stops, begins, side="right")  # the first segment ending after the chunk's start
-        covered = (following < len(segments)) & (starts[np.minimum(following, len(segments) - 1)] < ends)
+    if not segments:  # no piece of the file read into an array of its own: all from the mapping
+        return [f"{crc:08x}" for crc in crc32_spans(mapped.data, begins - mapped.begin, ends - begins).tolist()]
+    starts = np.array([start for start, _ in segments], dtype=np.int64)
+    stops = starts + np.array([raw.size for _, raw in segments], dtype=np.int64)
+    following = np.searchsorted(stops, begins, side="right")  # the first segment ending after the chunk's start
+    covered = (following < len(segments)) & (starts[np.minimum(following, len(segments) - 1)] < ends)
     crcs = np.zeros(chunks.size, dtype=np.uint32)
     plain = ~covered
     crcs[plain] = crc32_spans(mapped.data, begins[plain] - mapped.begin, ends[plain] - begins[plain])

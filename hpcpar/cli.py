@@ -126,6 +126,9 @@ def _train(args) -> int:
         return 0
     if args.job is None:
         raise _usage("hpcpar train", "the following arguments are required: job (or --list-keys)")
+    if args.machine is not None and not args.dry_run:  # training never reads a machine file
+        raise _usage("hpcpar train", "--machine FILE is the machine of --dry-run's predicted step time; "
+                                     "add --dry-run or leave --machine out")
     from mpi4py import MPI
 
     from .backend import DeviceError

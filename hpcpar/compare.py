@@ -51,6 +51,7 @@ from .tables import format_table
 from .train.build import build
 from .train.config import JobError
 from .train.config_load import load_job
+from .train.loop import context_options
 from .train.validate import validate
 
 logger = log.get_logger(__name__)
@@ -105,7 +106,7 @@ def step_shares(stats: dict, inter_node_s: float = 0.0) -> tuple[float, float, f
 def measure(job, comm, steps: int) -> dict:
     """Train ``steps`` + 2 steps of ``job`` on ``comm`` and return this layout's figures (on rank 0)."""
     p = job.parallel
-    ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, comm=comm, device=job.train.device)
+    ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, comm=comm, **context_options(job))  # parallel.shm, backend, ...
     run = build(job, ctx)
     strategy = run.strategy
     times, shares = [], []
@@ -250,6 +251,8 @@ def cpu_budget(world) -> tuple[str, str | None]:
 
 def run(args) -> int:
     world = MPI.COMM_WORLD
+    if args.steps < 1:  # every figure is a median over the timed steps
+        raise UsageError(f"hpcpar compare: error: --steps must be >= 1 (timed steps per layout), got {args.steps}")
     precisions = [None] if args.precision is None else ["fp32"] + [p for p in args.precision if p != "fp32"]
     try:  # the same verdict on every rank, before any rank waits on another
         job = load_job(args.job, args.set)

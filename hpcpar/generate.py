@@ -30,6 +30,9 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     if log.world_rank() != 0:
         return 0
+    if args.tokens < 0 or args.top_k < 1 or args.temperature < 0:  # before the checkpoint is read
+        raise UsageError(f"hpcpar generate: error: --tokens must be >= 0, --top-k >= 1 and --temperature >= 0, got "
+                         f"--tokens {args.tokens} --top-k {args.top_k} --temperature {args.temperature}")
     try:
         step_dir = resolve_step_dir(args.checkpoint)
         saved = read_manifest(step_dir)["extra"].get("model_config")

@@ -234,6 +234,19 @@ def pattern_batch(rng, rows):
     return ids[:, :-1], ids[:, 1:]
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shm, nonblocking", [(False, True), (True, False)])
+def test_the_workers_context_communicates_as_the_worlds(shm, nonblocking):
+    """The workers' own context took only the device, wait policy and backend: parallel.shm = false
+    still attached shared-memory windows there, and device_nonblocking fell back to the table."""
+    ctx = hpcpar.init(device="cpu", shm=shm, device_nonblocking=nonblocking)
+    ps = ParameterServer(make_model().named_parameters(), ctx, AdamW, servers=1, lr=1e-2)
+    ps.serve()
+    if ps.is_worker:
+        assert ps.ctx.shm == ctx.shm == shm and ps.ctx.dp.device_nonblocking is nonblocking
+    ps.shutdown()
+
+
 @pytest.mark.mpi(min_size=3)
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_asynchronous_ps_respects_the_staleness_bound_and_trains(staleness):

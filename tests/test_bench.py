@@ -84,6 +84,14 @@ def test_bench_async_runs_every_mode(ranks, slow_rank):
     assert all(positive(row[-7]) for row in rows)  # time s
 
 
+def test_bench_async_seed_initialises_the_model():
+    """``--seed`` is the seed "of the model and the batches": the model once kept seed 0 whatever it said."""
+    from hpcpar.bench.async_training import bench_model
+
+    weights = [bench_model(seed).embed.wte.weight.data for seed in (0, 0, 1)]
+    assert (weights[0] == weights[1]).all() and (weights[0] != weights[2]).any()
+
+
 def test_bench_net_needs_two_nodes_and_says_so():
     """On one node there is nothing to compare (its run on two nodes: tests/test_cluster.py)."""
     proc = subprocess.run([venv_bin("mpiexec"), "-n", "2", sys.executable, "-m", "hpcpar", "bench", "net"],

@@ -103,6 +103,10 @@ USAGE_ERRORS = [
     (["compare", "jobs/gpt-ps.toml"], "hpcpar compare: error: jobs/gpt-ps.toml: parallel.servers: 1 server(s) leave "
                                       "no worker among 1 ranks"),  # no one-rank baseline to measure against
     (["plot", "CORRUPT"], "hpcpar plot: error: CORRUPT, line 2: not JSON"),
+    (["compare", "jobs/gpt-dp.toml", "--steps", "0"], "hpcpar compare: error: --steps must be >= 1"),
+    (["train", "jobs/gpt-dp.toml", "--machine", "m.toml"], "hpcpar train: error: --machine FILE is the machine of "
+                                                           "--dry-run"),  # training never read it
+    (["generate", "/nope", "--top-k", "0"], "hpcpar generate: error: --tokens must be >= 0, --top-k >= 1"),  # 0 sampled every token
 ]
 
 

@@ -80,3 +80,26 @@ def test_ranks_holding_different_jobs_are_told_so_before_any_layout_runs(tokens)
     with pytest.raises(compare.JobsDiffer, match=r"world rank\(s\) \[1(, \d)*\] hold another job than rank 0") as raised:
         compare.measure_on_first_ranks(job, world, steps=1)
     assert raised.value.report_elsewhere == (world.Get_rank() != 0)  # one report, from rank 0
+
+
+def test_each_layout_is_built_with_the_jobs_communication_keys(monkeypatch):
+    """``hpcpar compare JOB --set parallel.shm=false`` measured with the shared-memory collectives on
+    (and parallel.node_size, backend, device_nonblocking were dropped too): its contexts took only
+    the grid and the device from the job."""
+    made = []
+
+    def recording_init(**kwargs):
+        ctx = compare_init(**kwargs)
+        made.append((kwargs, ctx.shm, ctx.shm_node_size))
+        return ctx
+
+    compare_init = compare.init
+    monkeypatch.setattr(compare, "init", recording_init)
+    cnn = ["model.kind=cnn", "data.kind=digits", "data.batch_size=8", 'train.device="cpu"']
+    cases = ((["parallel.shm=false"], False, None), (["parallel.shm=true", "parallel.node_size=1"], True, 1))
+    for keys, shm, node_size in cases:
+        job = compare.layout_job(load_job(None, cnn + keys), (1, 1, 1), steps=1)
+        compare.measure(job, MPI.COMM_SELF, steps=1)
+        kwargs, got_shm, got_node_size = made.pop()
+        assert (got_shm, got_node_size) == (shm, node_size)
+        assert kwargs["backend"] == "auto" and kwargs["device_nonblocking"] is None

@@ -327,6 +327,9 @@ def test_gpt_generate():
     greedy = model.generate(prompt, 7, temperature=0)  # past block_size: the context is cropped
     np.testing.assert_array_equal(model.generate(prompt, 7, top_k=1, rng=np.random.default_rng(3)), greedy)
     np.testing.assert_array_equal(greedy[:, 3], model(prompt).data[:, -1].argmax(axis=-1))
+    for tokens, bad in ((1, dict(top_k=0)), (1, dict(top_k=-2)), (1, dict(temperature=-1.0)), (-1, {})):
+        with pytest.raises(ValueError, match="top_k >= 1"):  # top_k=0 once sampled every token
+            model.generate(prompt, tokens, **bad)
 
 
 # ----- CNN ----------------------------------------------------------------------------------

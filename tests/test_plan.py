@@ -194,6 +194,16 @@ def test_plan_prints_the_ranked_table_and_explains_a_layout(job_file):
     assert explained.returncode == 0 and "per virtual stage" in explained.stdout and "pp-tied" in explained.stdout
 
 
+@pytest.mark.parametrize("args, message", [
+    (["calibrate", "--world", "4", "--top", "3"], "--world, --top do nothing here: calibrate measures this machine"),
+    (["JOB", "--world", "2", "--machine", "dgx-a100", "--out", "m.toml"], "--out does nothing here: planning a job"),
+    (["JOB", "--world", "2", "--machine", "dgx-a100", "--top", "3", "--explain", "2x1x1"], "--top does nothing with"),
+])
+def test_flags_the_plan_would_not_read_are_usage_errors(job_file, args, message):
+    result = run_hpcpar("plan", *[job_file if a == "JOB" else a for a in args])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
 def test_plan_without_a_machine_file_is_a_usage_error(job_file, tmp_path):
     result = run_hpcpar("plan", job_file, "--world", "2", "--machine", str(tmp_path / "none.toml"))
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "none.toml" in result.stderr

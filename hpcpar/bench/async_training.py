@@ -33,6 +33,7 @@ waiting moved, not removed; they gain where the slowness comes and goes (``--rot
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -70,6 +71,11 @@ def bench_job(spec: dict, args):
     return load_job(None, keys)
 
 
+def bench_model(seed: int) -> GPT:
+    """Every mode's model: ``BENCH_CONFIG`` initialised from ``--seed``."""
+    return GPT(replace(BENCH_CONFIG, seed=seed), dtype=np.float32)
+
+
 def run_mode(spec: dict, world_ctx, args, train_tokens, held_out) -> dict | None:
     """Train with one mode on every rank; rank 0 returns the row's numbers."""
     world = world_ctx.world
@@ -81,7 +87,7 @@ def run_mode(spec: dict, world_ctx, args, train_tokens, held_out) -> dict | None
         group = world.split(0 if member else None, world.rank, "subset")  # None outside it
         ctx = init(comm=group.mpi, device="cpu", wait_policy=world.wait_policy) if member else None
 
-    model = GPT(BENCH_CONFIG, dtype=np.float32)
+    model = bench_model(args.seed)
     strategy = make_strategy(bench_job(spec, args), ctx, model, data=None) if member else None
     world.barrier()
     start = time.perf_counter()

@@ -306,8 +306,11 @@ class GPT(Module):
         """Append ``max_new_tokens`` sampled tokens to ``ids`` (B, T); returns the longer id array.
 
         Sampling runs on the host with ``rng`` (a NumPy Generator; default seeded from the
-        config), so a seed gives the same text on CPU and GPU. ``temperature=0`` is greedy.
+        config), so a seed gives the same text on CPU and GPU. ``temperature=0`` is greedy; ``top_k`` (None: every token) keeps the k likeliest.
         """
+        if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+            raise ValueError(f"GPT.generate needs max_new_tokens >= 0, temperature >= 0 and top_k >= 1 (None: every "
+                             f"token), got {max_new_tokens}, {temperature}, {top_k}")
         rng = np.random.default_rng(self.config.seed) if rng is None else rng
         xp = self.embed.wte.weight.xp
         ids = xp.asarray(ids.data if isinstance(ids, Tensor) else ids)

@@ -157,8 +157,10 @@ class ParameterServer(ServerSide, Checkpointable):
             self._become_server(world, group, flat, optimizer_class, optimizer_options)
 
     def _become_worker(self, ctx, group, flat, lr: float, scaler) -> None:
+        # The workers' dp communicates as the world's context does: backend, shared memory, device buffers.
         self.ctx = init(dp=self.num_workers, comm=group, device=ctx.device, wait_policy=ctx.wait_policy,
-                        backend=ctx.backend, runtime=ctx.runtime)  # the workers' dp: the job's backend
+                        backend=ctx.backend, runtime=ctx.runtime, shm=ctx.shm, node_size=ctx.shm_node_size,
+                        device_nonblocking=ctx.world.device_nonblocking)
         self.server_comm = None
         self.lr = lr
         self.step_count = 0

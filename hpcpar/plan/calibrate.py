@@ -367,9 +367,10 @@ def step_runner(job):
 
     from ..dist.context import init
     from ..train.build import build_model, compute_dtype
+    from ..train.loop import context_options
     from ..train.strategies import make_strategy
 
-    ctx = init(dp=1, pp=1, tp=1, comm=MPI.COMM_SELF, device=job.train.device)
+    ctx = init(dp=1, pp=1, tp=1, comm=MPI.COMM_SELF, **context_options(job))
     strategy = make_strategy(job, ctx, build_model(job, ctx, compute_dtype(job)), None)
     rng = np.random.default_rng(0)
 

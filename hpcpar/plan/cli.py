@@ -21,12 +21,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--machine", default=None,
                         help=f"machine file, or a shipped one by name ({', '.join(shipped())}) "
                              f"(default: {DEFAULT_MACHINE}, written by hpcpar plan calibrate)")
-    parser.add_argument("--top", type=int, default=10, help="layouts shown, best first (0: all)")
+    parser.add_argument("--top", type=int, default=None, help="layouts shown, best first (0: all) (default: 10)")
     parser.add_argument("--explain", metavar="LAYOUT", default=None,
                         help="the breakdown of one layout, as labelled in the table (\"2x1x2\" picks its best variant) (default: none)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a job key, TOML syntax (repeatable) (default: none)")
-    parser.add_argument("--out", default=DEFAULT_MACHINE, help="calibrate: the machine file written")
+    parser.add_argument("--out", default=None, help=f"calibrate: the machine file written (default: {DEFAULT_MACHINE})")
     parser.add_argument("--inter", default=None, metavar="FILE",
                         help="calibrate on one node: take the inter-node link from this machine file (default: equal to intra-node)")
     parser.set_defaults(func=run)
@@ -53,7 +53,25 @@ def machine_from(path: str | None):
         raise _usage(str(error)) from None
 
 
+# Flags that only one of the two uses reads: given to the other, they would do nothing.
+PLANNING_FLAGS = {"world": "--world", "machine": "--machine", "top": "--top", "explain": "--explain", "set": "--set"}
+CALIBRATE_FLAGS = {"out": "--out", "inter": "--inter"}
+
+
+def refuse_unread_flags(args) -> None:
+    """One usage line for flags this use of ``hpcpar plan`` would not read."""
+    calibrating = args.job == "calibrate"
+    unread = PLANNING_FLAGS if calibrating else CALIBRATE_FLAGS
+    given = [flag for name, flag in unread.items() if getattr(args, name) not in (None, [])]
+    if given:
+        what = "calibrate measures this machine" if calibrating else "planning a job writes no machine file"
+        raise _usage(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing here: {what}")
+    if args.explain is not None and args.top is not None:
+        raise _usage("--top does nothing with --explain, which shows one layout")
+
+
 def run(args) -> int:
+    refuse_unread_flags(args)
     if args.job == "calibrate":
         return run_calibrate(args)
     from ..train.config import JobError
@@ -81,7 +99,7 @@ def run(args) -> int:
             raise _usage(f"no valid layout {args.explain!r} for {world} ranks; the table lists them")
         print(explain(chosen, machine))
         return 0
-    print(table(job, world, machine, ranked, args.top))
+    print(table(job, world, machine, ranked, 10 if args.top is None else args.top))
     return 0
 
 
@@ -91,12 +109,13 @@ def run_calibrate(args) -> int:
     from .calibrate import calibrate, write_machine
 
     world = MPI.COMM_WORLD
+    out = args.out or DEFAULT_MACHINE
     machine, comments = calibrate(world, inter_file=args.inter)
     if world.Get_rank() == 0:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        write_machine(machine, comments, args.out)
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        write_machine(machine, comments, out)
         c = machine.compute["fp32"]
-        print(f"wrote {args.out}: {comments['name']}; gemm {c.gemm_flops / 1e9:.1f} GFLOP/s, elementwise "
+        print(f"wrote {out}: {comments['name']}; gemm {c.gemm_flops / 1e9:.1f} GFLOP/s, elementwise "
               f"{c.bandwidth / 1e9:.1f} GB/s, op {c.op_overhead_s * 1e6:.1f} us, "
               f"2-rank all-reduce {machine.intra.latency_s * 1e6:.0f} us + {machine.intra.bandwidth / 1e9:.2f} GB/s")
     return 0

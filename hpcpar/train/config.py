@@ -106,7 +106,8 @@ class ParallelSection:
                             "reduce-scatters one flat buffer, the parameter server and local SGD move whole arrays)",
                             check=above(0))
     overlap: bool = _key(True, BOOLEAN, "all-reduce buckets while backward runs (pp = 1; a pipeline reduces them "
-                              "after its schedule, and ZeRO-1 in its step)")
+                              "after its schedule, ZeRO-1 in its step; the parameter server and local SGD have no "
+                              "buckets)")
     compression: str = _key("none", STRING, "gradient compression", choices=tuple(COMPRESSORS))
     compression_ratio: float = _key(0.01, NUMBER, "share of entries top-k sends",
                                     check=Check("in (0, 1]", lambda v: 0 < v <= 1),
@@ -119,8 +120,9 @@ class ParallelSection:
     shm: bool | None = _key(None, BOOLEAN, "shared-memory collectives among a node's ranks (DDP buckets and ZeRO's "
                                             "buffers in an MPI shared window; CPUs); unset: HPCPAR_SHM, else on")
     node_size: int | None = _key(None, INTEGER, "pretend nodes of this many ranks for the shared-memory collectives "
-                                                "(their inter-node step on one machine); unset: HPCPAR_NODE_SIZE, "
-                                                "else the real nodes", check=at_least(1))
+                                                "(their inter-node step on one machine; nothing else sees them, so "
+                                                "with shm off the key does nothing); unset: HPCPAR_NODE_SIZE, else "
+                                                "the real nodes", check=at_least(1))
     backend: str = _key("auto", STRING, "what moves GPU buffers: nccl (NVIDIA's NCCL through CuPy, on its own "
                                         "stream), mpi (CUDA-aware MPI, else staged through pinned host memory); auto: "
                                         "nccl on GPUs when CuPy has it, else mpi; CPUs always use mpi",
@@ -189,10 +191,14 @@ class TrainSection:
 @dataclass(frozen=True)
 class CheckpointSection:
     dir: str = _key("runs/{job}/checkpoints", STRING, "checkpoint root folder")
-    interval: int = _key(0, INTEGER, "steps between checkpoints; 0 = none during training", check=at_least(0))
+    interval: int = _key(0, INTEGER, "steps between checkpoints; 0 = none during training (local SGD: a multiple of "
+                                    "parallel.local_steps, since it saves right after an average)", check=at_least(0))
     keep: int = _key(2, INTEGER, "checkpoints kept (older ones are removed)", check=at_least(1))
-    async_: bool = _key(False, BOOLEAN, "write checkpoints in a background thread (it calls MPI: needs "
-                          "MPI.THREAD_MULTIPLE, else they are written synchronously with one warning)", name="async")
+    async_: bool = _key(False, BOOLEAN, "write the periodic checkpoints (checkpoint.interval) in a background "
+                          "thread; the last one, at the end or a stop, is written before the run ends. It calls MPI: "
+                          "needs MPI.THREAD_MULTIPLE, else they are written synchronously with one warning; a "
+                          "parameter server's are synchronous: its servers pause serving to write", name="async",
+                        applies=("parallel.mode", ("allreduce", "local_sgd")))
     resume: str = _key("auto", RESUME, "auto: continue this run from dir's latest checkpoint (fresh when dir has "
                                        "none; refuses another run's checkpoints); never: a new run, dir must hold no "
                                        "checkpoint (--overwrite moves them aside); must: fail unless a checkpoint "

@@ -132,14 +132,21 @@ def between_steps(run: Run, log: Logger, step: int) -> None:
         log.line(f"checkpoint {save_checkpoint(run, step)}")
 
 
+def context_options(job: Job) -> dict:
+    """``init``'s keyword arguments from the job besides the grid: the device and how the ranks
+    communicate (every context a job's steps run in is built with them: training, ``hpcpar compare``)."""
+    p = job.parallel
+    return dict(device=job.train.device, shm=p.shm, node_size=p.node_size, backend=p.backend,
+                device_nonblocking=p.device_nonblocking)
+
+
 def start_context(job: Job):
     """The context of the job's grid (a parameter-server job's grid holds the workers; the
     servers come from the same world)."""
     p = job.parallel
     with warnings.catch_warnings():  # the placement report (describe) carries the warning
         warnings.simplefilter("ignore", PlacementWarning)
-        ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, device=job.train.device, shm=p.shm,
-                   node_size=p.node_size, backend=p.backend, device_nonblocking=p.device_nonblocking)
+        ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, **context_options(job))
     check_precision(ctx.device, job.train.precision)  # before anything allocates: one line, every rank alike
     return ctx
 

@@ -105,6 +105,11 @@ class Strategy(ABC):
         """The mean loss of a batch, forward only (every rank of the replica gets it)."""
         return self.model.loss(inputs, targets).item()
 
+    def evaluate_outputs(self, inputs):
+        """The model's outputs of a batch (a Tensor of logits), forward only, on every rank of the
+        replica: what a classifier's accuracy is counted from."""
+        return self.model(inputs)
+
     @abstractmethod
     def named_parameters(self) -> list:
         """(name, parameter) pairs this rank computes with."""

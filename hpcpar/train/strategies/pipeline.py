@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...autograd import Tensor, no_grad
+from ...backend import to_host
 from ...parallel.pipeline import PipelineParallel
 from .ingredients import make_gradient_compressor
 from .synchronous import SynchronousStrategy
@@ -45,6 +46,13 @@ class Pipeline(SynchronousStrategy):
         with no_grad():
             loss = self.pipe.loss_fn(Tensor(outputs[0]), targets).item() if outputs else 0.0
         return float(self.ctx.pp.allreduce(np.array([loss]), "sum")[0])
+
+    def evaluate_outputs(self, inputs):
+        """Forward only through the stages: the last stage's outputs, sent to every pp rank (a
+        rank holds only its stages' trained layers, so the whole model there would be wrong)."""
+        outputs = self.pipe.infer([inputs])  # the last stage gets the logits, the others None
+        last = self.ctx.pp_size - 1  # the rank of the last virtual stage, with chunks too
+        return Tensor(self.ctx.pp.bcast_object(to_host(outputs[0]) if outputs else None, root=last))
 
     def describe(self) -> str:
         p = self.job.parallel

@@ -48,7 +48,7 @@ class Piece:
         return tuple(stop - start for start, stop in self.slab)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a load makes one per tensor it reads, a quarter cheaper
 class Read:
     """One slab a rank reads at load; ``assign(values)`` gets a host array of the slab's shape
     (the receiver may keep it: it is its own). ``dtype``, when given, is the destination's
@@ -82,11 +82,13 @@ class Saved:
     def __init__(self, tensor_keys, scalars: dict):
         self.tensor_keys = set(tensor_keys)
         self.scalars = dict(scalars)
-        self._state = {}  # parameter name -> its optimizer state keys (one pass, not one per parameter)
-        for key in sorted(self.tensor_keys | set(self.scalars)):
+        self._state = {}  # parameter name -> its optimizer state keys, sorted (one pass, not one per parameter)
+        for key in self.tensor_keys.union(self.scalars):
             if key.startswith("optim/"):
                 name, _, state = key[len("optim/"):].rpartition("/")
                 self._state.setdefault(name, []).append(state)
+        for states in self._state.values():
+            states.sort()
 
     def state_keys(self, name: str) -> list[str]:
         """The optimizer state saved for parameter ``name`` (``exp_avg``, ``step`` ...)."""
@@ -160,9 +162,12 @@ class Together(Checkpointable):
 # ----------------------------------------------------------------------------------------
 def global_slab(param) -> tuple[tuple, Slab]:
     """(global shape, slab) of a parameter: the whole tensor unless it is a shard."""
-    shape = tuple(getattr(param, "global_shape", param.shape))
-    start = tuple(getattr(param, "global_start", (0,) * len(shape)))
-    return shape, tuple((s, s + n) for s, n in zip(start, param.shape))
+    local = tuple(param.shape)
+    shape = getattr(param, "global_shape", None)
+    if shape is None:  # the common case, without building a start of zeros (a load asks this per tensor)
+        return local, tuple([(0, n) for n in local])
+    start = getattr(param, "global_start", (0,) * len(local))
+    return tuple(shape), tuple([(s, s + n) for s, n in zip(start, local)])
 
 
 def slab_slices(slab: Slab) -> tuple:

@@ -627,3 +627,36 @@ def test_a_file_cut_short_after_its_check_is_damage_not_a_crash(tmp_path, monkey
         checkpoint.load(str(tmp_path), trained.model, trained.optimizer, ctx)
     assert {k: v for k, v in snapshot(trained).items() if k.startswith("param")} == \
         {k: v for k, v in before.items() if k.startswith("param")}
+
+
+def test_a_model_that_takes_only_some_tensors_needs_strict_false(tmp_path):
+    """``strict``: a checkpoint tensor no rank of the model reads is an error naming it, before
+    anything changes; ``strict=False`` loads the rest."""
+    from hpcpar.autograd.tensor import Parameter
+
+    ctx = hpcpar.init(comm=MPI.COMM_SELF, device="cpu")
+    rng = np.random.default_rng(7)
+    saved = [(name, Parameter(rng.standard_normal(3))) for name in ("a", "b", "c")]
+    checkpoint.save(str(tmp_path), 1, saved, None, ctx)
+    fewer = [(name, Parameter(np.zeros(3))) for name in ("a", "c")]
+    with pytest.raises(CheckpointError, match=r"tensors no rank of this model takes: \['model/b'\]"):
+        checkpoint.load(str(tmp_path), fewer, None, ctx)
+    assert not any(p.data.any() for _, p in fewer)
+    checkpoint.load(str(tmp_path), fewer, None, ctx, strict=False)
+    assert [p.data.tolist() for _, p in fewer] == [saved[0][1].data.tolist(), saved[2][1].data.tolist()]
+
+
+def test_the_model_tensors_no_rank_reads_in_either_form_each_rank_sends():
+    """Each rank sends the shorter list: the tensors it leaves unread (a replica: none) or those
+    it reads (a pipeline stage); the tensors no rank reads are the same either way."""
+    from hpcpar.checkpoint.reader import model_keys_taken, unused_model_keys
+    from hpcpar.state import Read
+
+    manifest = {"tensors": {f"model/{k}": {} for k in "abcdef"} | {"optim/a/exp_avg": {}}}
+    reads = lambda keys: [Read(f"model/{k}", (1,), ((0, 1),), None) for k in keys]  # noqa: E731
+    assert model_keys_taken(manifest, reads("abcdef")) == ("unread", [])
+    assert model_keys_taken(manifest, reads("ab")) == ("read", ["model/a", "model/b"])
+    assert model_keys_taken(manifest, reads("abcd")) == ("unread", ["model/e", "model/f"])
+    stages = [model_keys_taken(manifest, reads(keys)) for keys in ("ab", "bcd", "a")]
+    assert unused_model_keys(manifest, stages) == ["model/e", "model/f"]
+    assert unused_model_keys(manifest, stages + [model_keys_taken(manifest, reads("abcde"))]) == ["model/f"]

@@ -41,6 +41,17 @@ def _blocks():
     return _state["blocks"]
 
 
+def _spans():
+    """The native many-spans function, or None (not built, unsupported, or a library built before it)."""
+    if "spans" not in _state:
+        spans = getattr(native_library(), "hpcpar_crc32_spans", None) if _blocks() is not None else None
+        if spans is not None:
+            spans.restype = None
+            spans.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_void_p] * 3
+        _state["spans"] = spans
+    return _state["spans"]
+
+
 def crc32(data, crc: int = 0) -> int:
     """``zlib.crc32(data, crc)`` for any contiguous buffer (bytes, a NumPy array or view)."""
     blocks = _blocks()
@@ -51,3 +62,18 @@ def crc32(data, crc: int = 0) -> int:
     if whole < 64:
         return zlib.crc32(array, crc)
     return zlib.crc32(array[whole:], blocks(crc, array.ctypes.data, whole))
+
+
+def crc32_spans(data: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """CRC-32 of each span ``data[offsets[k]: offsets[k] + lengths[k]]`` of a uint8 array, as
+    uint32: many MiB chunks in one native call (else zlib, a span at a time)."""
+    offsets = np.ascontiguousarray(offsets, dtype=np.uint64)
+    lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
+    out = np.empty(offsets.size, dtype=np.uint32)
+    if out.size and int((offsets + lengths).max()) > data.size:
+        raise ValueError(f"crc32_spans: a span ends past the {data.size} bytes given")
+    if _spans() is None or not data.size:
+        out[:] = [crc32(data[at: at + n]) for at, n in zip(offsets.tolist(), lengths.tolist())]
+    elif out.size:
+        _spans()(data.ctypes.data, out.size, offsets.ctypes.data, lengths.ctypes.data, out.ctypes.data)
+    return out

@@ -118,11 +118,11 @@ def fsync_together(*paths: str) -> None:
 
 def read_manifest(step_dir: str) -> dict:
     path = os.path.join(step_dir, MANIFEST)
-    if not os.path.exists(path):
-        raise CheckpointDamaged(f"{path}: no manifest (an unfinished or foreign checkpoint)")
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
+    try:  # bytes to json.loads: no text layer (a load reads this on every rank, every time)
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+    except FileNotFoundError:
+        raise CheckpointDamaged(f"{path}: no manifest (an unfinished or foreign checkpoint)") from None
     except (OSError, ValueError) as error:
         raise CheckpointDamaged(f"{path}: unreadable manifest ({error})") from None
     if not isinstance(manifest, dict):
@@ -169,12 +169,13 @@ def list_steps(root: str) -> list[int]:
 def latest_step(root: str) -> int | None:
     """The step ``latest`` names (the source of truth); the highest committed step only when
     ``latest`` is absent or unreadable (a root written before it, or by hand)."""
-    path = os.path.join(root, LATEST)
-    if os.path.exists(path):
-        with open(path) as f:
-            match = STEP_PATTERN.match(f.read().strip())
-        if match:
-            return int(match.group(1))
+    try:  # bytes, no text layer: every load of a root reads this
+        with open(os.path.join(root, LATEST), "rb") as f:
+            match = STEP_PATTERN.match(f.read().decode(errors="replace").strip())
+    except FileNotFoundError:
+        match = None
+    if match:
+        return int(match.group(1))
     steps = list_steps(root)
     return steps[-1] if steps else None
 

@@ -52,21 +52,31 @@ logger = log.get_logger(__name__)
 
 def check_reads(reads, manifest: dict) -> list[str]:
     """What does not fit: a tensor the checkpoint lacks, another global shape or dtype, a slab outside it."""
-    problems = []
+    problems, tensors = [], manifest["tensors"]
     for read in reads:
-        table = manifest["tensors"].get(read.key)
+        table = tensors.get(read.key)
         if table is None:
             problems.append(f"the checkpoint has no tensor {read.key!r}")
-        elif tuple(table["shape"]) != tuple(read.global_shape):
+        elif list(read.global_shape) != table["shape"]:
             problems.append(f"{read.key} has global shape {tuple(table['shape'])} in the checkpoint but "
                             f"{tuple(read.global_shape)} here")
         elif read.dtype is not None and number_kind(table["dtype"]) != number_kind(read.dtype):
             problems.append(f"{read.key} is {table['dtype']} in the checkpoint but {np.dtype(read.dtype)} here")
-        elif len(read.slab) != len(table["shape"]) or any(
-                not 0 <= a <= b <= n for (a, b), n in zip(read.slab, table["shape"])):
+        elif not slab_inside(read.slab, table["shape"]):
             problems.append(f"{read.key}: this rank's slab {[list(s) for s in read.slab]} is not inside its "
                             f"global shape {tuple(table['shape'])}")
     return problems
+
+
+def slab_inside(slab, shape: list) -> bool:
+    """Whether ``slab`` has an axis per axis of ``shape`` and lies inside it (a loop, not a
+    generator: a load asks this for each tensor it reads)."""
+    if len(slab) != len(shape):
+        return False
+    for (a, b), n in zip(slab, shape):
+        if not 0 <= a <= b <= n:
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=256)
@@ -147,8 +157,7 @@ def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: 
         raise_if_any([mine[kind] for mine in everyone], what, error)
     manifest = source.manifest
     if strict:
-        loaded = set().union(*(mine["model_keys"] for mine in everyone))
-        unused = sorted(k for k in manifest["tensors"] if k.startswith("model/") and k not in loaded)
+        unused = unused_model_keys(manifest, [mine["model_keys"] for mine in everyone])
         if unused:
             raise CheckpointError(f"{what}: tensors no rank of this model takes: {unused[:5]}"
                                   f"{' ...' if len(unused) > 5 else ''} (pass strict=False to ignore)")
@@ -188,7 +197,7 @@ def read_checked(source: RawSource, plan, mine: dict) -> tuple[list[str], list]:
     try:
         damaged = source.read_and_verify(mine)
         if not damaged:
-            values = [source.read(n, read) for n, read in enumerate(plan.reads)]
+            values = source.read_all(plan.reads)
     except (OSError, ValueError, KeyError) as error:
         damaged.append(f"{type(error).__name__}: {error}")
     return damaged, values
@@ -196,9 +205,9 @@ def read_checked(source: RawSource, plan, mine: dict) -> tuple[list[str], list]:
 
 def plan_load(step_dir: str, model, optimizer, comm) -> tuple:
     """(load plan, RawSource, what this rank found: damage, mismatches, the model tensors it
-    reads, the MiBs it will read) before reading any tensor."""
+    does not read, the MiBs it will read) before reading any tensor."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    found = {"damaged": [], "mismatch": [], "model_keys": set(), "runs": {}}
+    found = {"damaged": [], "mismatch": [], "model_keys": ("read", []), "runs": {}}
     try:
         manifest = read_manifest(step_dir)
     except CheckpointDamaged as error:
@@ -211,7 +220,7 @@ def plan_load(step_dir: str, model, optimizer, comm) -> tuple:
     found["mismatch"] = check_reads(plan.reads, manifest)
     if found["mismatch"]:
         return plan, None, found
-    found["model_keys"] = {r.key for r in plan.reads if r.key.startswith("model/")}
+    found["model_keys"] = model_keys_taken(manifest, plan.reads)
     source = RawSource(step_dir, manifest, plan.reads)
     names = sorted(manifest["files"])
     # Presence and size of every file (a share each) and of those this rank reads; the full
@@ -221,6 +230,25 @@ def plan_load(step_dir: str, model, optimizer, comm) -> tuple:
     found["damaged"] = problems
     found["runs"] = source.chunk_runs()
     return plan, source, found
+
+
+def model_keys_taken(manifest: dict, reads) -> tuple[str, list]:
+    """The checkpoint's model tensors this rank reads, for the first all-gather, in the shorter
+    of two forms: ("unread", those it does not read: none for a replica, a tensor-parallel
+    shard) or ("read", those it reads: a pipeline stage's)."""
+    taken = {read.key for read in reads}
+    model = [key for key in manifest["tensors"] if key.startswith("model/")]
+    unread = [key for key in model if key not in taken]
+    return ("unread", unread) if 2 * len(unread) <= len(model) else ("read", [k for k in model if k in taken])
+
+
+def unused_model_keys(manifest: dict, everyone: list) -> list[str]:
+    """The checkpoint's model tensors no rank reads (``model_keys_taken`` of every rank), sorted."""
+    model = {key for key in manifest["tensors"] if key.startswith("model/")}
+    loaded: set = set()
+    for form, keys in everyone:
+        loaded |= set(keys) if form == "read" else model.difference(keys)
+    return sorted(model - loaded)
 
 
 def raise_if_any(everyone: list, what: str, error) -> None:

@@ -16,8 +16,8 @@ import os
 import h5py
 import numpy as np
 
-from .crc import crc32
-from .fastcopy import copy_pieces
+from .crc import crc32, crc32_spans
+from .fastcopy import address, copy_spans
 from .manifest import CHUNK_BYTES, CheckpointDamaged, chunk_problems
 
 
@@ -41,41 +41,47 @@ class RawSource:
         self.given: set = set()  # pieces handed to a read (another read of the same one gets a copy)
         self.h5files: dict = {}
         self.maps: dict = {}  # file -> FileMap of the bytes checked and copied from
-        uses: dict = {}
-        exact: dict = {}
         self.exact: list = []  # per read: (file, first byte) of the piece that is exactly its slab, or None
-        files = manifest["files"]
+        shared: set = set()
+        exact: dict = {}
+        rows: list = []  # (file, first byte, bytes, destination address) of each exact piece with a target
+        tensors, files = manifest["tensors"], manifest["files"]
         for read in reads:  # one pass: the pieces each read overlaps, their bytes, whether direct
-            table = manifest["tensors"][read.key]
+            table = tensors[read.key]
             dtype, parts, exactly = dtype_named(table["dtype"]), [], None
-            wanted = [list(map(int, bounds)) for bounds in read.slab]
+            wanted = [[a, b] for a, b in read.slab]  # as the manifest's JSON writes a slab
             for piece in table["pieces"]:
                 same = piece["slab"] == wanted
-                both = tuple(map(tuple, wanted)) if same else overlap(read.slab, piece["slab"])
+                both = read.slab if same else overlap(read.slab, piece["slab"])
                 if both is None:
                     continue
                 parts.append((piece, both))
+                name = piece["file"]
                 if "start" not in piece:
-                    self.legacy.add(piece["file"])
+                    self.legacy.add(name)
                     continue
-                shape = tuple(b - a for a, b in piece["slab"])
+                shape = tuple([b - a for a, b in piece["slab"]])
                 nbytes = math.prod(shape) * dtype.itemsize
                 if not nbytes:
                     continue
-                begin = files[piece["file"]]["blobs"][piece["dataset"]] + piece["start"] * dtype.itemsize
-                where = (piece["file"], begin)
-                self.needed.setdefault(piece["file"], {})[begin] = (begin + nbytes, shape, dtype)
-                uses[where] = uses.get(where, 0) + 1
+                begin = files[name]["blobs"][piece["dataset"]] + piece["start"] * dtype.itemsize
+                where = (name, begin)
+                pieces = self.needed.get(name) or self.needed.setdefault(name, {})
+                if begin in pieces:  # a piece more than one read takes
+                    shared.add(where)
+                pieces[begin] = (begin + nbytes, shape, dtype)
                 if same:
                     exactly = where
                     if fits(read.target, dtype, shape):
                         exact[where] = read.target
+                        rows.append((name, begin, nbytes, address(read.target)))
             self.parts.append(parts)
             self.exact.append(exactly)
         # Read straight into the destination once the load commits (no new memory, no copy): a
-        # read that is exactly one piece, the only read of it, whose ``target`` is a contiguous
-        # host array of the checkpoint's dtype. Their MiBs are checked from the file first.
-        self.direct = {where: target for where, target in exact.items() if uses[where] == 1}
+        # read that is exactly one piece, the only read of it, whose ``target`` is a writable
+        # contiguous host array of the checkpoint's dtype. Their MiBs are checked from the file first.
+        self.direct = {where: target for where, target in exact.items() if where not in shared}
+        self.spans = direct_spans([row for row in rows if row[:2] not in shared] if shared else rows)
 
     def byte_range(self, piece: dict, dtype) -> tuple[int, int]:
         """[begin, end) of the piece's bytes in its file ((0, 0) for an empty piece: not in the file)."""
@@ -89,17 +95,21 @@ class RawSource:
         """{file: [(first chunk, end chunk)]}: the MiBs holding the bytes this rank reads, merged into runs."""
         runs = {}
         for name, pieces in self.needed.items():
-            chunks = set()
-            for begin, (end, _, _) in pieces.items():
-                chunks.update(range(begin // CHUNK_BYTES, (end - 1) // CHUNK_BYTES + 1))
-            runs[name] = merge_runs(sorted(chunks))
+            merged: list = []
+            for begin in sorted(pieces):  # pieces in byte order: each extends the last run or starts one
+                first, end = begin // CHUNK_BYTES, (pieces[begin][0] - 1) // CHUNK_BYTES + 1
+                if merged and first <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], end)
+                else:
+                    merged.append([first, end])
+            runs[name] = [tuple(run) for run in merged]
         return runs
 
     def read_and_verify(self, mine: dict) -> list[str]:
         """Read every needed piece that is not direct into an array of its own (no copy; pieces
         that lie end to end in one request); map the bytes this rank reads or checks (the page
         cache's own pages: nothing copied, kept for ``fill_targets``); check the CRC-32 of the
-        chunks in ``mine`` ({file: set of chunks}) from those arrays where they hold the bytes,
+        chunks in ``mine`` ({file: chunk numbers}) from those arrays where they hold the bytes,
         else from the mapping. Last file and chunk first, so that ``fill_targets``, which copies
         from the first, finds the bytes checked last still in the cache."""
         problems = []
@@ -112,24 +122,27 @@ class RawSource:
                 if segments is None or os.fstat(fd).st_size < facts["bytes"]:
                     problems.append(f"{path}: shorter than the manifest says (truncated?)")
                     continue
-                chunks = sorted(mine.get(name, ()), reverse=True)
+                chunks = np.sort(np.asarray(mine.get(name, ()), dtype=np.int64))[::-1]
                 mapped = self.maps[name] = FileMap(fd, self._mapped_range(name, chunks, facts["bytes"]))
-                crcs = {c: chunk_crc(mapped, segments, c * CHUNK_BYTES, min((c + 1) * CHUNK_BYTES, facts["bytes"]))
-                        for c in chunks}
-                problems += [line for c in sorted(crcs) for line in chunk_problems(path, [crcs[c]], facts["chunks"], c)]
+                problems += chunk_problems_of(path, chunks, chunk_crcs(mapped, segments, chunks, facts["bytes"]),
+                                              facts["chunks"])
             finally:
                 os.close(fd)
         return problems
 
-    def _mapped_range(self, name: str, chunks: list, size: int) -> tuple[int, int]:
+    def _mapped_range(self, name: str, chunks: np.ndarray, size: int) -> tuple[int, int]:
         """[begin, end) of the file to map: the chunks this rank checks and the direct pieces' bytes."""
-        ends = [(c * CHUNK_BYTES, min((c + 1) * CHUNK_BYTES, size)) for c in chunks]
-        ends += [(begin, self.needed[name][begin][0]) for where, begin in self.direct if where == name]
+        ends = [(int(chunks.min()) * CHUNK_BYTES, min((int(chunks.max()) + 1) * CHUNK_BYTES, size))] if chunks.size else []
+        if name in self.spans:
+            begins, lengths, _ = self.spans[name]
+            ends.append((int(begins[0]), int(begins[-1] + lengths[-1])))
         return (min(b for b, _ in ends), max(e for _, e in ends)) if ends else (0, 0)
 
     def _read_pieces(self, fd: int, name: str, pieces: dict) -> list | None:
         """[(first byte, uint8 view of the piece's new array)] in file order; None when the file is short."""
         segments = []
+        if name in self.spans and len(self.spans[name][0]) == len(pieces):
+            return segments  # every piece is direct (a load into the layout that saved): none to read
         for begin, (_, shape, dtype) in sorted(pieces.items()):
             if (name, begin) not in self.values and (name, begin) not in self.direct:
                 values = self.values[(name, begin)] = np.empty(shape, dtype=dtype)
@@ -182,6 +195,11 @@ class RawSource:
                 values[tuple(slice(a - p, b - p) for (a, b), (p, _) in zip(both, piece["slab"]))]
         return out if out is not None else np.empty(tuple(b - a for a, b in slab), dtype=dtype)
 
+    def read_all(self, reads) -> list:
+        """``read`` of each of the plan's reads (None for the direct ones, without a call)."""
+        return [None if where in self.direct else self.read(n, read)
+                for n, (read, where) in enumerate(zip(reads, self.exact))]
+
     def fill_targets(self) -> list[str]:
         """Copy the direct pieces into their destinations, in file order (after the load committed:
         from the mapped pages whose chunks were checked against the manifest); the files that
@@ -190,11 +208,10 @@ class RawSource:
                   for name, mapped in self.maps.items() if mapped.shrunk()]
         if shrunk:
             return shrunk
-        pairs = []
-        for (name, begin), target in sorted(self.direct.items(), key=lambda item: item[0]):
-            raw = target.reshape(-1).view(np.uint8)
-            pairs.append((raw, self.maps[name].bytes(begin, begin + raw.size)))
-        copy_pieces(pairs)
+        table = [(addresses, self.maps[name].address(begins), lengths)
+                 for name, (begins, lengths, addresses) in sorted(self.spans.items())]
+        if table:
+            copy_spans(*(np.concatenate(column) for column in zip(*table)))
         return []
 
     def close(self) -> None:
@@ -227,6 +244,10 @@ class FileMap:
         """The file's bytes [begin, end), inside the mapped span."""
         return self.data[begin - self.begin: end - self.begin]
 
+    def address(self, begins: np.ndarray) -> np.ndarray:
+        """The addresses of the file's bytes ``begins`` (inside the mapped span), as uint64."""
+        return (begins - self.begin).astype(np.uint64) + np.uint64(self.data.ctypes.data)
+
     def shrunk(self) -> bool:
         """Whether the file is now shorter than the mapped span (reading past its end would kill
         the process with SIGBUS, not raise)."""
@@ -245,9 +266,12 @@ def dtype_named(name: str) -> np.dtype:
 
 
 def fits(target, dtype, shape: tuple) -> bool:
-    """Whether ``target`` can take a piece's bytes as they are: a contiguous host array of that dtype and shape."""
-    return (isinstance(target, np.ndarray) and target.dtype == dtype and target.flags.c_contiguous
-            and target.size > 0 and target.shape == shape)
+    """Whether ``target`` can take a piece's bytes as they are: a writable contiguous host array of that
+    dtype and shape."""
+    if not isinstance(target, np.ndarray) or target.dtype != dtype or target.shape != shape or not target.size:
+        return False
+    flags = target.flags
+    return flags.c_contiguous and flags.writeable
 
 
 def read_segments(fd: int, segments: list) -> list | None:
@@ -288,27 +312,66 @@ def chunk_crc(mapped: FileMap, segments: list, begin: int, end: int) -> str:
     return f"{crc:08x}"
 
 
-def merge_runs(chunks: list[int]) -> list[tuple[int, int]]:
-    runs = []
-    for c in chunks:
-        if runs and runs[-1][1] == c:
-            runs[-1] = (runs[-1][0], c + 1)
-        else:
-            runs.append((c, c + 1))
-    return runs
+def direct_spans(rows: list) -> dict:
+    """{file: (first bytes, lengths, destination addresses)} in byte order, of the direct pieces'
+    ``rows`` (file, first byte, bytes, address): the copy's table, and the span ``FileMap`` maps."""
+    by_file: dict = {}
+    for name, begin, nbytes, where in rows:
+        by_file.setdefault(name, []).append((begin, nbytes, where))
+    spans = {}
+    for name, file_rows in by_file.items():
+        file_rows.sort()
+        begins, lengths, addresses = zip(*file_rows)
+        spans[name] = (np.array(begins, dtype=np.int64), np.array(lengths, dtype=np.int64),
+                       np.array(addresses, dtype=np.uint64))
+    return spans
+
+
+def chunk_crcs(mapped: FileMap, segments: list, chunks: np.ndarray, size: int) -> list[str]:
+    """The CRC-32 of each of the file's ``chunks``, as the manifest writes them: from the mapping in
+    one call, except where a piece read into an array of its own (``segments``) covers part of a
+    chunk: those bytes are the ones used, so ``chunk_crc`` takes them from there."""
+    begins = chunks * CHUNK_BYTES
+    ends = np.minimum(begins + CHUNK_BYTES, size)
+    if not segments:  # no piece of the file read into an array of its own: all from the mapping
+        return [f"{crc:08x}" for crc in crc32_spans(mapped.data, begins - mapped.begin, ends - begins).tolist()]
+    starts = np.array([start for start, _ in segments], dtype=np.int64)
+    stops = starts + np.array([raw.size for _, raw in segments], dtype=np.int64)
+    following = np.searchsorted(stops, begins, side="right")  # the first segment ending after the chunk's start
+    covered = (following < len(segments)) & (starts[np.minimum(following, len(segments) - 1)] < ends)
+    crcs = np.zeros(chunks.size, dtype=np.uint32)
+    plain = ~covered
+    crcs[plain] = crc32_spans(mapped.data, begins[plain] - mapped.begin, ends[plain] - begins[plain])
+    found = [f"{crc:08x}" for crc in crcs.tolist()]
+    for k in np.flatnonzero(covered).tolist():
+        found[k] = chunk_crc(mapped, segments, int(begins[k]), int(ends[k]))
+    return found
+
+
+def chunk_problems_of(path: str, chunks: np.ndarray, found: list[str], expected: list[str]) -> list[str]:
+    """``chunk_problems`` of chunks in any order, in chunk order; a manifest listing too few is damage."""
+    if chunks.size and int(chunks.max()) >= len(expected):
+        return [f"{path}: the manifest lists {len(expected)} checksums, the file has chunk {int(chunks.max())} (damaged)"]
+    bad = sorted((c, crc) for c, crc in zip(chunks.tolist(), found) if crc != expected[c])
+    return [line for c, crc in bad for line in chunk_problems(path, [crc], expected, c)]
 
 
 def verifier_chunks(everyone: list[dict], rank: int) -> dict:
     """{file: chunks this rank checks}: each chunk some rank reads is checked by one of its readers
-    (in turn, so replicas that read the same file share the CRC work)."""
-    readers: dict = {}
-    for r, runs in enumerate(everyone):
-        for name, file_runs in runs.items():
-            for first, end in file_runs:
-                for c in range(first, end):
-                    readers.setdefault((name, c), []).append(r)
+    (in turn, so replicas that read the same file share the CRC work: chunk c by the
+    ``c % readers``-th of its readers in rank order). Worked out per stretch of chunks with the
+    same readers, not per chunk: a replica's runs are one stretch per file."""
     mine: dict = {}
-    for (name, c), ranks in readers.items():
-        if ranks[c % len(ranks)] == rank:
-            mine.setdefault(name, set()).add(c)
+    for name in sorted(set().union(*everyone)):
+        runs = [rank_runs.get(name, []) for rank_runs in everyone]
+        starts = [[first for first, _ in file_runs] for file_runs in runs]
+        cuts = sorted({bound for file_runs in runs for run in file_runs for bound in run})
+        picked = []
+        for low, high in zip(cuts, cuts[1:]):
+            readers = [r for r, file_runs in enumerate(runs)
+                       if (k := bisect.bisect_right(starts[r], low) - 1) >= 0 and low < file_runs[k][1]]
+            if rank in readers and (first := low + (readers.index(rank) - low) % len(readers)) < high:
+                picked.append(np.arange(first, high, len(readers)))
+        if picked:
+            mine[name] = np.concatenate(picked)
     return mine

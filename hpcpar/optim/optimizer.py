@@ -140,25 +140,26 @@ class Optimizer(Checkpointable):
 
     def load_plan(self, saved: Saved) -> LoadPlan:
         """Each parameter's saved state and weight decay, replacing the current ones when the load completes."""
-        staged, reads = {}, []
+        staged, reads, scalars = {}, [], saved.scalars
         for name, param in zip(self.names, self.params):
             shape, slab = global_slab(param)
             state = staged[name] = {}
+            now, local, dtype = self.state.get(name, {}), tuple(param.shape), param.dtype
             for key in saved.state_keys(name):
                 full = f"optim/{name}/{key}"
-                if full in saved.scalars:
-                    state[key] = int(saved.scalars[full])
+                if full in scalars:
+                    state[key] = int(scalars[full])
                     continue
 
                 def assign(values, state=state, key=key, param=param):
                     state[key] = to_device(values, param.xp).astype(param.dtype, copy=False)  # values are its own
                 # The current array, if any, may be filled in place once the load can no longer fail.
-                current = self.state.get(name, {}).get(key)
-                if isinstance(current, np.ndarray) and current.shape == param.shape and current.dtype == param.dtype:
+                current = now.get(key)
+                if isinstance(current, np.ndarray) and current.shape == local and current.dtype == dtype:
                     state[key] = current
                 else:
                     current = None
-                reads.append(Read(full, shape, slab, assign, param.dtype, current))
+                reads.append(Read(full, shape, slab, assign, dtype, current))
         decays = saved.weight_decays()
 
         def finish():

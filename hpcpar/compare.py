@@ -42,6 +42,7 @@ from dataclasses import replace
 from mpi4py import MPI
 
 from . import host, log
+from .backend import DeviceError, check_precision, resolve_device
 from .bench.step import traced_peak
 from .dist.context import init
 from .dist.failfast import UsageError
@@ -257,7 +258,10 @@ def run(args) -> int:
     try:  # the same verdict on every rank, before any rank waits on another
         job = load_job(args.job, args.set)
         runs, skipped = layouts_to_measure(job, world.Get_size(), args.steps, precisions)
-    except JobError as error:
+        device = resolve_device(job.train.device)
+        for precision in sorted({run.train.precision for run in runs}):  # as training checks it, before a layout runs
+            check_precision(device, precision)
+    except (JobError, DeviceError) as error:
         raise UsageError(f"hpcpar compare: error: {error}") from None
     cpus, problem = cpu_budget(world)
     if problem:

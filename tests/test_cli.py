@@ -107,6 +107,8 @@ USAGE_ERRORS = [
     (["train", "jobs/gpt-dp.toml", "--machine", "m.toml"], "hpcpar train: error: --machine FILE is the machine of "
                                                            "--dry-run"),  # training never read it
     (["generate", "/nope", "--top-k", "0"], "hpcpar generate: error: --tokens must be >= 0, --top-k >= 1"),  # 0 sampled every token
+    (["compare", "jobs/gpt-dp.toml", "--set", 'train.device="guard"', "--precision", "bf16"],
+     "hpcpar compare: error: precision bf16 on the GPU needs bfloat16 arrays"),  # before any layout runs
 ]
 
 

@@ -1,4 +1,5 @@
-"""Evaluation on the validation split and text sampled from the model, at the end of training."""
+"""Evaluation on the validation split (every ``train.eval_interval`` steps and after the last) and text
+sampled from the model at the end of training."""
 from __future__ import annotations
 
 import numpy as np

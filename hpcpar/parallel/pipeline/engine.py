@@ -10,7 +10,8 @@ Every rank builds the whole model (same seed, same values) and keeps the layers 
 virtual stages ``r, r + p, ...``. ``train_step`` splits the batch into micro-batches and runs
 the schedule (``schedules.py``: GPipe, 1F1B, interleaved, and ZB-H1, whose B actions leave
 the weight gradients to later W actions: ``autograd.deferred``) under its execution contract:
-sends are non-blocking and waited for at the end of the step, a receive is posted at its
+sends are non-blocking, forgotten after any action once complete (``_release_sent``: their
+buffers go back then) and the rest waited for at the end of the step, a receive is posted at its
 RECV action and waited for by the compute that needs it. The tag names the channel
 (``4 * sending_stage + 2 * is_header + is_gradient``: ``_channel_tag``), so MPI's
 non-overtaking rule pairs messages in order.

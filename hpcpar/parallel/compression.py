@@ -80,6 +80,11 @@ class Compressor(ABC):
         exact resume needs; names are dot-separated integers after a word. None by default."""
         return {}
 
+    def state_shapes(self, buckets) -> dict:
+        """{name: shape} of the ``state_arrays`` this compressor carries once it has reduced
+        ``buckets`` (a DDP's): a checkpoint's state is taken back only when it has exactly these."""
+        return {}
+
     def load_state_arrays(self, arrays: dict) -> None:
         """Carry on from ``state_arrays``'s output of another run (the same names and shapes)."""
 
@@ -141,6 +146,9 @@ class TopKCompression(Compressor):
 
     def state_arrays(self) -> dict:
         return {f"residual.{bucket}": values for bucket, values in self.residuals.items()}
+
+    def state_shapes(self, buckets) -> dict:
+        return {f"residual.{b.index}": tuple(b.flat.shape) for b in buckets} if self.error_feedback else {}
 
     def load_state_arrays(self, arrays: dict) -> None:
         self.residuals = {int(name.split(".")[1]): values for name, values in arrays.items()}
@@ -207,6 +215,15 @@ class PowerSGDCompression(Compressor):
         self.errors[key] = m - approx
         view[...] = approx.reshape(view.shape)
         return p.nbytes + q.nbytes
+
+    def state_shapes(self, buckets) -> dict:
+        shapes = {}
+        for b in buckets:
+            for s, p in enumerate(b.params):
+                if self._compressible(p.shape):
+                    n, m = p.shape[0], int(np.prod(p.shape[1:]))
+                    shapes |= {f"error.{b.index}.{s}": (n, m), f"q.{b.index}.{s}": (m, self.rank)}
+        return shapes
 
     def state_arrays(self) -> dict:
         arrays = {f"error.{b}.{s}": values for (b, s), values in self.errors.items()}

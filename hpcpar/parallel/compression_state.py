@@ -3,9 +3,12 @@
 Top-k's residuals and PowerSGD's errors and Q factors are this rank's own: each dp replica
 carries its own from step to step. They are saved as this rank's row of a tensor per state
 array, ``compression/<compressor>/<name>/dp<D>.pp<p>.tp<t>/<shape>`` of global shape
-(D, *shape); the key names the layout and the shape, so a run that resumes in the same layout
-reads exactly its row back (then bitwise the uninterrupted run), and one in another layout, or
-with other buckets, finds none of its keys: its compressor starts afresh, which the load logs.
+(D, *shape). A load takes this rank's rows back only when the checkpoint holds exactly the
+names and shapes its compressor will carry for its own buckets (``Compressor.state_shapes``): a run
+that resumes in the same layout reads exactly its row back (then bitwise the uninterrupted run);
+one in another layout, or with other buckets, takes none of it (the key alone does not tell: two
+layouts of one dp size share ``dp<D>.pp0.tp0``), and its compressor starts afresh, which the
+load logs.
 """
 from __future__ import annotations
 
@@ -18,10 +21,12 @@ PREFIX = "compression"
 
 
 class CompressionState(Checkpointable):
-    """The state ``compressor.state_arrays()`` gives, on the dp, pp and tp ranks of ``ctx``."""
+    """The state ``compressor.state_arrays()`` gives, on the dp, pp and tp ranks of ``ctx``, for the
+    ``buckets`` of the DDP the compressor reduces."""
 
-    def __init__(self, compressor, ctx):
+    def __init__(self, compressor, ctx, buckets):
         self.compressor, self.ctx = compressor, ctx
+        self.expected = compressor.state_shapes(buckets)
         self.place = f"dp{ctx.dp_size}.pp{ctx.pp_rank}.tp{ctx.tp_rank}"
 
     def _key(self, name: str, shape: tuple) -> str:
@@ -40,22 +45,24 @@ class CompressionState(Checkpointable):
         return pieces, {}
 
     def load_plan(self, saved) -> LoadPlan:
-        """Read this rank's rows where the checkpoint has them for this layout; the compressor's
-        state is replaced once the load commits (by nothing, when none were saved for it)."""
+        """Read this rank's rows when the checkpoint has exactly the state this rank's compressor
+        carries (names and shapes); the compressor's state is replaced once the load commits (by
+        nothing, when the checkpoint has none that fits)."""
         mine = f"/{self.place}/"
         prefix = f"{PREFIX}/{self.compressor.name}/"
+        found = {}
+        for key in saved.tensor_keys:
+            if key.startswith(prefix) and mine in key:
+                name, _, shape_text = key[len(prefix):].partition(mine)
+                found[name] = tuple(int(n) for n in shape_text.split("x"))
         staged, reads = {}, []
-        for key in sorted(saved.tensor_keys):
-            if not (key.startswith(prefix) and mine in key):
-                continue
-            name, _, shape_text = key[len(prefix):].partition(mine)
-            shape = tuple(int(n) for n in shape_text.split("x"))
+        for name, shape in sorted(found.items()) if found == self.expected else ():
 
             def assign(values, name=name, shape=shape):
                 staged[name] = to_device(values.reshape(shape), self.ctx.xp)
-            reads.append(Read(key, (self.ctx.dp_size,) + shape, self._slab(shape), assign))
+            reads.append(Read(self._key(name, shape), (self.ctx.dp_size,) + shape, self._slab(shape), assign))
         missing = None
-        if not reads and self.compressor.carries_state:
+        if found != self.expected:
             missing = ("was saved in another layout or with other buckets"
                        if any(key.startswith(f"{PREFIX}/") for key in saved.tensor_keys) else
                        "is not in the checkpoint (a run without compression, or an hpcpar from before it was kept)")

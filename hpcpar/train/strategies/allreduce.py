@@ -35,8 +35,8 @@ class AllReduce(SynchronousStrategy):
     def named_parameters(self) -> list:
         return list(self.model.named_parameters())
 
-    def gradient_compressor(self):
-        return self.ddp.compression if self.ddp is not None else None
+    def data_parallel(self):
+        return self.ddp
 
     def train_step(self, inputs, targets):
         start = time.perf_counter()

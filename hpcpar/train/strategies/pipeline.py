@@ -30,8 +30,8 @@ class Pipeline(SynchronousStrategy):
     def named_parameters(self) -> list:
         return self.pipe.named_parameters()
 
-    def gradient_compressor(self):
-        return self.pipe.ddp.compression if self.pipe.ddp is not None else None
+    def data_parallel(self):
+        return self.pipe.ddp
 
     def train_step(self, inputs, targets):
         tp_before = self.ctx.tp.stats.total_seconds

@@ -56,16 +56,17 @@ class SynchronousStrategy(Strategy):
     def weight_decays(self) -> dict:
         return self._optimizer.named_weight_decays()
 
-    def gradient_compressor(self):
-        """The compressor in the dp reduction of gradients (None: a plain all-reduce or ZeRO-1)."""
+    def data_parallel(self):
+        """The DDP that reduces gradients over dp, with its buckets and compressor (None: ZeRO-1,
+        or one replica without compression)."""
         return None
 
     def checkpoint_target(self) -> tuple:
         """The float32 masters, the optimizer and, when the compressor carries error feedback
         from step to step, that too (``parallel.compression_state``): the resume is then exact."""
-        optimizer, compressor = self._optimizer, self.gradient_compressor()
-        if compressor is not None and compressor.carries_state:
-            optimizer = Together(optimizer, CompressionState(compressor, self.ctx))
+        optimizer, ddp = self._optimizer, self.data_parallel()
+        if ddp is not None and ddp.compression.carries_state:
+            optimizer = Together(optimizer, CompressionState(ddp.compression, self.ctx, ddp.buckets))
         return self.precision.named_master_parameters(), optimizer, self.ctx
 
     def checkpoint_extra(self) -> dict:

@@ -7,7 +7,6 @@ what is left equals an uninterrupted one bitwise.
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 

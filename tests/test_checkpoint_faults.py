@@ -7,7 +7,6 @@ what is left equals an uninterrupted one bitwise.
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -390,6 +389,27 @@ def test_a_disk_that_fills_during_the_save_raises_the_designed_error(small_disk,
     assert sorted(os.listdir(root)) == ["latest", "step-00000001"]
     assert_nothing_lost(root, [1])
     resumes_exactly(root, ctx, expected_step=1)
+
+
+def test_a_failed_fsync_of_a_shard_fails_the_save(tmp_path, monkeypatch):
+    """The shard's fsync runs in a thread beside its checksums: an I/O error there fails the save
+    (the shard may not be on the disk) rather than being printed by the thread and lost."""
+    from hpcpar.checkpoint import manifest
+
+    root = tmp_path / "ckpt"
+    ctx, run = saved_run(root, steps=(1,))
+    real = manifest.fsync_path
+
+    def failing(path):
+        if path.endswith(".h5") and "step-00000002" in path:
+            raise OSError(5, "Input/output error")
+        real(path)
+    monkeypatch.setattr(manifest, "fsync_path", failing)
+    run.train(range(1, 2))
+    with pytest.raises(CheckpointError, match=r"step-00000002 was not committed: rank 0: OSError: .*Input/output"):
+        checkpoint.save(str(root), 2, run.model, run.optimizer, ctx, extra=run.extra())
+    assert sorted(os.listdir(root)) == ["latest", "step-00000001"]
+    assert_nothing_lost(root, [1])
 
 
 def test_ranks_on_one_file_system_add_up_their_bytes():

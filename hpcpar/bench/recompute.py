@@ -10,8 +10,6 @@ tracemalloc peak of one forward and backward (kept activations, gradients and te
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..autograd.memory import kept_for_backward
 from ..nn.activation_memory import block_kept_bytes
 from ..nn.gpt import GPT, RECOMPUTE, GPTConfig

@@ -81,10 +81,13 @@ def sync_and_checksum(path: str) -> dict:
     The CRCs read the file back from the page cache while fsync pushes it to the disk; both
     release the GIL, so a thread for the fsync saves the shorter of the two from a save.
     """
-    syncing = threading.Thread(target=fsync_path, args=(path,))
+    errors: list = []  # a failed fsync fails the save: the file may not be on the disk
+    syncing = threading.Thread(target=_sync_into, args=(path, errors))
     syncing.start()
     crcs = file_chunk_checksums(path)
     syncing.join()
+    if errors:
+        raise errors[0]
     return {"bytes": os.path.getsize(path), "chunks": crcs}
 
 
@@ -97,19 +100,22 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def _sync_into(path: str, errors: list) -> None:
+    """``fsync_path`` for a thread: its error goes into ``errors`` for the caller to raise (an
+    exception left in a thread is printed and lost, and the save would go on as if durable)."""
+    try:
+        fsync_path(path)
+    except OSError as error:
+        errors.append(error)
+
+
 def fsync_together(*paths: str) -> None:
     """fsync several files or folders at once (one thread each but the first); raises the first error."""
-    errors = []
-
-    def sync(path):
-        try:
-            fsync_path(path)
-        except OSError as error:
-            errors.append(error)
-    threads = [threading.Thread(target=sync, args=(path,)) for path in paths[1:]]
+    errors: list = []
+    threads = [threading.Thread(target=_sync_into, args=(path, errors)) for path in paths[1:]]
     for thread in threads:
         thread.start()
-    sync(paths[0])
+    _sync_into(paths[0], errors)
     for thread in threads:
         thread.join()
     if errors:

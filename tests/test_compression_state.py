@@ -1,23 +1,25 @@
-"""A compressor's error feedback comes back from a checkpoint only when it fits this rank's buckets.
+"""A compressor's error feedback comes back from a checkpoint only in its layout and when it fits
+this rank's buckets.
 
-Two layouts of one dp size share the key's place (``dp2.pp0.tp0`` in dp 2 x pp 2 and in dp 2 x tp 2),
-so the key alone cannot tell them apart: a top-k run resumed from dp 2 x pp 2 into dp 2 x tp 2
-took the other layout's residuals and failed in its first step (operands could not be broadcast
-together). The load now takes the state only when the names and shapes are exactly those the
-compressor carries for its own buckets, and otherwise starts afresh and says so.
+The key's place once named only the dp size and this rank's pp and tp ranks, which dp 2 x pp 2
+and dp 2 x tp 2 share: a top-k run resumed from one into the other took the other layout's
+residuals and failed in its first step (operands could not be broadcast together). The place
+now names the layout, and the load takes the state only when the names and shapes are exactly
+those the compressor carries for its own buckets; otherwise it starts afresh and says so.
 """
 import logging
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from hpcpar.parallel.compression import PowerSGDCompression, TopKCompression
 from hpcpar.parallel.compression_state import CompressionState
 from hpcpar.state import Saved
 
 
-def ctx():
-    return SimpleNamespace(dp_size=2, dp_rank=0, pp_rank=0, tp_rank=0, xp=np)
+def ctx(pp=2, tp=1):
+    return SimpleNamespace(dp_size=2, pp_size=pp, tp_size=tp, dp_rank=0, pp_rank=0, tp_rank=0, xp=np)
 
 
 def bucket(index, *shapes):
@@ -25,8 +27,8 @@ def bucket(index, *shapes):
     return SimpleNamespace(index=index, params=params, flat=np.zeros(sum(int(np.prod(s)) for s in shapes)))
 
 
-def saved_by(compressor_name, shapes):
-    return Saved({f"compression/{compressor_name}/{name}/dp2.pp0.tp0/{'x'.join(map(str, shape))}"
+def saved_by(compressor_name, shapes, layout="2x2x1"):
+    return Saved({f"compression/{compressor_name}/{name}/{layout}.pp0.tp0/{'x'.join(map(str, shape))}"
                   for name, shape in shapes.items()}, {})
 
 
@@ -37,12 +39,13 @@ def test_topk_takes_back_its_own_residuals():
     assert sorted(read.key.split("/")[2] for read in plan.reads) == ["residual.0", "residual.1"]
 
 
-def test_topk_residuals_of_other_buckets_are_not_taken(caplog):
-    """Saved by dp 2 x pp 2 (other buckets, the same place in the key): nothing is read, the compressor
-    starts afresh, with a warning."""
+@pytest.mark.parametrize("saved_shapes, layout", [({"residual.0": (40,), "residual.1": (16,)}, "2x2x1"),  # other buckets
+                                                   ({"residual.0": (32,), "residual.1": (16,)}, "2x1x2")])  # other layout
+def test_topk_residuals_of_other_buckets_or_layouts_are_not_taken(caplog, saved_shapes, layout):
+    """Nothing is read, the compressor starts afresh, with a warning."""
     compressor = TopKCompression(0.1)
     state = CompressionState(compressor, ctx(), [bucket(0, (8, 4)), bucket(1, (16,))])
-    plan = state.load_plan(saved_by("topk", {"residual.0": (40,), "residual.1": (16,)}))
+    plan = state.load_plan(saved_by("topk", saved_shapes, layout))
     assert plan.reads == []
     with caplog.at_level(logging.WARNING):
         for finish in plan.finish:

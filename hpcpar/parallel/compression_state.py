@@ -2,13 +2,13 @@
 
 Top-k's residuals and PowerSGD's errors and Q factors are this rank's own: each dp replica
 carries its own from step to step. They are saved as this rank's row of a tensor per state
-array, ``compression/<compressor>/<name>/dp<D>.pp<p>.tp<t>/<shape>`` of global shape
-(D, *shape). A load takes this rank's rows back only when the checkpoint holds exactly the
-names and shapes its compressor will carry for its own buckets (``Compressor.state_shapes``): a run
-that resumes in the same layout reads exactly its row back (then bitwise the uninterrupted run);
-one in another layout, or with other buckets, takes none of it (the key alone does not tell: two
-layouts of one dp size share ``dp<D>.pp0.tp0``), and its compressor starts afresh, which the
-load logs.
+array, ``compression/<compressor>/<name>/<D>x<P>x<T>.pp<p>.tp<t>/<shape>`` of global shape
+(D, *shape): the layout dp x pp x tp and this rank's place in it. A load takes this rank's rows
+back only when the checkpoint holds, under its layout and place, exactly the names and shapes
+its compressor will carry for its own buckets (``Compressor.state_shapes``): a run that resumes
+in the same layout reads exactly its row back (then bitwise the uninterrupted run); one in
+another layout, or with other buckets (another ``bucket_mb``, another partition), takes none of
+it, and its compressor starts afresh, which the load logs.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class CompressionState(Checkpointable):
     def __init__(self, compressor, ctx, buckets):
         self.compressor, self.ctx = compressor, ctx
         self.expected = compressor.state_shapes(buckets)
-        self.place = f"dp{ctx.dp_size}.pp{ctx.pp_rank}.tp{ctx.tp_rank}"
+        self.place = f"{ctx.dp_size}x{ctx.pp_size}x{ctx.tp_size}.pp{ctx.pp_rank}.tp{ctx.tp_rank}"
 
     def _key(self, name: str, shape: tuple) -> str:
         return f"{PREFIX}/{self.compressor.name}/{name}/{self.place}/{'x'.join(map(str, shape))}"

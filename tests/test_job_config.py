@@ -1,10 +1,12 @@
 """Job files: loading, --set overrides, and one clear JobError naming the file and key for each bad job."""
 import os
+import re
 import textwrap
 import tomllib
 
 import pytest
 
+from conftest import REPO
 from hpcpar.data.prepare import prepare
 from hpcpar.train.config import SECTIONS, Job, JobError, schema_table
 from hpcpar.train.config_load import load_job, parse_override
@@ -212,6 +214,21 @@ def test_validate_fills_dp_and_describe_round_trips(tmp_path):
 ])
 def test_validate_names_the_key_the_numbers_and_the_fix(tmp_path, overrides, world, expected):
     assert expected in job_error(tmp_path, GOOD, *overrides, world_size=world)
+
+
+@pytest.mark.parametrize("job, module, expected", [
+    ("gpt-dp.toml", "ml_dtypes", "train.precision: \"bf16\" needs the ml_dtypes package: pip install 'hpcpar[bf16]'"),
+    ("cnn-digits-dp.toml", "sklearn", "data.kind: \"digits\" needs the sklearn package: pip install 'hpcpar[digits]'"),
+])
+def test_an_optional_package_the_job_needs_is_named_before_anything_runs(monkeypatch, job, module, expected):
+    """bf16 on the host needs ml_dtypes and the digits need scikit-learn, neither a dependency of
+    hpcpar: without them the job is refused in one line naming the extra to install."""
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == module else find(name, *args))
+    with pytest.raises(JobError, match=re.escape(expected)):
+        validate(load_job(os.path.join(REPO, "jobs", job), ['train.precision="bf16"']), 2)
 
 
 def test_validate_accepts_what_it_should(tmp_path):

@@ -31,8 +31,7 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2, dtype=np.float3
     try:
         from sklearn.datasets import load_digits
     except ModuleNotFoundError:  # pragma: no cover - depends on the environment
-        raise ModuleNotFoundError("the digits data set comes with scikit-learn: pip install scikit-learn "
-                                  "(or hpcpar[test])") from None
+        raise ModuleNotFoundError("the digits data set comes with scikit-learn: pip install 'hpcpar[digits]'") from None
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     digits = load_digits()

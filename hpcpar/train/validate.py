@@ -8,6 +8,7 @@ world size: every rank reaches the same verdict before any rank waits on another
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import replace
@@ -30,6 +31,7 @@ def validate(job: Job, world_size: int) -> Job:
     problems += _check_pipeline(job)
     problems += _check_batch(job, dp)
     problems += _check_no_decay(job)
+    problems += _check_packages(job)
     if job.lr_schedule.min_lr > job.optimizer.lr:  # a warm-up longer than train.steps is fine (a shortened run)
         problems.append(("lr_schedule.min_lr", f"{job.lr_schedule.min_lr:g} is above optimizer.lr = "
                                                f"{job.optimizer.lr:g}; the cosine decays from lr down to min_lr"))
@@ -152,6 +154,17 @@ def _check_batch(job: Job, dp: int | None) -> list:
                                            f"{_divisors(b // dp)} or data.batch_size = "
                                            f"{dp * micro * max(1, b // (dp * micro))}")]
     return []
+
+
+# Packages a job may need beyond hpcpar's own dependencies: (key, its value, module, the extra naming it)
+OPTIONAL_PACKAGES = (("train.precision", "bf16", "ml_dtypes", "bf16"), ("data.kind", "digits", "sklearn", "digits"))
+
+
+def _check_packages(job: Job) -> list[tuple[str, str]]:
+    """The optional package a job's settings need, where it is not installed (found, not imported)."""
+    return [(key, f"{toml_value(value)} needs the {module} package: pip install 'hpcpar[{extra}]'")
+            for key, value, module, extra in OPTIONAL_PACKAGES
+            if job.get(key) == value and importlib.util.find_spec(module) is None]
 
 
 def _check_token_file(job: Job) -> list[tuple[str, str]]:

@@ -60,6 +60,12 @@ def _fwd_bwd(make):
     return run
 
 
+# (batch, heads, context, head size) attention is timed at: contexts 16-256 and head sizes 16-64,
+# fitted by relative error (on three shapes by absolute error, context 64 was 1.2-1.5x under).
+ATTENTION_SHAPES = ((4, 4, 64, 16), (2, 4, 256, 16), (2, 4, 128, 64), (16, 4, 32, 16), (8, 8, 64, 32),
+                    (4, 4, 128, 32), (32, 4, 16, 16))
+
+
 def measure_ops(dtype=np.float32) -> Compute:
     """Rates of every op family on one rank (its share of the cores), in ``dtype``."""
     from ..autograd import Tensor, ops
@@ -75,13 +81,13 @@ def measure_ops(dtype=np.float32) -> Compute:
         gemm.append((2, 6 * n * k * m, _timed(_fwd_bwd(lambda: ops.linear(x, w)))))
     gemm_rate = _fit_rate(gemm, overhead)
     attention = []
-    for b, heads, steps, hs in ((4, 4, 64, 16), (2, 4, 256, 16), (2, 4, 128, 64)):
+    for b, heads, steps, hs in ATTENTION_SHAPES:
         q, k, v = t(b, heads, steps, hs), t(b, heads, steps, hs), t(b, heads, steps, hs)
         scores = b * heads * steps * steps
         seconds = _timed(_fwd_bwd(lambda: ops.attention(q, k, v)))
         attention.append((12 * scores * hs, passes("softmax", scores, 4) + passes("softmax", scores, 4, True),
                           seconds - 2 * overhead))
-    attention_rate, softmax_rate = _fit_rates(attention)
+    attention_rate, softmax_rate = _fit_rates(attention, relative=True)
     families = {"softmax": softmax_rate}
     for family, op, shape in (("layernorm", lambda x: ops.layer_norm(x, None, None), (64, 256)),
                               ("gelu", ops.gelu, (64, 256)), ("copy", lambda x: ops.add(x, x), (64, 256)),
@@ -152,10 +158,13 @@ def _family_seconds(family, op, shape, tensor, dtype) -> tuple[float, int]:
     return _timed(_fwd_bwd(lambda: op(x))), 2
 
 
-def _fit_rates(samples) -> tuple:
-    """Rates R_i of time = sum_i units_i / R_i over samples (units_1, ..., units_k, seconds), least squares."""
+def _fit_rates(samples, relative: bool = False) -> tuple:
+    """Rates R_i of time = sum_i units_i / R_i over samples (units_1, ..., units_k, seconds), least
+    squares; ``relative``: of the relative errors, so that short samples count as much as long ones."""
     a = np.array([sample[:-1] for sample in samples], dtype=np.float64)
     y = np.array([max(sample[-1], 1e-9) for sample in samples])
+    if relative:
+        a, y = a / y[:, None], np.ones_like(y)
     inverse, *_ = np.linalg.lstsq(a, y, rcond=None)
     inverse = np.maximum(inverse, 1e-15)  # a negative fit (noise) means "free": a huge rate
     return tuple(1.0 / inverse)

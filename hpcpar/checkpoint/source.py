@@ -66,7 +66,7 @@ class RawSource:
                     continue
                 begin = files[name]["blobs"][piece["dataset"]] + piece["start"] * dtype.itemsize
                 where = (name, begin)
-                pieces = self.needed.get(name) or self.needed.setdefault(name, {})
+                pieces = self.needed.setdefault(name, {})
                 if begin in pieces:  # a piece more than one read takes
                     shared.add(where)
                 pieces[begin] = (begin + nbytes, shape, dtype)

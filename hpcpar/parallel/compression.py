@@ -172,7 +172,7 @@ class PowerSGDCompression(Compressor):
     def _compressible(self, shape) -> bool:
         if len(shape) < 2:
             return False
-        n, m = shape[0], int(np.prod(shape[1:]))
+        n, m = matrix_shape(shape)
         return (n + m) * self.rank < n * m
 
     def start(self, comm, bucket):
@@ -221,7 +221,7 @@ class PowerSGDCompression(Compressor):
         for b in buckets:
             for s, p in enumerate(b.params):
                 if self._compressible(p.shape):
-                    n, m = p.shape[0], int(np.prod(p.shape[1:]))
+                    n, m = matrix_shape(p.shape)
                     shapes |= {f"error.{b.index}.{s}": (n, m), f"q.{b.index}.{s}": (m, self.rank)}
         return shapes
 
@@ -234,6 +234,11 @@ class PowerSGDCompression(Compressor):
         for name, values in arrays.items():
             kind, bucket, slot = name.split(".")
             (self.errors if kind == "error" else self.qs)[(int(bucket), int(slot))] = values
+
+
+def matrix_shape(shape) -> tuple[int, int]:
+    """The (rows, columns) PowerSGD factors a parameter of ``shape`` as: its first axis by the rest."""
+    return shape[0], int(np.prod(shape[1:]))
 
 
 COMPRESSORS = {"none": NoCompression, "fp16": FP16Compression, "topk": TopKCompression,

@@ -180,6 +180,30 @@ def test_compressed_training_resumes_exactly(tmp_path, token_file, layout):
     assert "error feedback was saved in another layout or with other buckets: it starts afresh" in other.stdout + other.stderr
 
 
+def test_compression_state_can_be_left_out_of_checkpoints(tmp_path, token_file):
+    """checkpoint.compression_state = false: the checkpoint holds no error feedback (its shards
+    are smaller by top-k's residuals, one float32 copy of the gradients per replica), and a resume
+    trains on with the error feedback started afresh, saying so."""
+    job = os.path.join(REPO, "jobs", "gpt-pp.toml")
+    common = ["parallel.dp=4", "parallel.pp=1", 'parallel.compression="topk"', "model.n_layer=2", "model.n_embd=32",
+              "parallel.micro_batches=2", "parallel.bucket_mb=0.02", "train.log_interval=1", "train.eval_interval=0",
+              "train.sample_tokens=0", "checkpoint.interval=4"]
+    sizes = {}
+    for kept in ("true", "false"):
+        run = train(job, tmp_path / kept, token_file, *common, "train.steps=4", f"checkpoint.compression_state={kept}")
+        assert run.returncode == 0, run.stdout + run.stderr
+        step = tmp_path / kept / "ckpt" / "step-00000004"
+        keys = json.loads((step / "manifest.json").read_text())["tensors"]
+        assert any(key.startswith("compression/") for key in keys) == (kept == "true"), sorted(keys)
+        sizes[kept] = sum(path.stat().st_size for path in step.glob("shard-*.h5"))
+    assert sizes["false"] < sizes["true"]
+    resumed = train(job, tmp_path / "false", token_file, *common, "train.steps=6", "checkpoint.compression_state=false")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout and "step     6/6" in resumed.stdout
+    assert ("error feedback is not kept in checkpoints (checkpoint.compression_state = false): it starts afresh"
+            in resumed.stdout + resumed.stderr)
+
+
 def test_bfloat16_parameter_server_trains_and_resumes_exactly(tmp_path, token_file):
     """bf16 with mode = "ps": float32 masters on the 2 servers, float32 pushes from the 2 workers. The
     loss falls, nothing is skipped, the checkpoint holds the float32 masters, and a run resumed

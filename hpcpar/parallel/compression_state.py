@@ -8,7 +8,9 @@ back only when the checkpoint holds, under its layout and place, exactly the nam
 its compressor will carry for its own buckets (``Compressor.state_shapes``): a run that resumes
 in the same layout reads exactly its row back (then bitwise the uninterrupted run); one in
 another layout, or with other buckets (another ``bucket_mb``, another partition), takes none of
-it, and its compressor starts afresh, which the load logs.
+it, and its compressor starts afresh, which the load logs. With ``saved=False``
+(``checkpoint.compression_state = false``: the state is about one float32 copy of the gradients
+per dp replica) checkpoints leave it out, and every load starts it afresh and logs that.
 """
 from __future__ import annotations
 
@@ -22,10 +24,10 @@ PREFIX = "compression"
 
 class CompressionState(Checkpointable):
     """The state ``compressor.state_arrays()`` gives, on the dp, pp and tp ranks of ``ctx``, for the
-    ``buckets`` of the DDP the compressor reduces."""
+    ``buckets`` of the DDP the compressor reduces; ``saved=False``: checkpoints leave it out."""
 
-    def __init__(self, compressor, ctx, buckets):
-        self.compressor, self.ctx = compressor, ctx
+    def __init__(self, compressor, ctx, buckets, saved: bool = True):
+        self.compressor, self.ctx, self.saved = compressor, ctx, saved
         self.expected = compressor.state_shapes(buckets)
         self.place = f"{ctx.dp_size}x{ctx.pp_size}x{ctx.tp_size}.pp{ctx.pp_rank}.tp{ctx.tp_rank}"
 
@@ -38,7 +40,7 @@ class CompressionState(Checkpointable):
 
     def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
         pieces = []
-        for name, values in sorted(self.compressor.state_arrays().items()):
+        for name, values in sorted(self.compressor.state_arrays().items()) if self.saved else ():
             shape = tuple(values.shape)
             pieces.append(Piece(self._key(name, shape), (self.ctx.dp_size,) + shape, self._slab(shape),
                                 values.reshape((1,) + shape)))
@@ -56,13 +58,15 @@ class CompressionState(Checkpointable):
                 name, _, shape_text = key[len(prefix):].partition(mine)
                 found[name] = tuple(int(n) for n in shape_text.split("x"))
         staged, reads = {}, []
-        for name, shape in sorted(found.items()) if found == self.expected else ():
+        for name, shape in sorted(found.items()) if self.saved and found == self.expected else ():
 
             def assign(values, name=name, shape=shape):
                 staged[name] = to_device(values.reshape(shape), self.ctx.xp)
             reads.append(Read(self._key(name, shape), (self.ctx.dp_size,) + shape, self._slab(shape), assign))
         missing = None
-        if found != self.expected:
+        if not self.saved:
+            missing = "is not kept in checkpoints (checkpoint.compression_state = false)"
+        elif found != self.expected:
             missing = ("was saved in another layout or with other buckets"
                        if any(key.startswith(f"{PREFIX}/") for key in saved.tensor_keys) else
                        "is not in the checkpoint (a run without compression, or an hpcpar from before it was kept)")

@@ -204,6 +204,11 @@ class CheckpointSection:
                                        "checkpoint (--overwrite moves them aside); must: fail unless a checkpoint "
                                        "loads; a step folder: continue from it (--load-weights-only: its weights)",
                        check=Check("auto, never, must or a step folder", lambda v: bool(v.strip())))
+    compression_state: bool = _key(True, BOOLEAN, "save the gradient compressor's error feedback (top-k's residuals, "
+                                   "PowerSGD's errors and Q factors: each dp replica's own, about one float32 copy of "
+                                   "the gradients per replica) so that a resume continues exactly; false: checkpoints "
+                                   "leave it out and a resume starts it afresh (and says so)",
+                                   applies=("parallel.compression", ("topk", "powersgd")))
     on_error: str = _key("stop", STRING, "when a checkpoint cannot be written (disk full, a write error): stop "
                          "the run with the error, or warn and train on (the previous checkpoint stays the latest)",
                          choices=("stop", "warn"))

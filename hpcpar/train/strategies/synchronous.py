@@ -63,10 +63,12 @@ class SynchronousStrategy(Strategy):
 
     def checkpoint_target(self) -> tuple:
         """The float32 masters, the optimizer and, when the compressor carries error feedback
-        from step to step, that too (``parallel.compression_state``): the resume is then exact."""
+        from step to step, that too unless ``checkpoint.compression_state`` is off
+        (``parallel.compression_state``): the resume is then exact."""
         optimizer, ddp = self._optimizer, self.data_parallel()
         if ddp is not None and ddp.compression.carries_state:
-            optimizer = Together(optimizer, CompressionState(ddp.compression, self.ctx, ddp.buckets))
+            optimizer = Together(optimizer, CompressionState(ddp.compression, self.ctx, ddp.buckets,
+                                                             saved=self.job.checkpoint.compression_state))
         return self.precision.named_master_parameters(), optimizer, self.ctx
 
     def checkpoint_extra(self) -> dict:

@@ -4,7 +4,8 @@
     ctx = hpcpar.init(pp=2, tp=2)        # dp fills the rest of the world
 
 Importing hpcpar changes nothing in the process; ``init`` applies the process-wide settings
-(glibc's allocator, BLAS threads: see hpcpar.host) and reports them in ``ctx.host``.
+(glibc's allocator, BLAS threads: see hpcpar.host; with several ranks, an uncaught exception
+aborts the job: hpcpar.dist.failfast) and reports them in ``ctx.host``.
 """
 __version__ = "0.1.0"
 

@@ -76,6 +76,7 @@ def print_info(dp=None, pp=1, tp=1, device="auto", comm_backend="auto") -> None:
         f"affinity and cgroup quota; os.cpu_count() {os.cpu_count()})",
         f"BLAS threads  {facts['blas_threads']} per rank; hpcpar.init: {ctx.host['blas']}",
         f"allocator     {ctx.host['allocator']}",
+        f"fail-fast     {ctx.host['fail_fast']}",
         f"shared memory {ctx.shm_description()}",
         "",
         ctx.grid_table(),

@@ -1,4 +1,6 @@
 """Fail fast: one rank's exception ends the whole job; debug mode catches mismatched collectives."""
+import json
+import os
 import subprocess
 import sys
 import time
@@ -46,6 +48,43 @@ def test_fail_fast_helper_in_a_users_script(tmp_path):
     proc, seconds = run_mpi([sys.executable, str(script)], n=2, timeout=30)
     assert proc.returncode != 0 and seconds < 10
     assert "rank 1 of 2 failed" in proc.stderr
+
+
+def test_a_plain_script_after_hpcpar_init_aborts_the_job_when_rank_1_raises(tmp_path):
+    """`mpiexec -n 2 python script.py`, no `hpcpar run`: init() installs the fail-fast hooks."""
+    script = tmp_path / "plain.py"
+    script.write_text("import hpcpar\nctx = hpcpar.init()\n" + RAISING_SCRIPT)
+    proc, seconds = run_mpi([sys.executable, str(script)], n=2, timeout=30)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and seconds < 10, output
+    assert "rank 1 of 2 failed" in output and output.count("Traceback") == 1
+
+
+HOOKS_SCRIPT = """
+import json, sys, threading
+import hpcpar
+if sys.argv[2] == "own":
+    sys.excepthook = lambda *exc: None
+ctx = hpcpar.init(**json.loads(sys.argv[1]))
+if ctx.rank == 0:
+    print(json.dumps([ctx.host["fail_fast"], sys.excepthook.__name__, threading.excepthook.__name__]))
+"""
+
+
+@pytest.mark.parametrize("kwargs, env, hook, expected", [
+    ({}, {}, "python's", ["on: an uncaught exception on any rank aborts the job", "_abort", "_thread_hook"]),
+    ({"fail_fast": False}, {}, "python's", ["left alone (init(fail_fast=False))", "excepthook", "_excepthook"]),
+    ({}, {"HPCPAR_FAIL_FAST": "0"}, "python's", ["left alone (HPCPAR_FAIL_FAST=0)", "excepthook", "_excepthook"]),
+    ({}, {}, "own", ["on: an uncaught exception on any rank aborts the job (the application's own sys.excepthook "
+                     "kept)", "<lambda>", "_thread_hook"]),
+], ids=["default", "init-argument", "environment", "the-applications-hook"])
+def test_init_installs_fail_fast_unless_told_not_to(tmp_path, kwargs, env, hook, expected):
+    script = tmp_path / "hooks.py"
+    script.write_text(HOOKS_SCRIPT)
+    proc = subprocess.run([venv_bin("mpiexec"), "-n", "2", sys.executable, str(script), json.dumps(kwargs), hook],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == expected
 
 
 def test_python_dash_m_hpcpar_runs_the_cli():

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from mpi4py import MPI
 
 from .. import backend as arrays, host, log
-from . import nccl, nodes
+from . import failfast, nccl, nodes
 from . import topology as _topology
 from .shm import MIN_BYTES, ShmCollectives, shm_setting
 from .comm import Communicator, default_wait_policy
@@ -210,15 +210,16 @@ def format_grid(dp: int, pp: int, tp: int) -> str:
 def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
          comm: MPI.Comm | None = None, wait_policy: str | None = None, tune_allocator: bool = True,
          shm: bool | None = None, node_size: int | None = None, backend: str = "auto",
-         device_nonblocking: bool | None = None, runtime=None) -> ParallelContext:
+         device_nonblocking: bool | None = None, runtime=None, fail_fast: bool = True) -> ParallelContext:
     """Factor the world into dp x pp x tp and build the communicators.
 
     Raises LayoutError on every rank, before any communication, when the layout does not
     fit. With a GPU the device is chosen by node-local rank before anything allocates on it.
-    Process-wide settings happen here, never on import (hpcpar.host.apply): glibc's
-    allocator is tuned unless ``tune_allocator=False`` or HPCPAR_MALLOC_TUNING=0, and on
-    CPUs each rank's BLAS gets its share of the node's cores. ``shm`` (default HPCPAR_SHM)
-    attaches the shared-memory collectives (hpcpar.dist.shm) on CPUs; ``node_size``
+    Process-wide settings happen here, never on import (hpcpar.host.apply): glibc's allocator is
+    tuned unless ``tune_allocator=False`` or HPCPAR_MALLOC_TUNING=0; on CPUs each rank's BLAS gets
+    its share of the node's cores; with several ranks an uncaught exception aborts the job
+    (failfast.install_for_init) unless ``fail_fast=False`` or HPCPAR_FAIL_FAST=0. ``shm`` (default
+    HPCPAR_SHM) attaches the shared-memory collectives (hpcpar.dist.shm) on CPUs; ``node_size``
     (default HPCPAR_NODE_SIZE) cuts nodes into pretend nodes for them (hpcpar.dist.nodes).
     Rank 0 warns (PlacementWarning) when tensor parallelism crosses nodes but would fit inside them.
     ``backend`` ("auto", "mpi", "nccl": ``hpcpar.dist.nccl.choose_backend``) picks what moves
@@ -244,6 +245,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
     if device == "cuda":
         arrays.select_gpu(node_rank)
     settings = host.apply(node_size, tune_allocator, set_blas_threads=device != "cuda")
+    settings["fail_fast"] = failfast.install_for_init(fail_fast, MPI.COMM_WORLD.Get_size())
 
     cuda_aware = query_cuda_aware()
     policy = wait_policy or default_wait_policy(node_size, node_cpus)

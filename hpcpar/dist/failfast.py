@@ -88,15 +88,44 @@ def _exit_everywhere(stop: SystemExit) -> None:
     world.Abort(code)
 
 
+def _thread_hook(args) -> None:
+    if args.exc_type is not SystemExit:
+        _abort(args.exc_type, args.exc_value, args.exc_traceback)
+
+
 def install() -> None:
     """Make uncaught exceptions, in the main thread or any other, abort the MPI job."""
     sys.excepthook = _abort
+    threading.excepthook = _thread_hook
 
-    def thread_hook(args):
-        if args.exc_type is not SystemExit:
-            _abort(args.exc_type, args.exc_value, args.exc_traceback)
 
-    threading.excepthook = thread_hook
+FAIL_FAST_VARIABLE = "HPCPAR_FAIL_FAST"
+
+
+def install_for_init(enabled: bool, world_size: int) -> str:
+    """``hpcpar.init``'s part: in a job of several ranks, an uncaught exception aborts it, as
+    under ``hpcpar run``, so that a plain ``python script.py`` does not leave the other ranks
+    waiting. Only Python's own hooks are replaced (an application's, IPython's or a test
+    runner's stay); returns what was done, for ``hpcpar info``."""
+    if not enabled:
+        return "left alone (init(fail_fast=False))"
+    if os.environ.get(FAIL_FAST_VARIABLE, "1") == "0":
+        return f"left alone ({FAIL_FAST_VARIABLE}=0)"
+    if world_size == 1:
+        return "left alone (one rank: no other waits on it)"
+    kept = []
+    if sys.excepthook in (sys.__excepthook__, _abort):
+        sys.excepthook = _abort
+    else:
+        kept.append("sys.excepthook")
+    if threading.excepthook in (threading.__excepthook__, _thread_hook):
+        threading.excepthook = _thread_hook
+    else:
+        kept.append("threading.excepthook")
+    if len(kept) == 2:
+        return "left alone (the application's own sys.excepthook and threading.excepthook)"
+    return ("on: an uncaught exception on any rank aborts the job"
+            + (f" (the application's own {kept[0]} kept)" if kept else ""))
 
 
 @contextlib.contextmanager

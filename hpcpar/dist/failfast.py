@@ -46,6 +46,46 @@ class UsageError(ExitStatus):
         return self.message
 
 
+@contextlib.contextmanager
+def agreed_verdict(prog: str, errors: tuple, comm=None):
+    """``with agreed_verdict("hpcpar train", (JobError,)): job = load(...)``: a check every rank
+    makes on its own (a job file, a data file, the device) ends with the same verdict on every rank.
+
+    Ranks can see different things: a path one node has and another lacks, a node whose
+    environment sets ``HPCPAR_DEVICE``. A rank that raised ``UsageError`` alone would exit while the
+    others went on into their next collective and waited there forever. Here every rank learns each
+    rank's outcome (one small all-gather over ``comm``, default the world) and, when any raised one
+    of ``errors``, every rank raises the same ``UsageError``: the message of the lowest rank that
+    found a problem, naming the ranks and hosts when not every rank found it. Other exceptions
+    pass (fail-fast aborts the job on them)."""
+    problem = None
+    try:
+        yield
+    except errors as error:
+        problem = str(error)
+    from mpi4py import MPI
+
+    comm = comm or MPI.COMM_WORLD
+    mine = (problem, os.uname().nodename)
+    everyone = comm.allgather(mine) if comm.Get_size() > 1 else [mine]
+    found = [rank for rank, (text, _) in enumerate(everyone) if text is not None]
+    if not found:
+        return
+    message = f"{prog}: error: {everyone[found[0]][0]}"
+    if len(found) < len(everyone):
+        others = [rank for rank in range(len(everyone)) if rank not in found]
+        message += (f" (found by rank{'s' if len(found) > 1 else ''} {_ranks_on_hosts(found, everyone)}; "
+                    f"rank{'s' if len(others) > 1 else ''} {_ranks_on_hosts(others, everyone)} found no problem: "
+                    f"the ranks see different files or settings)")
+    raise UsageError(message)
+
+
+def _ranks_on_hosts(ranks: list, everyone: list) -> str:
+    hosts = sorted({everyone[rank][1] for rank in ranks})
+    shown = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} in all)" if len(ranks) > 8 else "")
+    return f"{shown} on {', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''}"
+
+
 def _abort(exc_type, exc, tb) -> None:
     from mpi4py import MPI
 

@@ -1,0 +1,70 @@
+"""No rank waits forever: where ranks see different things (a file one node has and another
+lacks, a node's own environment), every rank reaches the same verdict or the job aborts.
+
+Each test starts a job whose ranks differ the way nodes can (MPMD: a working directory and
+environment per rank, so a relative path names a node-local file) under a short timeout; the
+code before each fix left some ranks in a collective forever and the run timed out. On a
+timeout the whole process group is killed, so no rank stays behind.
+"""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import venv_bin
+
+HANG = None  # run_ranks' exit status of a job that was still running at its timeout
+
+
+def run_ranks(ranks, timeout=30):
+    """Run one rank per ``(folder, env, argv)`` of ``ranks`` in one MPI job; (exit status, or HANG
+    when the job outlived ``timeout`` seconds, and its output)."""
+    args = [venv_bin("mpiexec")]
+    for folder, env, argv in ranks:
+        args += [":"] if len(args) > 1 else []
+        args += ["-n", "1", "-wdir", str(folder)] + [word for item in env.items() for word in ("-env", *item)] + argv
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank: none may stay behind
+        output, _ = proc.communicate()
+        return HANG, output
+
+
+def tiny_job(folder, token_file, **sections) -> str:
+    """A GPT job of a few seconds in ``folder``/job.toml; ``sections`` adds TOML lines per section."""
+    text = {"model": 'kind = "gpt"\nblock_size = 16\nn_layer = 1\nn_head = 2\nn_embd = 16',
+            "data": f'path = "{token_file}"\nbatch_size = 4',
+            "train": "steps = 2\neval_interval = 0\nsample_tokens = 0\nlog_interval = 1",
+            "checkpoint": "interval = 0"}
+    for name, lines in sections.items():
+        text[name] += "\n" + lines
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "job.toml")
+    with open(path, "w") as f:
+        f.write("".join(f"[{name}]\n{body}\n" for name, body in text.items()))
+    return path
+
+
+def hpcpar(*words):
+    return [sys.executable, "-m", "hpcpar", *words]
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_a_job_file_only_one_node_has_is_refused_on_every_rank(tmp_path, token_file, command):
+    """Rank 0's folder holds job.toml, rank 1's does not: rank 1 exited 2 alone and rank 0 waited
+    in its first collective forever; now both exit 2 with one line naming the rank that lacks it."""
+    tiny_job(tmp_path / "node1", token_file)
+    os.makedirs(tmp_path / "node2")
+    extra = ["--steps", "1", "--out", str(tmp_path / "out")] if command == "compare" else []
+    status, output = run_ranks([(tmp_path / node, {}, hpcpar(command, "job.toml", *extra))
+                                for node in ("node1", "node2")])
+    assert status == 2, output
+    errors = [line for line in output.splitlines() if f"hpcpar {command}: error" in line]
+    assert len(errors) == 1 and "no such job file" in errors[0] and "found by rank 1" in errors[0], output
+    assert "Traceback" not in output

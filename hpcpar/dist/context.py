@@ -207,6 +207,35 @@ def format_grid(dp: int, pp: int, tp: int) -> str:
     return "\n".join(f"{label:<13}" + " ".join(f"{v:>{width}}" for v in values) for label, values in rows)
 
 
+def agreed_device(comm: MPI.Comm, requested: str) -> str:
+    """The device of every rank of ``comm``: each resolves ``requested`` on its own node
+    (``backend.resolve_device``: its GPUs, its CuPy, its ``HPCPAR_DEVICE``), and the ranks compare
+    (one small all-gather). When any rank cannot use it, or "auto" chose differently on different
+    nodes, every rank raises the same DeviceError naming the ranks: a rank that raised alone left
+    the others waiting in init's first collective forever, and ranks on different devices would
+    go on with different communication (collective)."""
+    try:
+        mine = (arrays.resolve_device(requested), None, MPI.Get_processor_name())
+    except arrays.DeviceError as error:
+        mine = (None, str(error), MPI.Get_processor_name())
+    everyone = comm.allgather(mine) if comm.Get_size() > 1 else [mine]
+    hosts = [host for _, _, host in everyone]
+    failed = [rank for rank, (_, error, _) in enumerate(everyone) if error is not None]
+    if failed:
+        alone = len(failed) < len(everyone)
+        where = f" (on {failfast.ranks_on_hosts(failed, hosts)}; the other ranks can use it)" if alone else ""
+        raise arrays.DeviceError(everyone[failed[0]][1] + where)
+    chosen = {}
+    for rank, (device, _, _) in enumerate(everyone):
+        chosen.setdefault(device, []).append(rank)
+    if len(chosen) > 1:
+        where = "; ".join(f"{device} on {failfast.ranks_on_hosts(r, hosts)}" for device, r in chosen.items())
+        raise arrays.DeviceError(f"device={requested!r} means different devices on different ranks: {where}: every "
+                                 f"rank must compute on the same kind of device; set the device (train.device, "
+                                 f"HPCPAR_DEVICE) alike on every node")
+    return everyone[0][0]
+
+
 def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
          comm: MPI.Comm | None = None, wait_policy: str | None = None, tune_allocator: bool = True,
          shm: bool | None = None, node_size: int | None = None, backend: str = "auto",
@@ -231,7 +260,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
     world_mpi = comm if comm is not None else MPI.COMM_WORLD
     dp, pp, tp = resolve_layout(world_mpi.Get_size(), dp, pp, tp)
     log.ensure_configured()  # rank 0's log lines on stdout, unless the application set up its own
-    requested_device, device = device, arrays.resolve_device(device)
+    requested_device, device = device, agreed_device(world_mpi, device)
     use_shm, shm_node_size = shm_setting(shm), nodes.node_size_setting(node_size)
 
     node = world_mpi.Split_type(MPI.COMM_TYPE_SHARED, key=world_mpi.Get_rank())

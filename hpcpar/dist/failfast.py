@@ -74,16 +74,17 @@ def agreed_verdict(prog: str, errors: tuple, comm=None):
     message = f"{prog}: error: {everyone[found[0]][0]}"
     if len(found) < len(everyone):
         others = [rank for rank in range(len(everyone)) if rank not in found]
-        message += (f" (found by rank{'s' if len(found) > 1 else ''} {_ranks_on_hosts(found, everyone)}; "
-                    f"rank{'s' if len(others) > 1 else ''} {_ranks_on_hosts(others, everyone)} found no problem: "
+        hosts = [host for _, host in everyone]
+        message += (f" (found by {ranks_on_hosts(found, hosts)}; {ranks_on_hosts(others, hosts)} found no problem: "
                     f"the ranks see different files or settings)")
     raise UsageError(message)
 
 
-def _ranks_on_hosts(ranks: list, everyone: list) -> str:
-    hosts = sorted({everyone[rank][1] for rank in ranks})
+def ranks_on_hosts(ranks: list, hosts: list) -> str:
+    """"ranks 1, 3 on node2" for messages naming some ranks (``hosts``: every rank's host)."""
+    names = sorted({hosts[rank] for rank in ranks})
     shown = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} in all)" if len(ranks) > 8 else "")
-    return f"{shown} on {', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''}"
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown} on {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
 
 
 def _abort(exc_type, exc, tb) -> None:

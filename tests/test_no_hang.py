@@ -6,7 +6,9 @@ environment per rank, so a relative path names a node-local file) under a short 
 code before each fix left some ranks in a collective forever and the run timed out. On a
 timeout the whole process group is killed, so no rank stays behind.
 """
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,4 +87,40 @@ def test_a_device_one_node_cannot_give_is_refused_on_every_rank(tmp_path, token_
     assert status == 2, output
     errors = [line for line in output.splitlines() if "hpcpar train: error" in line]
     assert len(errors) == 1 and message in errors[0] and "rank 1" in errors[0], output
+    assert "Traceback" not in output
+
+
+def break_version(folder) -> None:
+    """The manifests under ``folder`` claim a version no reader knows (a CheckpointError, not damage)."""
+    for step in os.listdir(folder):
+        path = os.path.join(folder, step, "manifest.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                manifest = json.load(f)
+            manifest["version"] = 999
+            with open(path, "w") as f:
+                json.dump(manifest, f)
+
+
+@pytest.mark.parametrize("node2", ["empty", "another-version"])
+@pytest.mark.parametrize("resume", ["auto", "ckpt/step-00000002"])
+def test_a_checkpoint_folder_only_one_node_has_is_refused_on_every_rank(tmp_path, token_file, node2, resume):
+    """checkpoint.dir on node-local storage: rank 0's node holds a checkpoint, rank 1's has none (or
+    one it cannot read). Rank 0 decided to resume, rank 1 found no 'latest' (or no step folder, or
+    a manifest of another version) and was refused alone (exit 2) while rank 0 waited in the
+    load's all-gather forever; now every rank reads the step rank 0 names, rank 1's failure is
+    every rank's, and all exit 2 with one line."""
+    for node in ("node1", "node2"):
+        tiny_job(tmp_path / node, token_file, checkpoint='dir = "ckpt"')
+    first = subprocess.run([venv_bin("mpiexec"), "-n", "2", *hpcpar("train", "job.toml")], cwd=tmp_path / "node1",
+                           capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stdout + first.stderr
+    if node2 == "another-version":
+        shutil.copytree(tmp_path / "node1" / "ckpt", tmp_path / "node2" / "ckpt")
+        break_version(tmp_path / "node2" / "ckpt")
+    status, output = run_ranks([(tmp_path / node, {}, hpcpar("train", "job.toml", "--resume", resume))
+                                for node in ("node1", "node2")])
+    assert status == 2, output
+    errors = [line for line in output.splitlines() if "hpcpar train: error" in line]
+    assert len(errors) == 1 and "nothing was" in errors[0] and "(rank 1)" in output, output
     assert "Traceback" not in output

@@ -124,3 +124,30 @@ def test_a_checkpoint_folder_only_one_node_has_is_refused_on_every_rank(tmp_path
     errors = [line for line in output.splitlines() if "hpcpar train: error" in line]
     assert len(errors) == 1 and "nothing was" in errors[0] and "(rank 1)" in output, output
     assert "Traceback" not in output
+
+
+ONE_RANK_FAILS = """
+import sys
+from mpi4py import MPI
+import hpcpar.bench.ckpt as bench
+
+def raw_write(path, data):
+    raise OSError(28, "No space left on device (injected on rank 1)")
+
+if MPI.COMM_WORLD.Get_rank() == 1:
+    bench.raw_write = raw_write
+from hpcpar.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_hpcpar_bench_ckpt_aborts_when_one_rank_fails(tmp_path):
+    """A write that fails on rank 1 alone: rank 1 went into the cleanup's barrier while rank 0 waited in
+    the timing's all-reduce, and neither ever left; now rank 1's error aborts the job, one traceback."""
+    script = tmp_path / "bench.py"
+    script.write_text(ONE_RANK_FAILS)
+    argv = [sys.executable, str(script), "bench", "ckpt", "--repeats", "1", "--n-layer", "1", "--n-embd", "32",
+            "--dir", str(tmp_path)]
+    status, output = run_ranks([(tmp_path, {}, argv)] * 2)
+    assert status not in (HANG, 0), output
+    assert "rank 1 of 2 failed" in output and "injected on rank 1" in output and output.count("Traceback") == 1

@@ -151,3 +151,36 @@ def test_hpcpar_bench_ckpt_aborts_when_one_rank_fails(tmp_path):
     status, output = run_ranks([(tmp_path, {}, argv)] * 2)
     assert status not in (HANG, 0), output
     assert "rank 1 of 2 failed" in output and "injected on rank 1" in output and output.count("Traceback") == 1
+
+
+ASYNC_SAVE_FAILS = """
+import sys
+import numpy as np
+import hpcpar
+from hpcpar import checkpoint
+from hpcpar.checkpoint import writer
+from hpcpar.nn.gpt import GPT, GPTConfig
+
+ctx = hpcpar.init()
+model = GPT(GPTConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=8), dtype=np.float32)
+
+def write_array(fd, arrays, offset):
+    raise MemoryError("injected on rank 1")
+
+if ctx.rank == 1:
+    writer.write_array = write_array
+checkpoint.save(sys.argv[1], 1, model, None, ctx, asynchronous=True)
+# the script ends here: the pending save is waited for at exit (atexit), as the writer promises
+"""
+
+
+def test_an_asynchronous_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
+    """An error of another type than OSError, ValueError or RuntimeError in rank 1's writer thread
+    stayed rank 1's: rank 0's writer waited for rank 1 in the save's barrier forever (at exit too,
+    where the save is waited for); now every rank's save fails with the error naming rank 1."""
+    script = tmp_path / "save.py"
+    script.write_text(ASYNC_SAVE_FAILS)
+    status, output = run_ranks([(tmp_path, {}, [sys.executable, str(script), str(tmp_path / "ckpt")])] * 2)
+    assert status is not HANG, output
+    assert output.count("rank 1: MemoryError: injected on rank 1") == 2, output  # heard on both ranks
+    assert not os.path.exists(tmp_path / "ckpt" / "latest")

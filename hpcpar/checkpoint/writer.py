@@ -152,7 +152,8 @@ class SaveJob:
             if index is not None:
                 index.path()
                 facts["files"][INDEX] = {"bytes": len(index.data), "chunks": chunk_checksums(index.data)}
-        except (OSError, ValueError, RuntimeError) as exc:  # a full disk, a quota: every rank must hear of it
+        except Exception as exc:  # noqa: BLE001 - a full disk, a quota, any failure here: every rank must hear of it
+            # (an error kept to this rank would leave the others in the barrier below forever)
             facts["error"] = f"rank {self.rank}: {type(exc).__name__}: {exc}"
             if index is not None:
                 index.thread.join()  # nothing may still write into the folder rank 0 removes

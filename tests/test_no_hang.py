@@ -184,3 +184,36 @@ def test_an_asynchronous_save_that_fails_on_one_rank_fails_on_every_rank(tmp_pat
     assert status is not HANG, output
     assert output.count("rank 1: MemoryError: injected on rank 1") == 2, output  # heard on both ranks
     assert not os.path.exists(tmp_path / "ckpt" / "latest")
+
+
+SAVE_REFUSED_ON_ONE_RANK = """
+import sys
+import numpy as np
+import hpcpar
+from hpcpar import checkpoint
+from hpcpar.autograd import Tensor
+
+ctx = hpcpar.init()
+weights = Tensor(np.zeros(4, dtype=np.complex64 if ctx.rank == 1 else np.float32))  # HDF5 stores no complex
+try:
+    checkpoint.save(sys.argv[1], 1, [(f"w{ctx.rank}", weights)], None, ctx)
+except checkpoint.CheckpointError as error:  # as checkpoint.on_error = "warn" does: training goes on
+    print(f"rank {ctx.rank}: {error}", flush=True)
+ctx.world.barrier()
+print(f"rank {ctx.rank} went on", flush=True)
+"""
+
+
+def test_a_save_one_rank_refuses_is_refused_on_every_rank(tmp_path):
+    """Rank 1 holds a piece HDF5 cannot store: it raised CheckpointError alone, before the save's
+    all-gather, and (as checkpoint.on_error = "warn" does) went on while rank 0 waited in the
+    all-gather forever; now every rank raises the same error naming rank 1, and both go on."""
+    script = tmp_path / "save.py"
+    script.write_text(SAVE_REFUSED_ON_ONE_RANK)
+    status, output = run_ranks([(tmp_path, {}, [sys.executable, str(script), str(tmp_path / "ckpt")])] * 2)
+    assert status == 0, output
+    for rank in (0, 1):
+        assert f"rank {rank}: checkpoint" in output and f"rank {rank} went on" in output, output
+    assert output.count("dtype complex64 cannot be stored in HDF5; checkpoint float32 master weights instead "
+                        "(rank 1)") == 2, output
+    assert not os.path.exists(tmp_path / "ckpt" / "step-00000001.tmp")

@@ -74,7 +74,7 @@ def test_a_job_file_only_one_node_has_is_refused_on_every_rank(tmp_path, token_f
 
 @pytest.mark.parametrize("device, message", [
     ("cuda", "device='cuda' was requested but"),  # no GPU on this machine: rank 1's node cannot give one
-    ("guard", "means different devices on different ranks: cpu on rank 0"),
+    ("guard", "means different things on different ranks: cpu on rank 0"),
 ])
 def test_a_device_one_node_cannot_give_is_refused_on_every_rank(tmp_path, token_file, device, message):
     """HPCPAR_DEVICE set on rank 1's node alone (as a node's environment module might): rank 1 raised
@@ -217,3 +217,28 @@ def test_a_save_one_rank_refuses_is_refused_on_every_rank(tmp_path):
     assert output.count("dtype complex64 cannot be stored in HDF5; checkpoint float32 master weights instead "
                         "(rank 1)") == 2, output
     assert not os.path.exists(tmp_path / "ckpt" / "step-00000001.tmp")
+
+
+BACKEND_ON_ONE_RANK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import nccl_double
+from mpi4py import MPI
+from hpcpar.dist.context import init
+
+rank = MPI.COMM_WORLD.Get_rank()  # rank 0's node has NCCL (the tests' double), rank 1's has none
+ctx = init(device="guard", backend="auto", runtime=nccl_double.runtime() if rank == 0 else None, shm=False)
+print("init returned", flush=True)
+"""
+
+
+def test_a_backend_that_differs_between_nodes_is_refused_on_every_rank(tmp_path):
+    """parallel.backend = "auto" where only rank 0's node has NCCL: rank 0 built NCCL communicators,
+    rank 1 MPI ones, and the two waited for each other in different calls forever; now every rank
+    raises the same DeviceError naming the ranks, which fail-fast turns into an abort."""
+    script = tmp_path / "backend.py"
+    script.write_text(BACKEND_ON_ONE_RANK)
+    status, output = run_ranks([(tmp_path, {}, [sys.executable, str(script), os.path.dirname(__file__)])] * 2)
+    assert status not in (HANG, 0), output
+    assert "parallel.backend = 'auto' means different things on different ranks: nccl on rank 0" in output, output
+    assert "init returned" not in output

@@ -242,3 +242,16 @@ def test_a_backend_that_differs_between_nodes_is_refused_on_every_rank(tmp_path)
     assert status not in (HANG, 0), output
     assert "parallel.backend = 'auto' means different things on different ranks: nccl on rank 0" in output, output
     assert "init returned" not in output
+
+
+def test_hpcpar_run_of_a_script_only_one_node_has_is_refused_on_every_rank(tmp_path):
+    """`hpcpar run script.py` where only rank 0's folder holds the script: rank 1 exited 2 alone and
+    rank 0 ran the script into its first collective, where it waited forever; now both exit 2."""
+    os.makedirs(tmp_path / "node1")
+    os.makedirs(tmp_path / "node2")
+    (tmp_path / "node1" / "script.py").write_text("from mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\nprint('SCRIPT RAN')\n")
+    status, output = run_ranks([(tmp_path / node, {}, hpcpar("run", "script.py")) for node in ("node1", "node2")])
+    assert status == 2, output
+    errors = [line for line in output.splitlines() if "hpcpar run: error" in line]
+    assert len(errors) == 1 and "no such script 'script.py'" in errors[0] and "found by rank 1" in errors[0], output
+    assert "SCRIPT RAN" not in output

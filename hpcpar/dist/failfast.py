@@ -63,11 +63,16 @@ def agreed_verdict(prog: str, errors: tuple, comm=None):
         yield
     except errors as error:
         problem = str(error)
-    from mpi4py import MPI
+    from .. import log
 
-    comm = comm or MPI.COMM_WORLD
     mine = (problem, os.uname().nodename)
-    everyone = comm.allgather(mine) if comm.Get_size() > 1 else [mine]
+    if comm is None and log.world_size() == 1:  # one rank (MPI's count, else the launcher's): MPI need not start
+        everyone = [mine]
+    else:
+        from mpi4py import MPI
+
+        comm = comm or MPI.COMM_WORLD
+        everyone = comm.allgather(mine) if comm.Get_size() > 1 else [mine]
     found = [rank for rank, (text, _) in enumerate(everyone) if text is not None]
     if not found:
         return
@@ -192,8 +197,9 @@ def fail_fast():
 
 def run_script(path: str, args: list[str]) -> None:
     """``hpcpar run SCRIPT.py ARGS``: run a user's script as ``__main__`` under fail-fast."""
-    if not os.path.isfile(path):  # every rank looks alike: a usage error, not an abort
-        raise UsageError(f"hpcpar run: error: no such script {path!r}")
+    with agreed_verdict("hpcpar run", (FileNotFoundError,)):  # a script one node lacks: every rank exits 2
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no such script {path!r}")
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     install()

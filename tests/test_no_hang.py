@@ -76,16 +76,17 @@ def test_a_job_file_only_one_node_has_is_refused_on_every_rank(tmp_path, token_f
     ("cuda", "device='cuda' was requested but"),  # no GPU on this machine: rank 1's node cannot give one
     ("guard", "means different things on different ranks: cpu on rank 0"),
 ])
-def test_a_device_one_node_cannot_give_is_refused_on_every_rank(tmp_path, token_file, device, message):
+@pytest.mark.parametrize("command", ["train", "info"])
+def test_a_device_one_node_cannot_give_is_refused_on_every_rank(tmp_path, token_file, device, message, command):
     """HPCPAR_DEVICE set on rank 1's node alone (as a node's environment module might): rank 1 raised
-    DeviceError in init alone, exited 2, and rank 0 waited in init's first collective forever (or
-    the ranks went on with different devices); now every rank exits 2 with one line."""
+    DeviceError alone (in init under hpcpar train, in its own check under hpcpar info), exited 2,
+    and rank 0 waited in init's first collective forever (or the ranks went on with different
+    devices); now every rank exits 2 with one line."""
     tiny_job(tmp_path, token_file)
-    env = {"HPCPAR_DEVICE": "cpu"}
-    status, output = run_ranks([(tmp_path, env, hpcpar("train", "job.toml")),
-                                (tmp_path, {"HPCPAR_DEVICE": device}, hpcpar("train", "job.toml"))])
+    argv = hpcpar(command, *(["job.toml"] if command == "train" else []))
+    status, output = run_ranks([(tmp_path, {"HPCPAR_DEVICE": "cpu"}, argv), (tmp_path, {"HPCPAR_DEVICE": device}, argv)])
     assert status == 2, output
-    errors = [line for line in output.splitlines() if "hpcpar train: error" in line]
+    errors = [line for line in output.splitlines() if f"hpcpar {command}: error" in line]
     assert len(errors) == 1 and message in errors[0] and "rank 1" in errors[0], output
     assert "Traceback" not in output
 

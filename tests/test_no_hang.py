@@ -256,3 +256,31 @@ def test_hpcpar_run_of_a_script_only_one_node_has_is_refused_on_every_rank(tmp_p
     errors = [line for line in output.splitlines() if "hpcpar run: error" in line]
     assert len(errors) == 1 and "no such script 'script.py'" in errors[0] and "found by rank 1" in errors[0], output
     assert "SCRIPT RAN" not in output
+
+
+PRECISION_ON_ONE_RANK = """
+import sys
+from mpi4py import MPI
+from hpcpar.backend import DeviceError
+import hpcpar.train.loop as loop
+
+def check_precision(device, precision):  # as on a node whose CuPy lacks bfloat16
+    raise DeviceError("precision bf16 on the GPU needs bfloat16 arrays (injected on rank 1)")
+
+if MPI.COMM_WORLD.Get_rank() == 1:
+    loop.check_precision = check_precision
+from hpcpar.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_precision_one_node_cannot_run_is_refused_on_every_rank(tmp_path, token_file):
+    """The precision check after init raised DeviceError on rank 1 alone (its node's CuPy): rank 1
+    exited 2 and rank 0 waited in build's first collective forever; now every rank exits 2."""
+    tiny_job(tmp_path, token_file)
+    script = tmp_path / "train.py"
+    script.write_text(PRECISION_ON_ONE_RANK)
+    status, output = run_ranks([(tmp_path, {}, [sys.executable, str(script), "train", "job.toml"])] * 2)
+    assert status == 2, output
+    errors = [line for line in output.splitlines() if "hpcpar train: error" in line]
+    assert len(errors) == 1 and "injected on rank 1" in errors[0] and "rank 1" in errors[0], output

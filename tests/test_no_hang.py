@@ -89,7 +89,8 @@ def test_a_device_one_node_cannot_give_is_refused_on_every_rank(tmp_path, token_
     devices); now every rank exits 2 with one line."""
     tiny_job(tmp_path, token_file)
     argv = hpcpar(command, *(["job.toml"] if command == "train" else []))
-    status, output = run_ranks([(tmp_path, {"HPCPAR_DEVICE": "cpu"}, argv), (tmp_path, {"HPCPAR_DEVICE": device}, argv)])
+    status, output = run_ranks([(tmp_path, {"HPCPAR_DEVICE": "cpu"}, argv),
+                                (tmp_path, {"HPCPAR_DEVICE": device}, argv)])
     assert status == 2, output
     errors = [line for line in output.splitlines() if f"hpcpar {command}: error" in line]
     assert len(errors) == 1 and message in errors[0] and "rank 1" in errors[0], output
@@ -255,7 +256,8 @@ def test_hpcpar_run_of_a_script_only_one_node_has_is_refused_on_every_rank(tmp_p
     rank 0 ran the script into its first collective, where it waited forever; now both exit 2."""
     os.makedirs(tmp_path / "node1")
     os.makedirs(tmp_path / "node2")
-    (tmp_path / "node1" / "script.py").write_text("from mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\nprint('SCRIPT RAN')\n")
+    (tmp_path / "node1" / "script.py").write_text("from mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
+                                                  "print('SCRIPT RAN')\n")
     status, output = run_ranks([(tmp_path / node, {}, hpcpar("run", "script.py")) for node in ("node1", "node2")])
     assert status == 2, output
     errors = [line for line in output.splitlines() if "hpcpar run: error" in line]

@@ -113,7 +113,8 @@ class SaveJob:
         refused = unwritable(pieces, collective)
         made = self._make_folder() if self.rank == 0 and not refused else None
         described = [(p.key, p.slab, p.global_shape, str(p.array.dtype)) for p in pieces]
-        gathered = ctx.world.allgather_object((described, self.scalars, free_space(root), made or refused))  # the barrier after mkdir
+        # (the all-gather is also the barrier after rank 0's mkdir)
+        gathered = ctx.world.allgather_object((described, self.scalars, free_space(root), made or refused))
         problems = [[problem] if problem else [] for *_, problem in gathered]
         everyone = [entries for entries, _, _, _ in gathered]
         for _, scalars, _, _ in gathered:  # ZeRO ranks each know the step counts of their own parameters

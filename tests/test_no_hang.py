@@ -291,3 +291,41 @@ def test_a_precision_one_node_cannot_run_is_refused_on_every_rank(tmp_path, toke
     assert status == 2, output
     errors = [line for line in output.splitlines() if "hpcpar train: error" in line]
     assert len(errors) == 1 and "injected on rank 1" in errors[0] and "rank 1" in errors[0], output
+
+
+CUT_SHORT_ON_ONE_RANK = """
+import sys
+import numpy as np
+import hpcpar
+from hpcpar import checkpoint
+from hpcpar.checkpoint import source
+from hpcpar.nn.gpt import GPT, GPTConfig
+
+ctx = hpcpar.init()
+model = GPT(GPTConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=8), dtype=np.float32)
+for step in (1, 2):
+    checkpoint.save(sys.argv[1], step, model, None, ctx)
+fill = source.RawSource.fill_targets
+
+def cut_short_once(self):  # as when another process truncates a shard between its check and the copy
+    source.RawSource.fill_targets = fill
+    return [f"{self.step_dir}/shard-00001.h5: shorter than when it was checked (injected on rank 1)"]
+
+if ctx.rank == 1:
+    source.RawSource.fill_targets = cut_short_once
+info = checkpoint.load_latest(sys.argv[1], model, None, ctx)
+ctx.world.barrier()
+print(f"rank {ctx.rank} loaded step {info['step']}", flush=True)
+"""
+
+
+def test_a_load_cut_short_on_one_rank_falls_back_on_every_rank(tmp_path):
+    """A shard cut short between its check and the copy on rank 1 alone: rank 1 raised damage
+    alone and tried the older step while rank 0 had loaded the newer one and gone on, and the two
+    waited in different collectives forever; now every rank finds the damage and loads step 1."""
+    script = tmp_path / "load.py"
+    script.write_text(CUT_SHORT_ON_ONE_RANK)
+    status, output = run_ranks([(tmp_path, {}, [sys.executable, str(script), str(tmp_path / "ckpt")])] * 2)
+    assert status == 0, output
+    assert "rank 0 loaded step 1" in output and "rank 1 loaded step 1" in output, output
+    assert "injected on rank 1" in output  # the warning that skips step 2

@@ -125,7 +125,7 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
     ``model`` and ``optimizer`` are Checkpointables (``hpcpar.state``: a Module, a pipeline, an
     optimizer, ZeRO-1, a parameter server) or (name, parameter) pairs; ``optimizer`` may be None.
     Returns ``{"step", "step_dir", "layout", "extra"}`` (``extra``: the plain JSON values).
-    Collective over ``ctx.world`` (two all-gathers); every rank raises the same error, and then
+    Collective over ``ctx.world`` (three all-gathers); every rank raises the same error, and then
     nothing has changed: ``CheckpointDamaged`` for damaged files, ``CheckpointError`` for a
     checkpoint that does not fit (names, shapes, dtypes, slabs).
     """
@@ -198,8 +198,11 @@ def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: 
         failed = source.fill_targets()  # the point of no return: the checked bytes, into their places
     finally:
         source.close()
-    if failed:
-        raise CheckpointDamaged(f"{what}: {'; '.join(failed)} (the model is partly loaded: load again)")
+    # 3: a file cut short since its check (another process writing it) is damage on every rank: a
+    # rank that raised alone would try an older step, or stop, while the others went on without it
+    failed = comm.allgather(failed) if comm.Get_size() > 1 else [failed]
+    raise_if_any([[f"{problem} (the model is partly loaded: load again)" for problem in mine] for mine in failed],
+                 what, CheckpointDamaged)
     for read, value in zip(plan.reads, values):
         if value is not None:
             read.assign(value)

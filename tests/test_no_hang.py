@@ -57,17 +57,20 @@ def hpcpar(*words):
     return [sys.executable, "-m", "hpcpar", *words]
 
 
-@pytest.mark.parametrize("command, missing", [("train", "job"), ("compare", "job"), ("train", "data")])
+@pytest.mark.parametrize("command, missing", [("train", "job"), ("compare", "job"), ("train", "data"),
+                                              ("train --dry-run", "job")])
 def test_a_file_only_one_node_has_is_refused_on_every_rank(tmp_path, token_file, command, missing):
     """Rank 0's folder holds job.toml (or the job's data file), rank 1's does not: rank 1 exited 2
-    alone and rank 0 waited in its first collective forever; now both exit 2 with one line naming
-    the rank that lacks it."""
+    alone and rank 0 waited in its first collective forever (--dry-run has none: rank 0 printed
+    its prediction and the job ended 2 with no message); now both exit 2 with one line naming the
+    rank that lacks it."""
     for node in ("node1", "node2"):
         tiny_job(tmp_path / node, "tokens.h5")  # data.path relative: each rank's own folder
     shutil.copy(token_file, tmp_path / "node1" / "tokens.h5")  # node2 has no data file
     if missing == "job":
         os.remove(tmp_path / "node2" / "job.toml")
-    extra = ["--steps", "1", "--out", str(tmp_path / "out")] if command == "compare" else []
+    command, *options = command.split()
+    extra = ["--steps", "1", "--out", str(tmp_path / "out")] if command == "compare" else options
     status, output = run_ranks([(tmp_path / node, {}, hpcpar(command, "job.toml", *extra))
                                 for node in ("node1", "node2")])
     assert status == 2, output

@@ -184,19 +184,17 @@ def dry_run(job_path: str, overrides: list, mpi_world: int, machine_path: str | 
 
     The world is the launch's (``mpiexec -n N``); launched alone, the job's own dp x pp x tp."""
     from .. import log
-    from ..dist.failfast import UsageError
+    from ..dist.failfast import agreed_verdict
     from ..train.config import JobError
     from ..train.config_load import load_job
     from ..train.validate import validate
     from .predict import StepPlan, unmodelled
 
-    try:
+    with agreed_verdict("hpcpar train", (JobError,)):  # a job file one node lacks: every rank says so, once
         job = load_job(job_path, overrides)
         p = job.parallel
         world = mpi_world if mpi_world > 1 or not p.dp else p.dp * p.pp * p.tp
         job = validate(job, world)
-    except JobError as error:
-        raise UsageError(f"hpcpar train: error: {error}") from None
     path = machine_path or (DEFAULT_MACHINE if os.path.exists(DEFAULT_MACHINE) else None)
     machine = machine_from(path) if path else None
     if log.world_rank() != 0:

@@ -3,8 +3,9 @@ lacks, a node's own environment), every rank reaches the same verdict or the job
 
 Each test starts a job whose ranks differ the way nodes can (MPMD: a working directory and
 environment per rank, so a relative path names a node-local file) under a short timeout; the
-code before each fix left some ranks in a collective forever and the run timed out. On a
-timeout the whole process group is killed, so no rank stays behind.
+code before each fix left some ranks in a collective forever and the run timed out (once, it
+ended without a word of why). On a timeout the whole process group is killed, so no rank stays
+behind.
 """
 import json
 import os

@@ -42,9 +42,9 @@ from dataclasses import replace
 from mpi4py import MPI
 
 from . import host, log
-from .backend import DeviceError, check_precision, resolve_device
+from .backend import DeviceError, check_precision
 from .bench.step import traced_peak
-from .dist.context import init
+from .dist.context import agreed_device, init
 from .dist.failfast import UsageError, agreed_verdict
 from .dist.waiting import wait_idle
 from .parallel.pipeline.schedules import interleaved_fit
@@ -255,10 +255,11 @@ def run(args) -> int:
     if args.steps < 1:  # every figure is a median over the timed steps
         raise UsageError(f"hpcpar compare: error: --steps must be >= 1 (timed steps per layout), got {args.steps}")
     precisions = [None] if args.precision is None else ["fp32"] + [p for p in args.precision if p != "fp32"]
-    with agreed_verdict("hpcpar compare", (JobError, DeviceError)):  # the same verdict on every rank, before any waits
+    with agreed_verdict("hpcpar compare", (JobError,)):  # the same verdict on every rank, before any waits
         job = load_job(args.job, args.set)
         runs, skipped = layouts_to_measure(job, world.Get_size(), args.steps, precisions)
-        device = resolve_device(job.train.device)
+    with agreed_verdict("hpcpar compare", (DeviceError,)):  # every rank gets here: the device as init agrees on it
+        device = agreed_device(world, job.train.device)
         for precision in sorted({run.train.precision for run in runs}):  # as training checks it, before a layout runs
             check_precision(device, precision)
     cpus, problem = cpu_budget(world)

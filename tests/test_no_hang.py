@@ -85,14 +85,15 @@ def test_a_file_only_one_node_has_is_refused_on_every_rank(tmp_path, token_file,
     ("cuda", "device='cuda' was requested but"),  # no GPU on this machine: rank 1's node cannot give one
     ("guard", "means different things on different ranks: cpu on rank 0"),
 ])
-@pytest.mark.parametrize("command", ["train", "info"])
+@pytest.mark.parametrize("command", ["train", "info", "compare"])
 def test_a_device_one_node_cannot_give_is_refused_on_every_rank(tmp_path, token_file, device, message, command):
     """HPCPAR_DEVICE set on rank 1's node alone (as a node's environment module might): rank 1 raised
     DeviceError alone (in init under hpcpar train, in its own check under hpcpar info), exited 2,
     and rank 0 waited in init's first collective forever (or the ranks went on with different
     devices); now every rank exits 2 with one line."""
     tiny_job(tmp_path, token_file)
-    argv = hpcpar(command, *(["job.toml"] if command == "train" else []))
+    words = {"train": ["job.toml"], "info": [], "compare": ["job.toml", "--steps", "1", "--out", str(tmp_path)]}
+    argv = hpcpar(command, *words[command])
     status, output = run_ranks([(tmp_path, {"HPCPAR_DEVICE": "cpu"}, argv),
                                 (tmp_path, {"HPCPAR_DEVICE": device}, argv)])
     assert status == 2, output

@@ -108,8 +108,13 @@ def run_calibrate(args) -> int:
 
     from .calibrate import calibrate, write_machine
 
+    from ..dist.failfast import agreed_verdict
+
     world = MPI.COMM_WORLD
     out = args.out or DEFAULT_MACHINE
+    if args.inter:  # read first: a bad file is one line on every rank, not a traceback after the measuring
+        with agreed_verdict("hpcpar plan", (MachineError,)):
+            load_machine(args.inter)
     machine, comments = calibrate(world, inter_file=args.inter)
     if world.Get_rank() == 0:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

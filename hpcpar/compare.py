@@ -32,7 +32,6 @@ the world, build the layout from the same job on every rank, train and free the 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import statistics
@@ -52,6 +51,7 @@ from .tables import format_table
 from .train.build import build
 from .train.config import JobError
 from .train.config_load import load_job
+from .train.identity import ranks_with_another_job
 from .train.loop import context_options
 from .train.validate import validate
 
@@ -180,9 +180,7 @@ class JobsDiffer(RuntimeError):
 def same_job_everywhere(job, world) -> None:
     """Raise JobsDiffer on every rank alike unless every rank of ``world`` holds ``job``'s settings
     (collective: one small all-gather of a digest)."""
-    digest = hashlib.sha256(json.dumps(job.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
-    digests = world.allgather(digest)
-    differ = [rank for rank, theirs in enumerate(digests) if theirs != digests[0]]
+    differ = ranks_with_another_job(job, world)
     if differ:
         error = JobsDiffer(f"hpcpar compare: world rank(s) {differ} hold another job than rank 0 "
                            f"(job {job.source} here); every rank must measure the same job")

@@ -333,3 +333,19 @@ def test_a_load_cut_short_on_one_rank_falls_back_on_every_rank(tmp_path):
     assert status == 0, output
     assert "rank 0 loaded step 1" in output and "rank 1 loaded step 1" in output, output
     assert "injected on rank 1" in output  # the warning that skips step 2
+
+
+def test_ranks_that_read_different_jobs_are_refused_on_every_rank(tmp_path, token_file):
+    """The job file differs between the nodes (or changed while the ranks read it): the ranks built
+    different models and waited for each other in different collectives; now every rank exits 2."""
+    for node, layers in (("node1", 1), ("node2", 2)):
+        path = tiny_job(tmp_path / node, token_file)
+        with open(path) as f:
+            text = f.read().replace("n_layer = 1", f"n_layer = {layers}")
+        with open(path, "w") as f:
+            f.write(text)
+    status, output = run_ranks([(tmp_path / node, {}, hpcpar("train", "job.toml")) for node in ("node1", "node2")])
+    assert status == 2, output
+    errors = [line for line in output.splitlines() if "hpcpar train: error" in line]
+    assert len(errors) == 1 and "world rank(s) [1] read another job than rank 0" in errors[0], output
+    assert "Traceback" not in output

@@ -109,11 +109,13 @@ if ctx.rank == 0:
 
 
 @pytest.mark.parametrize("kwargs, env, hook, expected", [
-    ({}, {}, "python's", ["on: an uncaught exception on any rank aborts the job", "_abort", "_thread_hook"]),
+    ({}, {}, "python's", ["on: an uncaught exception on any rank aborts the job; a rank that ends its program "
+                          "answers the stall census at its exit", "_abort", "_thread_hook"]),
     ({"fail_fast": False}, {}, "python's", ["left alone (init(fail_fast=False))", "excepthook", "_excepthook"]),
     ({}, {"HPCPAR_FAIL_FAST": "0"}, "python's", ["left alone (HPCPAR_FAIL_FAST=0)", "excepthook", "_excepthook"]),
     ({}, {}, "own", ["on: an uncaught exception on any rank aborts the job (the application's own sys.excepthook "
-                     "kept)", "<lambda>", "_thread_hook"]),
+                     "kept); a rank that ends its program answers the stall census at its exit", "<lambda>",
+                     "_thread_hook"]),
 ], ids=["default", "init-argument", "environment", "the-applications-hook"])
 def test_init_installs_fail_fast_unless_told_not_to(tmp_path, kwargs, env, hook, expected):
     script = tmp_path / "hooks.py"

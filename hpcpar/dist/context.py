@@ -260,6 +260,7 @@ def process_settings(world_mpi: MPI.Comm, node_size: int, tune_allocator: bool, 
     wanted, settings["fail_fast"] = failfast.install_for_init(fail_fast, MPI.COMM_WORLD.Get_size())
     if wanted and world_mpi.Compare(MPI.COMM_WORLD) == MPI.IDENT:
         answer_at_exit()
+        settings["fail_fast"] += "; a rank that ends its program answers the stall census at its exit"
     return settings
 
 

@@ -349,3 +349,38 @@ def test_ranks_that_read_different_jobs_are_refused_on_every_rank(tmp_path, toke
     errors = [line for line in output.splitlines() if "hpcpar train: error" in line]
     assert len(errors) == 1 and "world rank(s) [1] read another job than rank 0" in errors[0], output
     assert "Traceback" not in output
+
+
+LEAVING_SCRIPT = """
+import sys, time
+import numpy as np
+import hpcpar
+ctx = hpcpar.init()
+x = np.ones(4)
+ctx.world.allreduce(x, out=x)
+if ctx.rank == 1:
+    sys.exit(int(sys.argv[1]))  # a plain script: no hook sees this exit
+if sys.argv[1] == "0":
+    time.sleep(2)  # rank 0 ends last, with nothing left to do together: a normal end
+else:
+    ctx.world.allreduce(x, out=x)  # rank 1 will never come
+print("rank", ctx.rank, "done")
+"""
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_a_rank_that_ends_its_program_answers_the_stall_census(tmp_path, status):
+    """sys.exit(3) on rank 1 of a plain script: rank 1 waits at its exit (before MPI_Finalize) and
+    answers rank 0's census that it has left, so rank 0, stalled in an all-reduce rank 1 will
+    never call, stops at its census (HPCPAR_STALL_S) instead of waiting forever. Ranks that end
+    at different times with nothing pending end normally."""
+    script = tmp_path / "leaving.py"
+    script.write_text(LEAVING_SCRIPT)
+    rank = (tmp_path, {"HPCPAR_STALL_S": "1"}, [sys.executable, str(script), str(status)])
+    code, output = run_ranks([rank, rank])
+    if status == 0:
+        assert code == 0 and "rank 0 done" in output, output
+        return
+    assert code not in (0, HANG), output
+    assert ("rank 1 of communicator 'world' has ended its program after its collective #1 there, while rank 0 "
+            "waits in allreduce #2, which can never complete") in output, output

@@ -23,8 +23,9 @@ report, which fail-fast turns into an abort of the whole job.
 A rank whose program has ended (``sys.exit(1)`` on one rank of a plain script) blocks in
 ``MPI_Finalize`` and would never answer. With ``answer_at_exit`` (``hpcpar.init`` with fail-fast)
 it first waits in an exit barrier of its own, answering every census with "left after
-collective #N"; a rank stalled in a later collective of that communicator then raises
-``PeerLeft`` at once: that collective can never complete, so fail-fast aborts the job.
+collective #N"; a rank stalled in a later collective of that communicator raises ``PeerLeft``
+when that answer comes (its census starts at ``HPCPAR_STALL_S``): the collective can never
+complete, so fail-fast aborts the job.
 
 Waiting costs nothing extra until the first check (a clock read per poll); the census only
 ever runs in a wait that has already lasted a second. Blocking object calls (``*_object``,

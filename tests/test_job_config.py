@@ -1,7 +1,9 @@
 """Job files: loading, --set overrides, and one clear JobError naming the file and key for each bad job."""
+import contextlib
 import os
 import re
 import textwrap
+import threading
 import tomllib
 
 import pytest
@@ -156,6 +158,29 @@ def test_malformed_toml_gives_the_line(tmp_path):
 def test_a_missing_job_file(tmp_path):
     with pytest.raises(JobError, match="absent.toml: no such job file"):
         load_job(str(tmp_path / "absent.toml"))
+
+
+def test_a_job_file_that_is_a_folder_or_a_named_pipe_is_refused_unread(tmp_path):
+    """A folder was a traceback (IsADirectoryError); a named pipe blocked the read until someone wrote to it."""
+    (tmp_path / "jobs").mkdir()
+    with pytest.raises(JobError, match="jobs: the job file is a folder, not a file; give a TOML file"):
+        load_job("jobs")
+    os.mkfifo(tmp_path / "job.fifo")
+    with unblocking(tmp_path / "job.fifo"), pytest.raises(JobError, match="job.fifo: the job file is not a regular"):
+        load_job("job.fifo")
+
+
+@contextlib.contextmanager
+def unblocking(fifo):
+    """A writer that ends a read of ``fifo`` (so that reading it fails the test instead of blocking it),
+    and is itself released when nothing read."""
+    writer = threading.Thread(target=lambda: open(fifo, "w").close(), daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # the writer's open returns
+        writer.join()
 
 
 # --- validate: the keys together and the world -------------------------------------------------------------

@@ -6,6 +6,8 @@ import textwrap
 import threading
 import tomllib
 
+import h5py
+import numpy as np
 import pytest
 
 from conftest import REPO
@@ -309,6 +311,37 @@ def test_an_existing_data_file_is_checked_against_the_model(tmp_path):
     (tmp_path / "data" / "junk.h5").write_bytes(b"not hdf5")
     assert "data.path: \"data/junk.h5\" is not a token file" in job_error(tmp_path, GOOD, "data.path=data/junk.h5",
                                                                           world_size=2)
+
+
+def token_file(path, train, val=None, vocab_size=256):
+    with h5py.File(path, "w") as f:
+        f["train"], f["val"] = train, train if val is None else val
+        f.attrs["vocab_size"] = vocab_size
+    return str(path)
+
+
+def test_a_data_file_that_cannot_feed_the_model_is_refused_before_the_run(tmp_path):
+    """Each was found mid-run or never: a folder (two lines of HDF5 error), a named pipe (h5py's open
+    blocked), float tokens (trained on silently, cast to int), 2-D tokens and ids >= vocab_size (a
+    traceback after the run folder was written)."""
+    def problem(path):
+        return job_error(tmp_path, GOOD, f'data.path="{path}"', "parallel.pp=1", world_size=1)
+
+    os.mkdir("folder.h5")
+    assert 'data.path: "folder.h5" is a folder, not a file; give the token file' in problem("folder.h5")
+    os.mkfifo("pipe.h5")
+    with unblocking("pipe.h5"):
+        assert 'data.path: "pipe.h5" is not a regular file' in problem("pipe.h5")
+    message = problem(token_file("float.h5", np.full(100, 0.5)))
+    assert "is not a token file of `hpcpar data prepare`: its train split holds float64 of shape (100,), " \
+           "not 1-D integer token ids" in message
+    assert "holds uint8 of shape (100, 2)" in problem(token_file("wide.h5", np.zeros((100, 2), np.uint8)))
+    big = token_file("big.h5", np.arange(100, dtype=np.uint16), np.full(100, 900, np.uint16))
+    assert ("data.path: the val split of big.h5 holds token id 900, outside 0..model.vocab_size-1 = 0..255; "
+            "set model.vocab_size >= 901") in problem(big)
+    assert "holds token id -1" in problem(token_file("negative.h5", np.full(100, -1, np.int32)))
+    fits = token_file("fits.h5", np.full(100, 255, np.int64))  # a wide dtype whose ids all fit
+    validate(load_job(write_job(tmp_path, GOOD), [f'data.path="{fits}"', "parallel.pp=1"]), 1)
 
 
 def test_job_error_is_a_value_error_with_its_problems():

@@ -13,7 +13,10 @@ import math
 import os
 from dataclasses import replace
 
+import numpy as np
+
 from .. import defaults
+from ..paths import input_problem
 from ..parallel.pipeline.schedules import interleaved_fit
 from .config import BYTE_VOCAB, Job, JobError
 from .config_types import toml_value
@@ -169,17 +172,20 @@ def _check_packages(job: Job) -> list[tuple[str, str]]:
 
 def _check_token_file(job: Job) -> list[tuple[str, str]]:
     path, m = job.data.path, job.model
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         if not prepares_builtin_corpus(job):
             return [("data.path", missing_data_message(job))]
         info = {"vocab_size": BYTE_VOCAB}  # what `hpcpar data prepare` will make
     else:
         from ..data.loader import dataset_info
 
+        if problem := input_problem(path):  # a named pipe would block h5py's open forever
+            return [("data.path", f"{toml_value(path)} {problem}; give the token file of `hpcpar data prepare`")]
         try:
             info = dataset_info(path)
         except (OSError, KeyError, ValueError) as err:
-            return [("data.path", f"{toml_value(path)} is not a token file of `hpcpar data prepare`: {err}")]
+            text = " ".join(str(err).split())  # HDF5's messages may span lines
+            return [("data.path", f"{toml_value(path)} is not a token file of `hpcpar data prepare`: {text}")]
     problems = []
     if m.kind == "gpt" and m.vocab_size < info["vocab_size"]:
         problems.append(("model.vocab_size", f"{m.vocab_size} is smaller than the vocab_size {info['vocab_size']} "
@@ -188,7 +194,25 @@ def _check_token_file(job: Job) -> list[tuple[str, str]]:
         if split in info and info[split] <= m.block_size:
             problems.append(("data.path", f"the {split} split of {path} has {info[split]} tokens, not more than "
                                           f"model.block_size = {m.block_size}; prepare more text"))
-    return problems
+    return problems or _check_token_ids(job, info)
+
+
+def _check_token_ids(job: Job, info: dict) -> list[tuple[str, str]]:
+    """Every token id of the file is in 0..model.vocab_size-1 (an id outside fails in the embedding,
+    mid-run). Free for byte tokens: the ids of a file whose dtype holds no id out of range are not read."""
+    from ..data.loader import id_range
+
+    vocab = job.model.vocab_size
+    for split, dtype in info.get("dtypes", {}).items():
+        if job.model.kind != "gpt" or (np.iinfo(dtype).min >= 0 and np.iinfo(dtype).max < vocab):
+            continue
+        low, high = id_range(job.data.path, split)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            return [("data.path", f"the {split} split of {job.data.path} holds token id {bad}, outside "
+                                  f"0..model.vocab_size-1 = 0..{vocab - 1}; "
+                                  + ("remake the file" if bad < 0 else f"set model.vocab_size >= {high + 1}"))]
+    return []
 
 
 def prepares_builtin_corpus(job: Job) -> bool:

@@ -344,6 +344,29 @@ def test_a_data_file_that_cannot_feed_the_model_is_refused_before_the_run(tmp_pa
     validate(load_job(write_job(tmp_path, GOOD), [f'data.path="{fits}"', "parallel.pp=1"]), 1)
 
 
+def test_a_path_the_run_writes_that_cannot_be_made_is_refused_before_the_run(tmp_path):
+    """Each was a traceback: checkpoint.dir and train.metrics after the run folder was written,
+    train.trace after the whole run (leaving TRACE.tmp behind)."""
+    def problem(*overrides):
+        return job_error(tmp_path, GOOD, 'data.path="tokens.h5"', "parallel.pp=1", *overrides, world_size=1)
+
+    token_file("tokens.h5", np.zeros(100, np.uint8))
+    open("afile", "w").close()
+    os.mkdir("folder")
+    where = os.path.join(str(tmp_path), "afile")
+    assert f'checkpoint.dir: "afile/ck" cannot be made: {where} is a file, not a folder; choose another path' \
+           in problem('checkpoint.dir="afile/ck"')
+    assert 'checkpoint.dir: "afile" is a file, not a folder' in problem('checkpoint.dir="afile"')
+    assert f'train.metrics: "afile/m/metrics.jsonl" cannot be made: {where} is a file' \
+           in problem('train.metrics="afile/m/metrics.jsonl"')
+    assert 'train.metrics: "folder" is a folder; give the path of a file' in problem('train.metrics="folder"')
+    assert 'train.trace: "folder" is a folder' in problem('train.trace="folder"')
+    message = problem('train.trace="afile/t.json"', 'checkpoint.dir="afile"')
+    assert "2 problems" in message and "train.trace: " in message and "checkpoint.dir: " in message
+    validate(load_job(write_job(tmp_path, GOOD), ['data.path="tokens.h5"', "parallel.pp=1",
+                                                  'train.metrics="new/deeper/m.jsonl"', 'checkpoint.dir="folder"']), 1)
+
+
 def test_job_error_is_a_value_error_with_its_problems():
     error = JobError("jobs/x.toml", [("parallel.tp", "too big"), ("train.steps", "too small")])
     assert isinstance(error, ValueError) and error.problems[0] == ("parallel.tp", "too big")

@@ -3,8 +3,10 @@
 ``load_job`` (config_load.py) has already checked each key on its own; ``validate`` checks the
 dp x pp x tp layout, heads and vocabulary divisible by tp, batch divisible by dp and
 micro-batches, pipeline stages versus layers, modes that exclude each other, ``no_decay``
-patterns against the model's parameter names, and the data file, and reports every problem in one ``JobError``. A pure function of the job and the
-world size: every rank reaches the same verdict before any rank waits on another.
+patterns against the model's parameter names, the data file, and the paths the run writes
+(metrics, trace, TensorBoard, checkpoints), and reports every problem in one ``JobError``. A
+pure function of the job, the world size and the files it names: every rank reaches the same
+verdict before any rank waits on another, and before anything is written.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import replace
 import numpy as np
 
 from .. import defaults
-from ..paths import input_problem
+from ..paths import input_problem, output_problem
 from ..parallel.pipeline.schedules import interleaved_fit
 from .config import BYTE_VOCAB, Job, JobError
 from .config_types import toml_value
@@ -40,6 +42,7 @@ def validate(job: Job, world_size: int) -> Job:
                                                f"{job.optimizer.lr:g}; the cosine decays from lr down to min_lr"))
     if job.data.kind == "text":
         problems += _check_token_file(job)
+    problems += _check_outputs(job)
     if problems:
         raise JobError(job.source, problems)
     return replace(job, parallel=replace(job.parallel, dp=dp), world_size=world_size)
@@ -168,6 +171,16 @@ def _check_packages(job: Job) -> list[tuple[str, str]]:
     return [(key, f"{toml_value(value)} needs the {module} package: pip install 'hpcpar[{extra}]'")
             for key, value, module, extra in OPTIONAL_PACKAGES
             if job.get(key) == value and importlib.util.find_spec(module) is None]
+
+
+# The paths a run writes: (key, whether it is a folder)
+OUTPUTS = (("train.metrics", False), ("train.trace", False), ("train.tensorboard", True), ("checkpoint.dir", True))
+
+
+def _check_outputs(job: Job) -> list[tuple[str, str]]:
+    """Each path the run writes can be made (else it failed mid-run or at the end, after the rest was written)."""
+    return [(key, f"{toml_value(path)} {problem}; choose another path")
+            for key, folder in OUTPUTS if (path := job.get(key)) and (problem := output_problem(path, folder))]
 
 
 def _check_token_file(job: Job) -> list[tuple[str, str]]:

@@ -125,7 +125,9 @@ def test_a_usage_error_is_one_line_and_exit_status_2(args, start, corrupt_metric
 @pytest.mark.parametrize("args, start", [(["info", "--tp", "3"], "hpcpar info: error: world size 4 is not divisible"),
                                          (["bench", "foo"], "hpcpar bench: error: argument BENCHMARK"),
                                          (["compare", "--steps", "2"], "hpcpar compare: error: the following"),
-                                         (["compare", "jobs/gpt-ps.toml"], "hpcpar compare: error: jobs/gpt-ps.toml")])
+                                         (["compare", "jobs/gpt-ps.toml"], "hpcpar compare: error: jobs/gpt-ps.toml"),
+                                         (["data", "prepare", "--out", "runs/never.h5", "/nope.txt"],
+                                          "hpcpar data prepare: error: no such file '/nope.txt'")])  # was once per rank
 def test_a_usage_error_under_mpiexec_is_one_line_from_rank_0(args, start):
     proc = hpcpar_command(*args, ranks=4)
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr

@@ -2,8 +2,10 @@
 with exit status 2 (under mpiexec too), --version, log lines by rank, plots of metrics files."""
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -223,6 +225,33 @@ def test_a_bad_metrics_file_is_named(tmp_path, text, problem):
     path.write_text(text)
     with pytest.raises(ValueError, match=problem):
         plot.plot_metrics(str(path))
+
+
+def test_plot_checks_its_input_and_its_png_before_drawing(tmp_path, monkeypatch):
+    """A folder as input was a traceback; --out odir wrote odir.png and said 'wrote odir'; --out into a missing
+    folder or under a file was a traceback after drawing; a compare.json that is not an object a traceback."""
+    from hpcpar.dist.failfast import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    pathlib.Path("m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(1, 3)))
+    pathlib.Path("list.json").write_text("[1, 2]")
+    pathlib.Path("text.json").write_text("xx")
+    pathlib.Path("afile").write_text("x")
+    for name in ("folder.jsonl", "shots.png"):
+        os.mkdir(name)
+    for path, out, message in (("folder.jsonl", None, "folder.jsonl is a folder, not a file"),
+                               ("m.jsonl", "odir", "--out odir: not a .png file name; give one such as odir.png"),
+                               ("m.jsonl", "shots.png", "--out shots.png is a folder; give the path of a file"),
+                               ("m.jsonl", "afile/m.png", f"--out afile/m.png cannot be made: {tmp_path}/afile is a file"),
+                               ("list.json", None, "list.json: not the compare.json of `hpcpar compare`"),
+                               ("text.json", None, "text.json: not JSON (Expecting value")):
+        with pytest.raises(UsageError) as caught:
+            plot.run(argparse.Namespace(path=path, out=out))
+        assert str(caught.value).startswith(f"hpcpar plot: error: {message}"), caught.value
+    assert sorted(os.listdir()) == ["afile", "folder.jsonl", "list.json", "m.jsonl", "shots.png", "text.json"]
+    if importlib.util.find_spec("matplotlib"):
+        plot.run(argparse.Namespace(path="m.jsonl", out="new/folder/m.png"))  # a missing folder is made
+        assert os.path.isfile("new/folder/m.png")
 
 
 def test_data_prepare_refuses_a_compressed_file(tmp_path):

@@ -254,6 +254,24 @@ def test_plot_checks_its_input_and_its_png_before_drawing(tmp_path, monkeypatch)
         assert os.path.isfile("new/folder/m.png")
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"prompt": ""}, "--prompt is empty; give the text the sample continues"),  # was an IndexError traceback
+    ({"temperature": float("nan")}, "--temperature a number >= 0, got --tokens 5 --top-k 40 --temperature nan"),  # sampled
+    ({"checkpoint": "FILE"}, "FILE: a file, not a folder; give a checkpoint root")])  # was an errno line about FILE/latest
+def test_generate_refuses_bad_flags_and_a_file_as_checkpoint(tmp_path, change, message):
+    from hpcpar import generate
+    from hpcpar.dist.failfast import UsageError
+
+    (tmp_path / "FILE").write_text("x")
+    args = argparse.Namespace(**{"checkpoint": "/nope", "tokens": 5, "prompt": "def ", "temperature": 0.8, "top_k": 40,
+                                 "seed": 0, **change})
+    args.checkpoint = args.checkpoint.replace("FILE", str(tmp_path / "FILE"))
+    with pytest.raises(UsageError) as caught:
+        generate.run(args)
+    text = str(caught.value)
+    assert text.startswith("hpcpar generate: error: ") and message.replace("FILE", str(tmp_path / "FILE")) in text, text
+
+
 def test_data_prepare_refuses_a_compressed_file(tmp_path):
     import gzip
 

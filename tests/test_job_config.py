@@ -122,8 +122,11 @@ def test_unknown_key_names_it_suggests_and_lists_the_allowed(tmp_path):
     (('steps = 20', 'steps = "ten"'), 'train.steps: expected an integer, got "ten"'),
     (('steps = 20', 'steps = 20.0'), "train.steps: expected an integer, got 20.0"),
     (('n_layer = 2', 'n_layer = true'), "model.n_layer: expected an integer, got true"),
-    (('betas = [0.9, 0.95]', 'betas = 0.9'), "optimizer.betas: expected a list of 2 numbers, got 0.9"),
-    (('dropout = 0.1', 'dropout = "0.1"'), 'model.dropout: expected a number, got "0.1"'),
+    (('betas = [0.9, 0.95]', 'betas = 0.9'), "optimizer.betas: expected a list of 2 finite numbers, got 0.9"),
+    (('dropout = 0.1', 'dropout = "0.1"'), 'model.dropout: expected a finite number, got "0.1"'),
+    (('lr = 1 ', 'lr = inf '), "optimizer.lr: expected a finite number, got inf"),  # trained on NaNs, exit 0
+    (('lr = 1 ', 'lr = 1' + '0' * 400 + ' '), "optimizer.lr: expected a finite number, got 1000"),  # OverflowError
+    (('betas = [0.9, 0.95]', 'betas = [0.9, nan]'), "optimizer.betas: expected a list of 2 finite numbers, got [0.9, nan]"),
     (('pp = 2', 'pp = 0'), "parallel.pp: 0 must be >= 1"),
     (('dropout = 0.1', 'dropout = 1.0'), "model.dropout: 1.0 must be in [0.0, 1.0)"),
     (('precision = "fp64"', 'precision = "fp8"'), 'train.precision: "fp8" is not one of fp32, fp16, bf16, fp64'),

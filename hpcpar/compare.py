@@ -46,6 +46,7 @@ from .backend import DeviceError, check_precision, resolve_device
 from .bench.step import traced_peak
 from .dist.context import init
 from .dist.failfast import UsageError
+from .paths import output_problem
 from .dist.waiting import wait_idle
 from .parallel.pipeline.schedules import interleaved_fit
 from .tables import format_table
@@ -267,6 +268,8 @@ def run(args) -> int:
     if problem:
         logger.warning(problem)
     out = args.out or os.path.join("runs", "compare-" + os.path.basename(args.job).rsplit(".", 1)[0])
+    if problem := output_problem(out, folder=True):  # before measuring: it was a traceback after every layout ran
+        raise UsageError(f"hpcpar compare: error: --out {out} {problem}")
     results = []
     for layout_run in runs:
         figures = measure_on_first_ranks(layout_run, world, args.steps)

@@ -272,6 +272,19 @@ def test_generate_refuses_bad_flags_and_a_file_as_checkpoint(tmp_path, change, m
     assert text.startswith("hpcpar generate: error: ") and message.replace("FILE", str(tmp_path / "FILE")) in text, text
 
 
+def test_compare_checks_its_out_folder_before_measuring(tmp_path, monkeypatch):
+    """--out under a file was a traceback once every layout had been measured."""
+    from hpcpar.dist.failfast import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    parsed = cli.build_parser("compare").parse_args(["compare", os.path.join(REPO, "jobs", "gpt-dp.toml"),
+                                                     "--out", "afile/out"])
+    with pytest.raises(UsageError, match=f"hpcpar compare: error: --out afile/out cannot be made: {tmp_path}/afile is "
+                                         f"a file, not a folder"):
+        parsed.func(parsed)
+
+
 def test_data_prepare_refuses_a_compressed_file(tmp_path):
     import gzip
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from ..paths import output_problem
 from ..tables import format_table
 from .machine import MACHINES_DIR, MachineError, load_machine
 
@@ -59,7 +60,7 @@ CALIBRATE_FLAGS = {"out": "--out", "inter": "--inter"}
 
 
 def refuse_unread_flags(args) -> None:
-    """One usage line for flags this use of ``hpcpar plan`` would not read."""
+    """One usage line for flags this use of ``hpcpar plan`` would not read, or out of range."""
     calibrating = args.job == "calibrate"
     unread = PLANNING_FLAGS if calibrating else CALIBRATE_FLAGS
     given = [flag for name, flag in unread.items() if getattr(args, name) not in (None, [])]
@@ -68,6 +69,9 @@ def refuse_unread_flags(args) -> None:
         raise _usage(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing here: {what}")
     if args.explain is not None and args.top is not None:
         raise _usage("--top does nothing with --explain, which shows one layout")
+    for flag, value, low in (("--world", args.world, 1), ("--top", args.top, 0)):  # --top -1 dropped the last row
+        if value is not None and value < low:
+            raise _usage(f"{flag} must be >= {low}, got {value}")
 
 
 def run(args) -> int:
@@ -110,6 +114,10 @@ def run_calibrate(args) -> int:
 
     world = MPI.COMM_WORLD
     out = args.out or DEFAULT_MACHINE
+    if problem := output_problem(out):  # both before measuring: each was a traceback after it
+        raise _usage(f"--out {out} {problem}")
+    if args.inter:
+        machine_from(args.inter)
     machine, comments = calibrate(world, inter_file=args.inter)
     if world.Get_rank() == 0:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

@@ -370,6 +370,25 @@ def test_a_path_the_run_writes_that_cannot_be_made_is_refused_before_the_run(tmp
                                                   'train.metrics="new/deeper/m.jsonl"', 'checkpoint.dir="folder"']), 1)
 
 
+def test_a_path_the_run_writes_may_not_replace_what_it_reads_or_another_output(tmp_path):
+    """Each ran with exit 0: train.metrics on the token file renamed it aside as an old metrics file; the
+    trace replaced the token file, the job file or the metrics at the end; checkpoint.dir = "" was a
+    traceback, and a step folder as checkpoint.dir got a second root written inside it."""
+    def problem(*overrides):
+        return job_error(tmp_path, GOOD, 'data.path="tokens.h5"', "parallel.pp=1", *overrides, world_size=1)
+
+    token_file("tokens.h5", np.zeros(100, np.uint8))
+    assert 'train.metrics: "tokens.h5" is also data.path, which writing it would replace' in \
+        problem('train.metrics="tokens.h5"')
+    assert 'train.trace: "./job.toml" is also the job file' in problem('train.trace="./job.toml"')
+    assert 'train.trace: "m.jsonl" is also train.metrics' in problem('train.metrics="m.jsonl"', 'train.trace="m.jsonl"')
+    assert 'checkpoint.dir (--set): "" must be a folder name' in job_error(tmp_path, GOOD, 'checkpoint.dir=""')
+    os.makedirs("ck/step-00000002")
+    open("ck/step-00000002/manifest.json", "w").close()
+    assert 'checkpoint.dir: "ck/step-00000002" is a step folder of a checkpoint; give a checkpoint root (such as ck)' \
+        in problem('checkpoint.dir="ck/step-00000002"')
+
+
 def test_job_error_is_a_value_error_with_its_problems():
     error = JobError("jobs/x.toml", [("parallel.tp", "too big"), ("train.steps", "too small")])
     assert isinstance(error, ValueError) and error.problems[0] == ("parallel.tp", "too big")

@@ -18,6 +18,7 @@ from dataclasses import replace
 import numpy as np
 
 from .. import defaults
+from ..checkpoint.manifest import MANIFEST
 from ..paths import input_problem, output_problem
 from ..parallel.pipeline.schedules import interleaved_fit
 from .config import BYTE_VOCAB, Job, JobError
@@ -178,9 +179,32 @@ OUTPUTS = (("train.metrics", False), ("train.trace", False), ("train.tensorboard
 
 
 def _check_outputs(job: Job) -> list[tuple[str, str]]:
-    """Each path the run writes can be made (else it failed mid-run or at the end, after the rest was written)."""
-    return [(key, f"{toml_value(path)} {problem}; choose another path")
-            for key, folder in OUTPUTS if (path := job.get(key)) and (problem := output_problem(path, folder))]
+    """Each path the run writes can be made (else it failed mid-run or at the end, after the rest was
+    written) and replaces nothing the run reads or writes elsewhere."""
+    problems = [(key, f"{toml_value(path)} {problem}; choose another path")
+                for key, folder in OUTPUTS if (path := job.get(key)) and (problem := output_problem(path, folder))]
+    return problems or _check_overlaps(job)
+
+
+def _check_overlaps(job: Job) -> list[tuple[str, str]]:
+    """A metrics file or trace on the data file, the job file or each other (a fresh run renamed the token
+    file aside as an old metrics file; the trace replaced the file at the end, exit 0), and a checkpoint.dir
+    that is a step folder (a second root was written inside it)."""
+    taken = [("data.path", job.data.path if job.data.kind == "text" else None), ("the job file", job.source)]
+    problems = []
+    for key in ("train.metrics", "train.trace"):
+        path = job.get(key)
+        same = [name for name, other in taken if path and other and os.path.realpath(other) == os.path.realpath(path)]
+        if same:
+            problems.append((key, f"{toml_value(path)} is also {same[0]}, which writing it would replace; "
+                                  f"choose another path"))
+        taken.append((key, path))
+    folder = job.checkpoint.dir
+    if os.path.isfile(os.path.join(folder, MANIFEST)):
+        problems.append(("checkpoint.dir", f"{toml_value(folder)} is a step folder of a checkpoint; give a checkpoint "
+                                           f"root (such as {os.path.dirname(os.path.normpath(folder)) or '.'}) or a "
+                                           f"new folder"))
+    return problems
 
 
 def _check_token_file(job: Job) -> list[tuple[str, str]]:

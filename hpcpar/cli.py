@@ -14,6 +14,7 @@ import argparse
 import difflib
 import importlib
 import json
+import math
 import os
 import sys
 
@@ -75,6 +76,37 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _finite(text: str, kind):
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a finite number'}, got {text!r}")
+    return value
+
+
+def at_least(low, kind=int):
+    """An argparse type: a ``kind`` number >= ``low`` (a count of steps, rounds, sequences, layers...), so
+    that 0 or a negative value is a usage line, not a traceback (or a silently empty table) later."""
+    def convert(text: str):
+        value = _finite(text, kind)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+    return convert
+
+
+def above(low: float):
+    """An argparse type: a finite number > ``low`` (a size in MiB, a factor)."""
+    def convert(text: str) -> float:
+        value = _finite(text, float)
+        if value <= low:
+            raise argparse.ArgumentTypeError(f"must be > {low:g}, got {text}")
+        return value
+    return convert
 
 
 def _log_ranks(text: str) -> str:

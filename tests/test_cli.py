@@ -285,6 +285,35 @@ def test_compare_checks_its_out_folder_before_measuring(tmp_path, monkeypatch):
         parsed.func(parsed)
 
 
+@pytest.mark.parametrize("words, message", [  # each was a traceback (or, for --stages 0, an empty table)
+    (["step", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["step", "--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+    (["ckpt", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+    (["allreduce", "--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
+    (["allreduce", "--max-mib", "-1"], "argument --max-mib: must be > 0, got -1"),
+    (["dp", "--bucket-mb", "nan"], "argument --bucket-mb: expected a finite number, got 'nan'"),
+    (["pipeline", "--micro", "4", "0"], "argument --micro: must be >= 1, got 0"),
+    (["pipeline", "--stages", "0"], "argument --stages: must be >= 1, got 0"),
+    (["recompute", "--n-head", "x"], "argument --n-head: expected an integer, got 'x'"),
+    (["async", "--slow-rank", "-2"], "argument --slow-rank: must be >= -1, got -2"),
+    (["net", "--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
+])
+def test_bench_counts_out_of_range_are_usage_errors(words, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.build_parser("bench").parse_args(["bench", *words])
+    lines = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 2 and lines[-1].startswith(f"hpcpar bench {words[0]}: error: {message}"), lines
+
+
+def test_bench_ckpt_needs_an_existing_dir(tmp_path):
+    from hpcpar.dist.failfast import UsageError
+
+    (tmp_path / "afile").write_text("x")
+    parsed = cli.build_parser("bench").parse_args(["bench", "ckpt", "--dir", str(tmp_path / "afile")])
+    with pytest.raises(UsageError, match=f"--dir {tmp_path}/afile is not a folder"):  # mkdtemp's traceback on rank 0
+        parsed.func(parsed)
+
+
 def test_data_prepare_refuses_a_compressed_file(tmp_path):
     import gzip
 

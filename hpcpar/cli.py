@@ -168,7 +168,7 @@ def _train(args) -> int:
     from .train.config_load import load_job
     from .train.loop import StopRequest, train
     from .train.resume import Request
-    from .train.validate import validate
+    from .train.validate import check_memory, validate
 
     if args.dry_run:
         from .plan.cli import dry_run
@@ -178,6 +178,7 @@ def _train(args) -> int:
     overrides = args.set + ([f"train.trace={json.dumps(args.trace)}"] if args.trace else [])
     try:  # the same verdict on every rank, before any rank waits on another
         job = validate(load_job(args.job, overrides), MPI.COMM_WORLD.Get_size())
+        check_memory(job)
         # JobErrors inside (a checkpoint that does not fit the job) come on every rank at once
         request = Request(args.resume, overwrite=args.overwrite, weights_only=args.load_weights_only)
         train(job, resume=request, stop=stop, progress=args.progress)

@@ -14,7 +14,7 @@ from conftest import REPO
 from hpcpar.data.prepare import prepare
 from hpcpar.train.config import SECTIONS, Job, JobError, schema_table
 from hpcpar.train.config_load import load_job, parse_override
-from hpcpar.train.validate import validate
+from hpcpar.train.validate import check_memory, validate
 
 GOOD = """
 [model]
@@ -387,6 +387,17 @@ def test_a_path_the_run_writes_may_not_replace_what_it_reads_or_another_output(t
     open("ck/step-00000002/manifest.json", "w").close()
     assert 'checkpoint.dir: "ck/step-00000002" is a step folder of a checkpoint; give a checkpoint root (such as ck)' \
         in problem('checkpoint.dir="ck/step-00000002"')
+
+
+def test_a_model_whose_weights_cannot_fit_in_memory_is_refused_before_it_is_built(tmp_path):
+    """n_embd = 1e8 was a MemoryError traceback while the model was built; a job that fits is not refused."""
+    job = validate(load_job(write_job(tmp_path, GOOD), ["model.n_embd=100000000", "model.n_head=1"]), 2)
+    with pytest.raises(JobError) as caught:  # the planner may plan it for a bigger machine; training here cannot
+        check_memory(job)
+    message = str(caught.value)
+    assert "job.toml: model.n_embd, model.n_layer, model.vocab_size: a GPT of about 2.4e+17 parameters" in message
+    assert "on each of the pp x tp = 2 ranks that split it, beyond this machine's" in message
+    check_memory(validate(load_job(write_job(tmp_path, GOOD)), 2))
 
 
 def test_job_error_is_a_value_error_with_its_problems():

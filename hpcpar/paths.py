@@ -1,8 +1,8 @@
 """Checks of the paths a command is given, made before it reads or writes anything.
 
-Each returns None when the path will do, else what is wrong, as the end of a sentence that
-starts with the path (``"afile/m.jsonl" cannot be made: afile is a file, not a folder``), so
-that the caller names the key or flag in front of it:
+Each returns None when the path will do, else what is wrong and the fix, as the end of a sentence
+that starts with the path (``"afile/m.jsonl" cannot be made: afile is a file, not a folder; give a
+path under a folder``), so that the caller names the key or flag in front of it:
 
 - ``input_problem(path)``: an existing regular file. A folder fails late with an error that
   names neither, and opening a FIFO (a named pipe) blocks until someone writes to it.
@@ -36,7 +36,7 @@ def input_problem(path: str) -> str | None:
 def output_problem(path: str, folder: bool = False) -> str | None:
     """Why ``path`` cannot be written as a file (``folder``: made as a folder), or None."""
     if os.path.isdir(path) and not folder:
-        return "is a folder; give the path of a file (in it, or elsewhere)"
+        return "is a folder; give the path of a file"
     if os.path.lexists(path) and not os.path.isdir(path):
         if folder:
             return "is a file, not a folder; give the path of a folder"
@@ -46,8 +46,8 @@ def output_problem(path: str, folder: bool = False) -> str | None:
     while not os.path.lexists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        return f"cannot be made: {parent} is a file, not a folder"
+        return f"cannot be made: {parent} is a file, not a folder; give a path under a folder"
     target = path if os.path.exists(path) else parent
     if not os.access(target, os.W_OK):
-        return f"cannot be written: no write permission on {target}"
+        return f"cannot be written: no write permission on {target}; give a path you may write"
     return None

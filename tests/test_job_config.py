@@ -357,7 +357,7 @@ def test_a_path_the_run_writes_that_cannot_be_made_is_refused_before_the_run(tmp
     open("afile", "w").close()
     os.mkdir("folder")
     where = os.path.join(str(tmp_path), "afile")
-    assert f'checkpoint.dir: "afile/ck" cannot be made: {where} is a file, not a folder; choose another path' \
+    assert f'checkpoint.dir: "afile/ck" cannot be made: {where} is a file, not a folder; give a path under a folder' \
            in problem('checkpoint.dir="afile/ck"')
     assert 'checkpoint.dir: "afile" is a file, not a folder' in problem('checkpoint.dir="afile"')
     assert f'train.metrics: "afile/m/metrics.jsonl" cannot be made: {where} is a file' \

@@ -200,7 +200,7 @@ OUTPUTS = (("train.metrics", False), ("train.trace", False), ("train.tensorboard
 def _check_outputs(job: Job) -> list[tuple[str, str]]:
     """Each path the run writes can be made (else it failed mid-run or at the end, after the rest was
     written) and replaces nothing the run reads or writes elsewhere."""
-    problems = [(key, f"{toml_value(path)} {problem}; choose another path")
+    problems = [(key, f"{toml_value(path)} {problem}")
                 for key, folder in OUTPUTS if (path := job.get(key)) and (problem := output_problem(path, folder))]
     return problems or _check_overlaps(job)
 

@@ -213,7 +213,7 @@ def path_problem(path: str, out: str) -> str | None:
     """What is wrong with the input or the PNG, before anything is read or drawn (a folder as the input
     was a traceback, a named pipe blocked the read, a missing folder of --out a traceback after drawing)."""
     if problem := input_problem(path):
-        return f"{path} {problem}"
+        return f"{path} {problem}; give a metrics .jsonl or a compare.json"
     if not out.lower().endswith(".png"):  # matplotlib would write OUT.png and the line would name OUT
         return f"--out {out}: not a .png file name; give one such as {os.path.splitext(out)[0]}.png"
     if problem := output_problem(out):

@@ -67,7 +67,7 @@ def prepare(out: str, paths: list[str] | None = None, max_mb: float | None = 8, 
             if problem == "does not exist":
                 raise FileNotFoundError(f"no such file {path!r}")
             if problem:
-                raise ValueError(f"{path!r} {problem}")
+                raise ValueError(f"{path!r} {problem}; give a text file")
             if os.path.exists(out) and os.path.samefile(path, out):
                 raise ValueError(f"{out!r} is both the output and one of the text files; write another file")
             compressed = compression_of(path)

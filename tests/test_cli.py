@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -303,6 +304,16 @@ def test_bench_counts_out_of_range_are_usage_errors(words, message, capsys):
         cli.build_parser("bench").parse_args(["bench", *words])
     lines = capsys.readouterr().err.splitlines()
     assert stop.value.code == 2 and lines[-1].startswith(f"hpcpar bench {words[0]}: error: {message}"), lines
+
+
+@pytest.mark.parametrize("words, message", [(["--n-head", "3"], "must be divisible by n_head (3)"),
+                                            (["--dropout", "1.5"], "GPTConfig.dropout must be in [0, 1), got 1.5")])
+def test_bench_recompute_refuses_a_model_that_cannot_be_built(words, message):  # each was a traceback
+    from hpcpar.dist.failfast import UsageError
+
+    parsed = cli.build_parser("bench").parse_args(["bench", "recompute", *words])
+    with pytest.raises(UsageError, match=re.escape(message)):
+        parsed.func(parsed)
 
 
 def test_bench_ckpt_needs_an_existing_dir(tmp_path):

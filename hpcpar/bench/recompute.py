@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ..cli import at_least
 from ..autograd.memory import kept_for_backward
+from ..dist.failfast import UsageError
 from ..nn.activation_memory import block_kept_bytes
 from ..nn.gpt import GPT, RECOMPUTE, GPTConfig
 from ..optim import precision_dtype
@@ -79,8 +80,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
-    config = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head,
-                       n_embd=args.n_embd, dropout=args.dropout, seed=0)
+    try:  # the model's own checks (heads dividing the width, dropout in [0, 1)): one line, not a traceback
+        config = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head,
+                           n_embd=args.n_embd, dropout=args.dropout, seed=0)
+    except ValueError as error:
+        raise UsageError(f"hpcpar bench recompute: error: {error}") from None
     rows = measure(config, args.batch, args.precision, args.steps, args.warmup)
     title = (f"Activation recomputation, GPT n_layer={config.n_layer} n_embd={config.n_embd} n_head={config.n_head} "
              f"block={config.block_size} batch={args.batch} dropout={config.dropout} {args.precision}, 1 process, "

@@ -398,6 +398,10 @@ def test_a_model_whose_weights_cannot_fit_in_memory_is_refused_before_it_is_buil
     assert "job.toml: model.n_embd, model.n_layer, model.vocab_size: a GPT of about 2.4e+17 parameters" in message
     assert "on each of the pp x tp = 2 ranks that split it, beyond this machine's" in message
     check_memory(validate(load_job(write_job(tmp_path, GOOD)), 2))
+    job = validate(load_job(write_job(tmp_path, GOOD), ["data.batch_size=4000000000", "parallel.pp=1"]), 2)
+    with pytest.raises(JobError, match="data.batch_size, model.block_size: one micro-batch of 16,000,000,000 tokens "
+                                       "has logits of 15,259 GiB"):  # its first step never ended
+        check_memory(job)
 
 
 def test_job_error_is_a_value_error_with_its_problems():

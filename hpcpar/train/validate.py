@@ -165,21 +165,29 @@ def _check_batch(job: Job, dp: int | None) -> list:
 
 def check_memory(job: Job) -> None:
     """Before training on this machine (not in ``validate``: plans and dry runs are for other machines): a GPT
-    whose float32 weights alone, split over pp x tp, exceed this machine's memory is a JobError (it was a
-    MemoryError traceback while the model was built). Deliberately loose (no gradients, optimizer state or
-    activations, one rank per machine): it refuses only what cannot run, never what might."""
+    whose float32 weights alone, split over pp x tp, or one micro-batch's logits exceed this machine's memory
+    is a JobError (a MemoryError traceback while the model was built, or a first step that never ended).
+    Deliberately loose (no gradients, optimizer state or other activations, one rank per machine): it refuses
+    only what cannot run, never what might."""
     m, p = job.model, job.parallel
     if m.kind != "gpt":
         return
-    count = 12 * m.n_layer * m.n_embd ** 2 + (m.vocab_size + m.block_size) * m.n_embd  # blocks + embeddings
-    per_rank = 4 * count / (p.pp * p.tp)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if per_rank > memory:
-        raise JobError(job.source, [(
-            "model.n_embd, model.n_layer, model.vocab_size",
-            f"a GPT of about {count:.3g} parameters takes {per_rank / 2**30:,.0f} GiB in float32 on each of the "
-            f"pp x tp = {p.pp * p.tp} ranks that split it, beyond this machine's {memory / 2**30:,.0f} GiB of "
-            f"memory; lower them")])
+    count = 12 * m.n_layer * m.n_embd ** 2 + (m.vocab_size + m.block_size) * m.n_embd  # blocks + embeddings
+    weights = 4 * count / (p.pp * p.tp)
+    tokens = job.data.batch_size // ((p.dp or 1) * p.micro_batches) * m.block_size  # one micro-batch of a replica
+    logits = 4 * tokens * m.vocab_size / p.tp
+    if weights > memory:
+        problem = ("model.n_embd, model.n_layer, model.vocab_size",
+                   f"a GPT of about {count:.3g} parameters takes {weights / 2**30:,.0f} GiB in float32 on each of the "
+                   f"pp x tp = {p.pp * p.tp} ranks that split it")
+    elif logits > memory:
+        problem = ("data.batch_size, model.block_size",
+                   f"one micro-batch of {tokens:,} tokens has logits of {logits / 2**30:,.0f} GiB in float32 per rank")
+    else:
+        return
+    raise JobError(job.source, [(problem[0], f"{problem[1]}, beyond this machine's {memory / 2**30:,.0f} GiB of "
+                                             f"memory; lower them")])
 
 
 # Packages a job may need beyond hpcpar's own dependencies: (key, its value, module, the extra naming it)

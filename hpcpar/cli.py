@@ -154,6 +154,9 @@ def jobs_reference() -> str:
 
 def _train(args) -> int:
     if args.list_keys:
+        if args.job is not None or args.set:  # they would do nothing
+            raise _usage("hpcpar train", "--list-keys prints every key and reads no job; leave out the job file "
+                                         "and --set")
         print(jobs_reference(), end="")
         return 0
     if args.job is None:

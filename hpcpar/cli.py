@@ -152,18 +152,31 @@ def jobs_reference() -> str:
             + schema_table() + "\n")
 
 
-def _train(args) -> int:
+def _unread_train_flags(args) -> str | None:
+    """What is wrong with flags ``hpcpar train`` would not read in this use (they would do nothing)."""
+    if args.list_keys and (args.job is not None or args.set):
+        return "--list-keys prints every key and reads no job; leave out the job file and --set"
     if args.list_keys:
-        if args.job is not None or args.set:  # they would do nothing
-            raise _usage("hpcpar train", "--list-keys prints every key and reads no job; leave out the job file "
-                                         "and --set")
+        return None
+    if args.job is None:
+        return "the following arguments are required: job (or --list-keys)"
+    if args.machine is not None and not args.dry_run:  # training never reads a machine file
+        return "--machine FILE is the machine of --dry-run's predicted step time; add --dry-run or leave --machine out"
+    unread = [flag for flag, value in (("--resume", args.resume), ("--overwrite", args.overwrite),
+                                       ("--load-weights-only", args.load_weights_only), ("--trace", args.trace))
+              if value and args.dry_run]
+    if unread:
+        return (f"{', '.join(unread)} {'does' if len(unread) == 1 else 'do'} nothing with --dry-run, which trains "
+                f"nothing; leave {'it' if len(unread) == 1 else 'them'} out")
+    return None
+
+
+def _train(args) -> int:
+    if problem := _unread_train_flags(args):
+        raise _usage("hpcpar train", problem)
+    if args.list_keys:
         print(jobs_reference(), end="")
         return 0
-    if args.job is None:
-        raise _usage("hpcpar train", "the following arguments are required: job (or --list-keys)")
-    if args.machine is not None and not args.dry_run:  # training never reads a machine file
-        raise _usage("hpcpar train", "--machine FILE is the machine of --dry-run's predicted step time; "
-                                     "add --dry-run or leave --machine out")
     from mpi4py import MPI
 
     from .backend import DeviceError

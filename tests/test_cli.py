@@ -109,6 +109,8 @@ USAGE_ERRORS = [
     (["compare", "jobs/gpt-dp.toml", "--steps", "0"], "hpcpar compare: error: --steps must be >= 1"),
     (["train", "jobs/gpt-dp.toml", "--machine", "m.toml"], "hpcpar train: error: --machine FILE is the machine of "
                                                            "--dry-run"),  # training never read it
+    (["train", "jobs/gpt-dp.toml", "--dry-run", "--resume", "must", "--overwrite"],
+     "hpcpar train: error: --resume, --overwrite do nothing with --dry-run"),  # they were ignored, exit 0
     (["train", "jobs/gpt-dp.toml", "--list-keys"], "hpcpar train: error: --list-keys prints every key and reads "
                                                    "no job"),  # the job and --set were ignored, exit 0
     (["generate", "/nope", "--top-k", "0"], "hpcpar generate: error: --tokens must be >= 0, --top-k >= 1"),  # 0 sampled every token

@@ -1,5 +1,5 @@
-/* The floor of a checked checkpoint load, with no Python: what `hpcpar bench ckpt`'s load would
- * take if planning, checking the plans and assigning cost nothing.
+/* A checked checkpoint load's bytes alone, with no Python: about what `hpcpar bench ckpt`'s load
+ * would take if parsing the manifest, planning, checking the plans and assigning cost nothing.
  *
  * Two ranks, as `mpiexec -n 2 hpcpar bench ckpt`: each rank wrote one shard of MIB MiB and loads
  * both (a dp replica loads the whole model) into memory it already holds. Per round, each rank

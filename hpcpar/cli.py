@@ -180,6 +180,7 @@ def _train(args) -> int:
     from mpi4py import MPI
 
     from .backend import DeviceError
+    from .dist.failfast import agreed_verdict
     from .train.config import JobError
     from .train.config_load import load_job
     from .train.loop import StopRequest, train
@@ -192,9 +193,10 @@ def _train(args) -> int:
         return dry_run(args.job, args.set, MPI.COMM_WORLD.Get_size(), args.machine)
     stop = StopRequest()  # first: until the handlers are in, SLURM's USR1 would kill the rank
     overrides = args.set + ([f"train.trace={json.dumps(args.trace)}"] if args.trace else [])
-    try:  # the same verdict on every rank, before any rank waits on another
-        job = validate(load_job(args.job, overrides), MPI.COMM_WORLD.Get_size())
-        check_memory(job)
+    try:  # the same verdict on every rank (one all-gather of it), before any rank waits on another
+        with agreed_verdict("hpcpar train", (JobError, DeviceError)):
+            job = validate(load_job(args.job, overrides), MPI.COMM_WORLD.Get_size())
+            check_memory(job)
         # JobErrors inside (a checkpoint that does not fit the job) come on every rank at once
         request = Request(args.resume, overwrite=args.overwrite, weights_only=args.load_weights_only)
         train(job, resume=request, stop=stop, progress=args.progress)

@@ -45,7 +45,7 @@ from . import host, log
 from .backend import DeviceError, check_precision, resolve_device
 from .bench.step import traced_peak
 from .dist.context import init
-from .dist.failfast import UsageError
+from .dist.failfast import UsageError, agreed_verdict
 from .paths import output_problem
 from .dist.waiting import wait_idle
 from .parallel.pipeline.schedules import interleaved_fit
@@ -256,19 +256,18 @@ def run(args) -> int:
     if args.steps < 1:  # every figure is a median over the timed steps
         raise UsageError(f"hpcpar compare: error: --steps must be >= 1 (timed steps per layout), got {args.steps}")
     precisions = [None] if args.precision is None else ["fp32"] + [p for p in args.precision if p != "fp32"]
-    try:  # the same verdict on every rank, before any rank waits on another
+    with agreed_verdict("hpcpar compare", (JobError, DeviceError)):  # the same verdict on every rank, before any waits
         job = load_job(args.job, args.set)
         runs, skipped = layouts_to_measure(job, world.Get_size(), args.steps, precisions)
         device = resolve_device(job.train.device)
         for precision in sorted({run.train.precision for run in runs}):  # as training checks it, before a layout runs
             check_precision(device, precision)
-    except (JobError, DeviceError) as error:
-        raise UsageError(f"hpcpar compare: error: {error}") from None
     cpus, problem = cpu_budget(world)
     if problem:
         logger.warning(problem)
     out = args.out or os.path.join("runs", "compare-" + os.path.basename(args.job).rsplit(".", 1)[0])
-    if problem := output_problem(out, folder=True):  # before measuring: it was a traceback after every layout ran
+    # before measuring (it was a traceback after every layout ran); rank 0 writes it, so rank 0's verdict
+    if problem := world.bcast(output_problem(out, folder=True) if world.Get_rank() == 0 else None, root=0):
         raise UsageError(f"hpcpar compare: error: --out {out} {problem}")
     results = []
     for layout_run in runs:

@@ -8,9 +8,9 @@ from mpi4py import MPI
 
 from . import backend
 from .dist.device_transport import device_nonblocking_supported, library_version, query_cuda_aware
-from .dist.context import LayoutError, init, resolve_layout
-from .dist.nccl import BACKENDS, choose_backend, describe_backend, nccl_available
-from .dist.failfast import UsageError
+from .dist.context import LayoutError, agreed_backend, agreed_device, init, resolve_layout
+from .dist.nccl import BACKENDS, describe_backend, nccl_available
+from .dist.failfast import agreed_verdict
 from .dist.topology import PlacementWarning
 
 
@@ -27,11 +27,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
-    try:  # checked before any rank waits on another: every rank reaches the same verdict
+    # checked before any rank waits on another, and agreed: a node's own device or NCCL can differ
+    with agreed_verdict("hpcpar info", (LayoutError, RuntimeError)):
         resolve_layout(MPI.COMM_WORLD.Get_size(), args.dp, args.pp, args.tp)
-        choose_backend(args.backend, backend.resolve_device(args.device), query_cuda_aware())
-    except (LayoutError, RuntimeError) as error:
-        raise UsageError(f"hpcpar info: error: {error}") from None
+        world = MPI.COMM_WORLD  # the device and the backend as init will find them (the same on every rank)
+        agreed_backend(world, args.backend, agreed_device(world, args.device), query_cuda_aware(), None)
     print_info(dp=args.dp, pp=args.pp, tp=args.tp, device=args.device, comm_backend=args.backend)
 
 

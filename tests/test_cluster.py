@@ -12,6 +12,7 @@ CAP_SYS_ADMIN) the tests skip with the reason, and under CI=true they fail.
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -194,3 +195,28 @@ def test_train_sbatch_on_two_nodes_requeues_and_resumes_exactly_with_both_launch
         resumed = final_parameters(tmp_path / launcher / "ckpt")
         assert straight.keys() == resumed.keys(), launcher
         assert all(np.array_equal(straight[k], resumed[k]) for k in straight), f"{launcher}: resumed run differs"
+
+
+def test_a_checkpoint_on_one_nodes_own_storage_is_refused_on_every_rank(cluster, token_file, tmp_path):
+    """checkpoint.dir in /dev/shm, which each node has of its own: node1 holds a checkpoint (a run
+    there alone), node2 none. Before, node2's ranks found no 'latest', exited 2 alone and node1's
+    waited in the load forever; now every rank hears node2's damage and exits 2 with one line."""
+    folder = f"/dev/shm/hpcpar-test-{os.getpid()}-{tmp_path.name}"
+    keys = ["model.n_layer=1", "model.n_embd=32", "train.steps=2", "train.eval_interval=0", "train.sample_tokens=0",
+            "checkpoint.interval=0", f'data.path="{token_file}"', f'checkpoint.dir="{folder}"',
+            f'train.metrics="{tmp_path}/metrics.jsonl"']
+    args = ["hpcpar", "train", "jobs/gpt-dp.toml", *[word for key in keys for word in ("--set", key)]]
+    try:
+        run([*NODE1, "mpiexec", "-n", "2", *args])
+        proc = subprocess.Popen([*MPIEXEC, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=venv_env(), start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank on both nodes
+            output = proc.communicate()[0] + "\n(still running after 60 s: killed)"
+        assert proc.returncode == 2, output
+        errors = [line for line in output.splitlines() if "hpcpar train: error" in line]
+        assert len(errors) == 1 and "nothing was" in errors[0] and "(ranks 2, 3)" in output, output
+    finally:
+        subprocess.run([*NODE1, "rm", "-rf", folder], timeout=30)

@@ -180,8 +180,9 @@ def run(args) -> None:
     folder = comm.bcast(folder, root=0)
     try:
         result = measure(ctx, folder, args.repeats, args.zero, ctx.device, config)
+        comm.Barrier()  # every rank is done with the folder (not on an error: a rank that failed alone
+        # must reach fail-fast's abort, not a barrier the others, waiting in the timings, never enter)
     finally:
-        comm.Barrier()
         if ctx.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
     if ctx.rank != 0:

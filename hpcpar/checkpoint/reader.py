@@ -125,12 +125,31 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
     ``model`` and ``optimizer`` are Checkpointables (``hpcpar.state``: a Module, a pipeline, an
     optimizer, ZeRO-1, a parameter server) or (name, parameter) pairs; ``optimizer`` may be None.
     Returns ``{"step", "step_dir", "layout", "extra"}`` (``extra``: the plain JSON values).
-    Collective over ``ctx.world`` (two all-gathers); every rank raises the same error, and then
+    Collective over ``ctx.world`` (three all-gathers); every rank raises the same error, and then
     nothing has changed: ``CheckpointDamaged`` for damaged files, ``CheckpointError`` for a
     checkpoint that does not fit (names, shapes, dtypes, slabs).
     """
     with collector_paused():
-        return load_step(resolve_step_dir(path, step), model, optimizer, ctx, extra, strict)
+        return load_step(rank0_says(ctx, resolve_step_dir, path, step), model, optimizer, ctx, extra, strict)
+
+
+def rank0_says(ctx, function, *args):
+    """``function(*args)`` as rank 0 of ``ctx.world`` finds it, on every rank (its CheckpointError
+    too). Which step folder a root's ``latest`` names is one answer for the whole load: ranks on
+    other nodes can see another ``latest``, or none (a node-local folder), and a rank that went
+    its own way (another step, or an error alone) would leave the others waiting in the load's
+    all-gathers forever. A step folder a rank lacks is then damage that every rank hears of."""
+    answer = error = None
+    if ctx.world.rank == 0:
+        try:
+            answer = function(*args)
+        except CheckpointError as exc:
+            error = exc
+    if ctx.world.size > 1:
+        answer, error = ctx.world.bcast_object((answer, error), root=0)
+    if error is not None:
+        raise error
+    return answer
 
 
 @contextlib.contextmanager
@@ -179,8 +198,11 @@ def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: 
         failed = source.fill_targets()  # the point of no return: the checked bytes, into their places
     finally:
         source.close()
-    if failed:
-        raise CheckpointDamaged(f"{what}: {'; '.join(failed)} (the model is partly loaded: load again)")
+    # 3: a file cut short since its check (another process writing it) is damage on every rank: a
+    # rank that raised alone would try an older step, or stop, while the others went on without it
+    failed = comm.allgather(failed) if comm.Get_size() > 1 else [failed]
+    raise_if_any([[f"{problem} (the model is partly loaded: load again)" for problem in mine] for mine in failed],
+                 what, CheckpointDamaged)
     for read, value in zip(plan.reads, values):
         if value is not None:
             read.assign(value)
@@ -210,8 +232,8 @@ def plan_load(step_dir: str, model, optimizer, comm) -> tuple:
     found = {"damaged": [], "mismatch": [], "model_keys": ("read", []), "runs": {}}
     try:
         manifest = read_manifest(step_dir)
-    except CheckpointDamaged as error:
-        found["damaged"].append(str(error))
+    except CheckpointError as error:  # reported by every rank after the first all-gather, never alone
+        found["damaged" if isinstance(error, CheckpointDamaged) else "mismatch"].append(str(error))
         return None, None, found
     saved = Saved(manifest["tensors"], manifest["scalars"])
     plan = checkpointable(model).load_plan(saved)
@@ -270,18 +292,27 @@ def load_latest(root: str, model, optimizer, ctx, extra: dict | None = None, str
     never loaded. A damaged step (``CheckpointDamaged``) is reported and the next older one is
     tried; any other error (a checkpoint that does not fit the model) is raised.
     """
-    newest = latest_step(root)
-    if newest is None:
-        return None
-    above = [s for s in list_steps(root) if s > newest]
-    if above:
-        logger.warning(f"{root}: ignoring steps {above} above the one 'latest' names ({newest})")
-    for step in [newest] + [s for s in reversed(list_steps(root)) if s < newest]:
-        if not os.path.isdir(os.path.join(root, step_dirname(step))):
-            logger.warning(f"skipping checkpoint step {step}: 'latest' names it but {root} has no such folder")
-            continue
+    for step in rank0_says(ctx, steps_to_try, root):  # every rank tries the same steps in the same order
         try:
-            return load(os.path.join(root, step_dirname(step)), model, optimizer, ctx, extra, strict=strict)
+            with collector_paused():
+                return load_step(os.path.join(root, step_dirname(step)), model, optimizer, ctx, extra, strict)
         except CheckpointDamaged as error:
             logger.warning(f"skipping damaged checkpoint step {step}: {error}")
     return None
+
+
+def steps_to_try(root: str) -> list[int]:
+    """The steps ``load_latest`` tries, in order: the one ``latest`` names, then the older ones."""
+    newest = latest_step(root)
+    if newest is None:
+        return []
+    above = [s for s in list_steps(root) if s > newest]
+    if above:
+        logger.warning(f"{root}: ignoring steps {above} above the one 'latest' names ({newest})")
+    order = []
+    for step in [newest] + [s for s in reversed(list_steps(root)) if s < newest]:
+        if os.path.isdir(os.path.join(root, step_dirname(step))):
+            order.append(step)
+        else:
+            logger.warning(f"skipping checkpoint step {step}: 'latest' names it but {root} has no such folder")
+    return order

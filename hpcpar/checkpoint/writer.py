@@ -55,6 +55,7 @@ from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, SHARED_FILE, VERSION, Ch
                        fsync_path, fsync_together, list_steps, shard_filename, step_dirname, sync_and_checksum)
 from .save_files import (DurableFile, allocate_flat_dataset, free_space, retired_steps, space_shortfalls,
                          write_array)
+from .reader import raise_if_any
 from .save_plan import Plan, index_image
 from ..state import checkpointable
 
@@ -75,25 +76,31 @@ def split_extra(extra: dict | None) -> tuple[dict, dict]:
     return shared, per_rank
 
 
+def unwritable(pieces: list, collective: bool) -> str | None:
+    """Why this rank cannot write its part of a save (None: it can). Ranks can differ here: each
+    holds its own pieces, and nodes can have differently built h5py."""
+    if collective and not h5py.get_config().mpi:
+        return ("collective=True writes one shared file with driver='mpio', which needs h5py built against "
+                "parallel HDF5 (h5py.get_config().mpi is False here); the default file-per-rank layout works "
+                "everywhere")
+    for piece in pieces:
+        if piece.array.dtype.kind not in "fiub":
+            return (f"{piece.key}: dtype {piece.array.dtype} cannot be stored in HDF5; checkpoint float32 master "
+                    f"weights instead")
+    return None
+
+
 class SaveJob:
     """One checkpoint: built on the calling thread, written by ``run`` (possibly on another)."""
 
     def __init__(self, root: str, step: int, model, optimizer, ctx, extra=None, keep: int | None = None,
                  copy: bool = False, collective: bool = False):
-        if collective and not h5py.get_config().mpi:  # the same verdict on every rank, before any waits
-            raise CheckpointError("collective=True writes one shared file with driver='mpio', which needs h5py "
-                                  "built against parallel HDF5 (h5py.get_config().mpi is False here); the "
-                                  "default file-per-rank layout works everywhere")
         self.collective = collective
         pieces, self.scalars = checkpointable(model).checkpoint_pieces()
         if optimizer is not None:
             opt_pieces, opt_scalars = checkpointable(optimizer).checkpoint_pieces()
             pieces += opt_pieces
             self.scalars.update(opt_scalars)
-        for piece in pieces:
-            if piece.array.dtype.kind not in "fiub":
-                raise CheckpointError(f"{piece.key}: dtype {piece.array.dtype} cannot be stored in HDF5; "
-                                      "checkpoint float32 master weights instead")
         self.root, self.step, self.keep = root, step, keep
         self.layout = ctx.layout
         self.rank, self.world_size = ctx.rank, ctx.world_size
@@ -101,20 +108,26 @@ class SaveJob:
         self.step_dir = os.path.join(root, step_dirname(step))
         self.tmp_dir = self.step_dir + ".tmp"
 
-        made = self._make_folder() if self.rank == 0 else None
+        # What this rank finds unwritable travels with the plan: raised here alone, it would leave
+        # the others in the all-gather forever (under checkpoint.on_error = "warn" this rank trains on).
+        refused = unwritable(pieces, collective)
+        made = self._make_folder() if self.rank == 0 and not refused else None
         described = [(p.key, p.slab, p.global_shape, str(p.array.dtype)) for p in pieces]
-        gathered = ctx.world.allgather_object((described, self.scalars, free_space(root), made))  # the barrier after mkdir
+        # (the all-gather is also the barrier after rank 0's mkdir)
+        gathered = ctx.world.allgather_object((described, self.scalars, free_space(root), made or refused))
+        problems = [[problem] if problem else [] for *_, problem in gathered]
         everyone = [entries for entries, _, _, _ in gathered]
         for _, scalars, _, _ in gathered:  # ZeRO ranks each know the step counts of their own parameters
             self.scalars.update(scalars)
-        plan = Plan.of(everyone, SHARED_FILE if collective else None, ctx.layout)
-        owner, load = plan.owner, plan.load
-        short = space_shortfalls([space for _, _, space, _ in gathered], load, everyone)
-        if short or gathered[0][3]:  # the same verdict on every rank, from the same gathered numbers
+        plan = None if any(problems) else Plan.of(everyone, SHARED_FILE if collective else None, ctx.layout)
+        short = [] if plan is None else space_shortfalls([space for _, _, space, _ in gathered], plan.load, everyone)
+        if short or plan is None:  # the same verdict on every rank, from the same gathered numbers
             if self.rank == 0:
                 shutil.rmtree(self.tmp_dir, ignore_errors=True)
-            raise CheckpointError(f"checkpoint {self.step_dir} was not written: " +
-                                  (gathered[0][3] or "not enough free space: " + "; ".join(short)))
+            what = f"checkpoint {self.step_dir} was not written"
+            raise_if_any(problems, what, CheckpointError)
+            raise CheckpointError(f"{what}: not enough free space: " + "; ".join(short))
+        owner, load = plan.owner, plan.load
         # index.h5 needs only the plan, not the data: the rank with the fewest bytes to write
         # makes it (in a thread, while it writes its own shard).
         self.index_writer = min(range(len(everyone)), key=lambda r: (load[r], -r))  # ties: not rank 0, which commits
@@ -152,7 +165,8 @@ class SaveJob:
             if index is not None:
                 index.path()
                 facts["files"][INDEX] = {"bytes": len(index.data), "chunks": chunk_checksums(index.data)}
-        except (OSError, ValueError, RuntimeError) as exc:  # a full disk, a quota: every rank must hear of it
+        except Exception as exc:  # noqa: BLE001 - a full disk, a quota, any failure here: every rank must hear of it
+            # (an error kept to this rank would leave the others in the barrier below forever)
             facts["error"] = f"rank {self.rank}: {type(exc).__name__}: {exc}"
             if index is not None:
                 index.thread.join()  # nothing may still write into the folder rank 0 removes

@@ -207,6 +207,49 @@ def format_grid(dp: int, pp: int, tp: int) -> str:
     return "\n".join(f"{label:<13}" + " ".join(f"{v:>{width}}" for v in values) for label, values in rows)
 
 
+def agreed(comm: MPI.Comm, setting: str, find, advice: str) -> str:
+    """``find()`` (what ``setting`` means here: the device, the backend) as every rank of ``comm``
+    found it (one small all-gather). Each rank answers on its own node (its GPUs, CuPy, NCCL,
+    ``HPCPAR_DEVICE``): when any rank raised DeviceError, or the ranks found different answers,
+    every rank raises the same DeviceError naming the ranks. A rank that raised alone left the
+    others waiting in init's first collective forever, and ranks that went on with different
+    devices or backends would call different communication (collective)."""
+    try:
+        mine = (find(), None, MPI.Get_processor_name())
+    except arrays.DeviceError as error:
+        mine = (None, str(error), MPI.Get_processor_name())
+    everyone = comm.allgather(mine) if comm.Get_size() > 1 else [mine]
+    hosts = [host for _, _, host in everyone]
+    failed = [rank for rank, (_, error, _) in enumerate(everyone) if error is not None]
+    if failed:
+        alone = len(failed) < len(everyone)
+        where = f" (on {failfast.ranks_on_hosts(failed, hosts)}; the other ranks can use it)" if alone else ""
+        raise arrays.DeviceError(everyone[failed[0]][1] + where)
+    found = {}
+    for rank, (answer, _, _) in enumerate(everyone):
+        found.setdefault(answer, []).append(rank)
+    if len(found) > 1:
+        where = "; ".join(f"{answer} on {failfast.ranks_on_hosts(r, hosts)}" for answer, r in found.items())
+        raise arrays.DeviceError(f"{setting} means different things on different ranks: {where}; {advice}")
+    return everyone[0][0]
+
+
+def agreed_device(comm: MPI.Comm, requested: str) -> str:
+    """``backend.resolve_device(requested)``, the same on every rank of ``comm`` (``agreed``)."""
+    return agreed(comm, f"device={requested!r}", lambda: arrays.resolve_device(requested),
+                  "every rank must compute on the same kind of device: set the device (train.device, HPCPAR_DEVICE) "
+                  "alike on every node")
+
+
+def agreed_backend(comm: MPI.Comm, requested: str, device: str, cuda_aware: bool, runtime) -> str:
+    """``nccl.choose_backend``'s answer, the same on every rank of ``comm`` (``agreed``)."""
+    have_nccl = True if runtime is not None else None  # a runtime given (a test's double) stands for NCCL
+    return agreed(comm, f"parallel.backend = {requested!r}",
+                  lambda: nccl.choose_backend(requested, device, cuda_aware, have_nccl=have_nccl),
+                  "every rank must move device buffers the same way: give every node NCCL or none, or set the "
+                  "backend (parallel.backend)")
+
+
 def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
          comm: MPI.Comm | None = None, wait_policy: str | None = None, tune_allocator: bool = True,
          shm: bool | None = None, node_size: int | None = None, backend: str = "auto",
@@ -231,7 +274,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
     world_mpi = comm if comm is not None else MPI.COMM_WORLD
     dp, pp, tp = resolve_layout(world_mpi.Get_size(), dp, pp, tp)
     log.ensure_configured()  # rank 0's log lines on stdout, unless the application set up its own
-    requested_device, device = device, arrays.resolve_device(device)
+    requested_device, device = device, agreed_device(world_mpi, device)
     use_shm, shm_node_size = shm_setting(shm), nodes.node_size_setting(node_size)
 
     node = world_mpi.Split_type(MPI.COMM_TYPE_SHARED, key=world_mpi.Get_rank())
@@ -249,7 +292,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
 
     cuda_aware = query_cuda_aware()
     policy = wait_policy or default_wait_policy(node_size, node_cpus)
-    chosen = nccl.choose_backend(backend, device, cuda_aware, have_nccl=True if runtime is not None else None)
+    chosen = agreed_backend(world_mpi, backend, device, cuda_aware, runtime)
     if requested_device == "auto" and world_mpi.Get_rank() == 0:  # say what "auto" chose
         logger.info(arrays.device_choice(requested_device, device) + f"; communication: {chosen}")
     options = dict(cuda_aware=cuda_aware, wait_policy=policy, device_nonblocking=device_nonblocking)

@@ -46,6 +46,52 @@ class UsageError(ExitStatus):
         return self.message
 
 
+@contextlib.contextmanager
+def agreed_verdict(prog: str, errors: tuple, comm=None):
+    """``with agreed_verdict("hpcpar train", (JobError,)): job = load(...)``: a check every rank
+    makes on its own (a job file, a data file, the device) ends with the same verdict on every rank.
+
+    Ranks can see different things: a path one node has and another lacks, a node whose
+    environment sets ``HPCPAR_DEVICE``. A rank that raised ``UsageError`` alone would exit while the
+    others went on into their next collective and waited there forever. Here every rank learns each
+    rank's outcome (one small all-gather over ``comm``, default the world) and, when any raised one
+    of ``errors``, every rank raises the same ``UsageError``: the message of the lowest rank that
+    found a problem, naming the ranks and hosts when not every rank found it. Other exceptions
+    pass (fail-fast aborts the job on them)."""
+    problem = None
+    try:
+        yield
+    except errors as error:
+        problem = str(error)
+    from .. import log
+
+    mine = (problem, os.uname().nodename)
+    if comm is None and log.world_size() == 1:  # one rank (MPI's count, else the launcher's): MPI need not start
+        everyone = [mine]
+    else:
+        from mpi4py import MPI
+
+        comm = comm or MPI.COMM_WORLD
+        everyone = comm.allgather(mine) if comm.Get_size() > 1 else [mine]
+    found = [rank for rank, (text, _) in enumerate(everyone) if text is not None]
+    if not found:
+        return
+    message = f"{prog}: error: {everyone[found[0]][0]}"
+    if len(found) < len(everyone):
+        others = [rank for rank in range(len(everyone)) if rank not in found]
+        hosts = [host for _, host in everyone]
+        message += (f" (found by {ranks_on_hosts(found, hosts)}; {ranks_on_hosts(others, hosts)} found no problem: "
+                    f"the ranks see different files or settings)")
+    raise UsageError(message)
+
+
+def ranks_on_hosts(ranks: list, hosts: list) -> str:
+    """"ranks 1, 3 on node2" for messages naming some ranks (``hosts``: every rank's host)."""
+    names = sorted({hosts[rank] for rank in ranks})
+    shown = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} in all)" if len(ranks) > 8 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown} on {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+
+
 def _abort(exc_type, exc, tb) -> None:
     from mpi4py import MPI
 
@@ -151,8 +197,9 @@ def fail_fast():
 
 def run_script(path: str, args: list[str]) -> None:
     """``hpcpar run SCRIPT.py ARGS``: run a user's script as ``__main__`` under fail-fast."""
-    if not os.path.isfile(path):  # every rank looks alike: a usage error, not an abort
-        raise UsageError(f"hpcpar run: error: no such script {path!r}")
+    with agreed_verdict("hpcpar run", (FileNotFoundError,)):  # a script one node lacks: every rank exits 2
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no such script {path!r}")
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     install()

@@ -110,14 +110,16 @@ def run(args) -> int:
 def run_calibrate(args) -> int:
     from mpi4py import MPI
 
+    from ..dist.failfast import agreed_verdict
     from .calibrate import calibrate, write_machine
 
     world = MPI.COMM_WORLD
     out = args.out or DEFAULT_MACHINE
-    if problem := output_problem(out):  # both before measuring: each was a traceback after it
+    with agreed_verdict("hpcpar plan", (MachineError,)):  # before measuring (each was a traceback after it)
+        if args.inter:  # every rank reads it
+            load_machine(args.inter)
+    if problem := world.bcast(output_problem(out) if world.Get_rank() == 0 else None, root=0):  # rank 0 writes it
         raise _usage(f"--out {out} {problem}")
-    if args.inter:
-        machine_from(args.inter)
     machine, comments = calibrate(world, inter_file=args.inter)
     if world.Get_rank() == 0:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -192,19 +194,17 @@ def dry_run(job_path: str, overrides: list, mpi_world: int, machine_path: str | 
 
     The world is the launch's (``mpiexec -n N``); launched alone, the job's own dp x pp x tp."""
     from .. import log
-    from ..dist.failfast import UsageError
+    from ..dist.failfast import agreed_verdict
     from ..train.config import JobError
     from ..train.config_load import load_job
     from ..train.validate import validate
     from .predict import StepPlan, unmodelled
 
-    try:
+    with agreed_verdict("hpcpar train", (JobError,)):  # a job file one node lacks: every rank says so, once
         job = load_job(job_path, overrides)
         p = job.parallel
         world = mpi_world if mpi_world > 1 or not p.dp else p.dp * p.pp * p.tp
         job = validate(job, world)
-    except JobError as error:
-        raise UsageError(f"hpcpar train: error: {error}") from None
     path = machine_path or (DEFAULT_MACHINE if os.path.exists(DEFAULT_MACHINE) else None)
     machine = machine_from(path) if path else None
     if log.world_rank() != 0:

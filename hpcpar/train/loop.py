@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import checkpoint, log as logs
 from ..backend import check_precision, to_host
-from ..dist.context import init
+from ..dist.context import agreed, init
 from ..dist.topology import PlacementWarning
 from ..dist.trace import Tracer
 from ..nn.dropout_keys import DropoutKey, dropout_key
@@ -147,7 +147,10 @@ def start_context(job: Job):
     with warnings.catch_warnings():  # the placement report (describe) carries the warning
         warnings.simplefilter("ignore", PlacementWarning)
         ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, **context_options(job))
-    check_precision(ctx.device, job.train.precision)  # before anything allocates: one line, every rank alike
+    # before anything allocates; agreed, since a node's CuPy can lack a dtype another node's has: one
+    # line on every rank, never one rank leaving the others in build's first collective
+    agreed(ctx.world.mpi, f"train.precision = {job.train.precision!r}",
+           lambda: check_precision(ctx.device, job.train.precision), "give every node the same CuPy")
     return ctx
 
 

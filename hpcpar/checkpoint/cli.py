@@ -7,7 +7,9 @@
 
 PATH is a checkpoint root (its ``latest`` step) or one step folder. ``verify`` exits 1 and
 prints one line per problem, each naming the file; any other failure is one line on stderr
-and exit status 1.
+and exit status 1. ``export`` checks OUT before it reads a tensor: never inside a step folder
+(it would damage that checkpoint), its missing folders made. Started by mpiexec, rank 0 alone
+acts and speaks.
 """
 from __future__ import annotations
 

@@ -185,7 +185,7 @@ def _train(args) -> int:
     from .train.config_load import load_job
     from .train.loop import StopRequest, train
     from .train.resume import Request
-    from .train.validate import check_memory, validate
+    from .train.validate import check_machine, validate
 
     if args.dry_run:
         from .plan.cli import dry_run
@@ -196,7 +196,7 @@ def _train(args) -> int:
     try:  # the same verdict on every rank (one all-gather of it), before any rank waits on another
         with agreed_verdict("hpcpar train", (JobError, DeviceError)):
             job = validate(load_job(args.job, overrides), MPI.COMM_WORLD.Get_size())
-            check_memory(job)
+            check_machine(job)
         # JobErrors inside (a checkpoint that does not fit the job) come on every rank at once
         request = Request(args.resume, overwrite=args.overwrite, weights_only=args.load_weights_only)
         train(job, resume=request, stop=stop, progress=args.progress)
@@ -286,8 +286,12 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     install()
     command = _command_of(argv)
-    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
-    log.configure(args.log_level, args.log_ranks)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    try:
+        log.configure(args.log_level, args.log_ranks)
+    except ValueError as error:  # the flags were checked by the parser: $HPCPAR_LOG_LEVEL or $HPCPAR_LOG_RANKS
+        parser.error(f"{error} (from the environment: HPCPAR_LOG_LEVEL or HPCPAR_LOG_RANKS)")
     try:
         with fail_fast():
             try:

@@ -169,6 +169,14 @@ def test_log_lines_come_from_the_ranks_asked_for(tmp_path, options, env, out, er
     assert sorted(proc.stdout.splitlines()) == out and sorted(proc.stderr.splitlines()) == err
 
 
+@pytest.mark.parametrize("variable", ["HPCPAR_LOG_LEVEL", "HPCPAR_LOG_RANKS"])
+def test_a_bad_log_variable_is_a_usage_line(variable):  # was a ValueError traceback
+    proc = hpcpar_command("plot", "/nope.jsonl", env={variable: "bogus"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("hpcpar: error: log ") and "from the environment" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
 def test_log_options_are_checked():
     from hpcpar import log
 

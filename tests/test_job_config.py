@@ -14,7 +14,7 @@ from conftest import REPO
 from hpcpar.data.prepare import prepare
 from hpcpar.train.config import SECTIONS, Job, JobError, schema_table
 from hpcpar.train.config_load import load_job, parse_override
-from hpcpar.train.validate import check_memory, validate
+from hpcpar.train.validate import check_machine, validate
 
 GOOD = """
 [model]
@@ -393,15 +393,29 @@ def test_a_model_whose_weights_cannot_fit_in_memory_is_refused_before_it_is_buil
     """n_embd = 1e8 was a MemoryError traceback while the model was built; a job that fits is not refused."""
     job = validate(load_job(write_job(tmp_path, GOOD), ["model.n_embd=100000000", "model.n_head=1"]), 2)
     with pytest.raises(JobError) as caught:  # the planner may plan it for a bigger machine; training here cannot
-        check_memory(job)
+        check_machine(job)
     message = str(caught.value)
     assert "job.toml: model.n_embd, model.n_layer, model.vocab_size: a GPT of about 2.4e+17 parameters" in message
     assert "on each of the pp x tp = 2 ranks that split it, beyond this machine's" in message
-    check_memory(validate(load_job(write_job(tmp_path, GOOD)), 2))
+    check_machine(validate(load_job(write_job(tmp_path, GOOD)), 2))
     job = validate(load_job(write_job(tmp_path, GOOD), ["data.batch_size=4000000000", "parallel.pp=1"]), 2)
     with pytest.raises(JobError, match="data.batch_size, model.block_size: one micro-batch of 16,000,000,000 tokens "
                                        "has logits of 15,259 GiB"):  # its first step never ended
-        check_memory(job)
+        check_machine(job)
+
+
+@pytest.mark.parametrize("variable, value, expected", [
+    ("HPCPAR_DEVICE", "gpu", "train.device: \"auto\" takes $HPCPAR_DEVICE, which is 'gpu', not one of auto, cpu"),
+    ("HPCPAR_SHM", "maybe", "parallel.shm: unset, so the environment decides, and HPCPAR_SHM must be 0 or 1"),
+    ("HPCPAR_NODE_SIZE", "x", "parallel.node_size: unset, so the environment decides, and HPCPAR_NODE_SIZE must be"),
+    ("HPCPAR_DEVICE_NONBLOCKING", "perhaps", "parallel.device_nonblocking: unset, so the environment decides")])
+def test_a_bad_environment_variable_behind_an_unset_key_is_refused_before_the_run(tmp_path, monkeypatch, variable,
+                                                                                  value, expected):
+    """Each was a ValueError traceback while the run's context was built."""
+    job = validate(load_job(write_job(tmp_path, GOOD)), 2)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(JobError, match=re.escape(expected)):
+        check_machine(job)
 
 
 def test_job_error_is_a_value_error_with_its_problems():

@@ -163,15 +163,48 @@ def _check_batch(job: Job, dp: int | None) -> list:
     return []
 
 
-def check_memory(job: Job) -> None:
-    """Before training on this machine (not in ``validate``: plans and dry runs are for other machines): a GPT
-    whose float32 weights alone, split over pp x tp, or one micro-batch's logits exceed this machine's memory
-    is a JobError (a MemoryError traceback while the model was built, or a first step that never ended).
-    Deliberately loose (no gradients, optimizer state or other activations, one rank per machine): it refuses
-    only what cannot run, never what might."""
+def check_machine(job: Job) -> None:
+    """Before training on this machine (not in ``validate``: plans and dry runs are for other machines): the
+    environment variables that decide unset keys, and the memory; a JobError listing what is wrong."""
+    problems = _check_environment(job) + _check_memory(job)
+    if problems:
+        raise JobError(job.source, problems)
+
+
+def _check_environment(job: Job) -> list[tuple[str, str]]:
+    """A variable that decides an unset key holds a value it takes (a bad one was a ValueError traceback
+    while the run's context was built)."""
+    from ..backend import DEVICES
+    from ..dist.device_transport import device_nonblocking_supported
+    from ..dist.nodes import node_size_setting
+    from ..dist.shm import shm_setting
+
+    p, problems = job.parallel, []
+    device = os.environ.get("HPCPAR_DEVICE") if job.train.device == "auto" else None
+    if device and device not in DEVICES:
+        problems.append(("train.device", f"\"auto\" takes $HPCPAR_DEVICE, which is {device!r}, not one of "
+                                         f"{', '.join(DEVICES)}; fix the variable or set the key"))
+    settings = (("parallel.shm", p.shm, shm_setting), ("parallel.node_size", p.node_size, node_size_setting),
+                ("parallel.device_nonblocking", p.device_nonblocking,  # a library named: no MPI query
+                 lambda _: device_nonblocking_supported("MPICH", ())))
+    for key, value, setting in settings:
+        if value is None:
+            try:
+                setting(None)
+            except ValueError as error:
+                problems.append((key, f"unset, so the environment decides, and {error}; fix the variable or set "
+                                      f"the key"))
+    return problems
+
+
+def _check_memory(job: Job) -> list[tuple[str, str]]:
+    """A GPT whose float32 weights alone, split over pp x tp, or one micro-batch's logits exceed this
+    machine's memory (a MemoryError traceback while the model was built, or a first step that never
+    ended). Deliberately loose (no gradients, optimizer state or other activations, one rank per
+    machine): it refuses only what cannot run, never what might."""
     m, p = job.model, job.parallel
     if m.kind != "gpt":
-        return
+        return []
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     count = 12 * m.n_layer * m.n_embd ** 2 + (m.vocab_size + m.block_size) * m.n_embd  # blocks + embeddings
     weights = 4 * count / (p.pp * p.tp)
@@ -185,9 +218,8 @@ def check_memory(job: Job) -> None:
         problem = ("data.batch_size, model.block_size",
                    f"one micro-batch of {tokens:,} tokens has logits of {logits / 2**30:,.0f} GiB in float32 per rank")
     else:
-        return
-    raise JobError(job.source, [(problem[0], f"{problem[1]}, beyond this machine's {memory / 2**30:,.0f} GiB of "
-                                             f"memory; lower them")])
+        return []
+    return [(problem[0], f"{problem[1]}, beyond this machine's {memory / 2**30:,.0f} GiB of memory; lower them")]
 
 
 # Packages a job may need beyond hpcpar's own dependencies: (key, its value, module, the extra naming it)

@@ -177,6 +177,18 @@ def test_a_bad_log_variable_is_a_usage_line(variable):  # was a ValueError trace
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.parametrize("variable, value, message", [("HPCPAR_DEVICE", "gpu", "device must be one of"),
+                                                     ("HPCPAR_SHM", "maybe", "HPCPAR_SHM must be 0 or 1"),
+                                                     ("HPCPAR_NODE_SIZE", "x", "HPCPAR_NODE_SIZE must be a positive")])
+def test_hpcpar_info_names_a_bad_environment_variable(monkeypatch, variable, value, message):  # was a traceback
+    from hpcpar.dist.failfast import UsageError
+
+    monkeypatch.setenv(variable, value)
+    parsed = cli.build_parser("info").parse_args(["info"])
+    with pytest.raises(UsageError, match=f"hpcpar info: error: {message}"):
+        parsed.func(parsed)
+
+
 def test_log_options_are_checked():
     from hpcpar import log
 

@@ -167,6 +167,19 @@ def test_dataset_info_rejects_other_hdf5_files(tmp_path):
 
 # --- TokenDataset ----------------------------------------------------------------------------------------
 
+def test_id_range_reads_each_version_of_a_file_once(tmp_path):
+    """Validation runs once per candidate layout (hpcpar plan: thousands): a wide-dtype file is scanned once."""
+    from hpcpar.data import loader
+
+    path = str(tmp_path / "wide.h5")
+    for tokens in ([1, 5, 3], [7, 9, 8, 8, 8, 8, 8, 8]):  # the second write changes the file's size
+        with h5py.File(path, "w") as f:
+            f["train"] = f["val"] = np.array(tokens, dtype=np.uint16)
+        misses = loader._id_range.cache_info().misses
+        assert loader.id_range(path, "train") == loader.id_range(path, "train") == (min(tokens), max(tokens))
+        assert loader._id_range.cache_info().misses == misses + 1
+
+
 def test_token_dataset_batches_are_slices_of_the_corpus(token_file):
     path, corpus = token_file
     train = TokenDataset(path, "train")

@@ -54,7 +54,7 @@ from .train.build import build
 from .train.config import JobError
 from .train.config_load import load_job
 from .train.loop import context_options
-from .train.validate import validate
+from .train.validate import check_machine, validate
 
 logger = log.get_logger(__name__)
 
@@ -259,6 +259,8 @@ def run(args) -> int:
     with agreed_verdict("hpcpar compare", (JobError, DeviceError)):  # the same verdict on every rank, before any waits
         job = load_job(args.job, args.set)
         runs, skipped = layouts_to_measure(job, world.Get_size(), args.steps, precisions)
+        for layout_job in runs:  # this machine's environment and memory, as hpcpar train checks them
+            check_machine(layout_job)
         device = resolve_device(job.train.device)
         for precision in sorted({run.train.precision for run in runs}):  # as training checks it, before a layout runs
             check_precision(device, precision)

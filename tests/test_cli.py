@@ -297,6 +297,16 @@ def test_generate_refuses_bad_flags_and_a_file_as_checkpoint(tmp_path, change, m
     assert text.startswith("hpcpar generate: error: ") and message.replace("FILE", str(tmp_path / "FILE")) in text, text
 
 
+def test_compare_names_a_bad_environment_variable_before_measuring(tmp_path, monkeypatch):  # was a traceback
+    from hpcpar.dist.failfast import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HPCPAR_SHM", "maybe")
+    parsed = cli.build_parser("compare").parse_args(["compare", os.path.join(REPO, "jobs", "gpt-dp.toml")])
+    with pytest.raises(UsageError, match="parallel.shm: unset, so the environment decides, and HPCPAR_SHM must be"):
+        parsed.func(parsed)
+
+
 def test_compare_checks_its_out_folder_before_measuring(tmp_path, monkeypatch):
     """--out under a file was a traceback once every layout had been measured."""
     from hpcpar.dist.failfast import UsageError

@@ -32,7 +32,6 @@ the world, build the layout from the same job on every rank, train and free the 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import statistics
@@ -42,9 +41,9 @@ from dataclasses import replace
 from mpi4py import MPI
 
 from . import host, log
-from .backend import DeviceError, check_precision, resolve_device
+from .backend import DeviceError, check_precision
 from .bench.step import traced_peak
-from .dist.context import init
+from .dist.context import agreed_device, init
 from .dist.failfast import UsageError, agreed_verdict
 from .paths import output_problem
 from .dist.waiting import wait_idle
@@ -53,6 +52,7 @@ from .tables import format_table
 from .train.build import build
 from .train.config import JobError
 from .train.config_load import load_job
+from .train.identity import ranks_with_another_job
 from .train.loop import context_options
 from .train.validate import check_machine, validate
 
@@ -181,9 +181,7 @@ class JobsDiffer(RuntimeError):
 def same_job_everywhere(job, world) -> None:
     """Raise JobsDiffer on every rank alike unless every rank of ``world`` holds ``job``'s settings
     (collective: one small all-gather of a digest)."""
-    digest = hashlib.sha256(json.dumps(job.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
-    digests = world.allgather(digest)
-    differ = [rank for rank, theirs in enumerate(digests) if theirs != digests[0]]
+    differ = ranks_with_another_job(job, world)
     if differ:
         error = JobsDiffer(f"hpcpar compare: world rank(s) {differ} hold another job than rank 0 "
                            f"(job {job.source} here); every rank must measure the same job")
@@ -256,12 +254,13 @@ def run(args) -> int:
     if args.steps < 1:  # every figure is a median over the timed steps
         raise UsageError(f"hpcpar compare: error: --steps must be >= 1 (timed steps per layout), got {args.steps}")
     precisions = [None] if args.precision is None else ["fp32"] + [p for p in args.precision if p != "fp32"]
-    with agreed_verdict("hpcpar compare", (JobError, DeviceError)):  # the same verdict on every rank, before any waits
+    with agreed_verdict("hpcpar compare", (JobError,)):  # the same verdict on every rank, before any waits
         job = load_job(args.job, args.set)
         runs, skipped = layouts_to_measure(job, world.Get_size(), args.steps, precisions)
         for layout_job in runs:  # this machine's environment and memory, as hpcpar train checks them
             check_machine(layout_job)
-        device = resolve_device(job.train.device)
+    with agreed_verdict("hpcpar compare", (DeviceError,)):  # every rank gets here: the device as init agrees on it
+        device = agreed_device(world, job.train.device)
         for precision in sorted({run.train.precision for run in runs}):  # as training checks it, before a layout runs
             check_precision(device, precision)
     cpus, problem = cpu_budget(world)

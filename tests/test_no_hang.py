@@ -3,8 +3,9 @@ lacks, a node's own environment), every rank reaches the same verdict or the job
 
 Each test starts a job whose ranks differ the way nodes can (MPMD: a working directory and
 environment per rank, so a relative path names a node-local file) under a short timeout; the
-code before each fix left some ranks in a collective forever and the run timed out. On a
-timeout the whole process group is killed, so no rank stays behind.
+code before each fix left some ranks in a collective forever and the run timed out (once, it
+ended without a word of why). On a timeout the whole process group is killed, so no rank stays
+behind.
 """
 import json
 import os
@@ -84,14 +85,15 @@ def test_a_file_only_one_node_has_is_refused_on_every_rank(tmp_path, token_file,
     ("cuda", "device='cuda' was requested but"),  # no GPU on this machine: rank 1's node cannot give one
     ("guard", "means different things on different ranks: cpu on rank 0"),
 ])
-@pytest.mark.parametrize("command", ["train", "info"])
+@pytest.mark.parametrize("command", ["train", "info", "compare"])
 def test_a_device_one_node_cannot_give_is_refused_on_every_rank(tmp_path, token_file, device, message, command):
     """HPCPAR_DEVICE set on rank 1's node alone (as a node's environment module might): rank 1 raised
     DeviceError alone (in init under hpcpar train, in its own check under hpcpar info), exited 2,
     and rank 0 waited in init's first collective forever (or the ranks went on with different
     devices); now every rank exits 2 with one line."""
     tiny_job(tmp_path, token_file)
-    argv = hpcpar(command, *(["job.toml"] if command == "train" else []))
+    words = {"train": ["job.toml"], "info": [], "compare": ["job.toml", "--steps", "1", "--out", str(tmp_path)]}
+    argv = hpcpar(command, *words[command])
     status, output = run_ranks([(tmp_path, {"HPCPAR_DEVICE": "cpu"}, argv),
                                 (tmp_path, {"HPCPAR_DEVICE": device}, argv)])
     assert status == 2, output
@@ -122,9 +124,8 @@ def test_a_checkpoint_folder_only_one_node_has_is_refused_on_every_rank(tmp_path
     every rank's, and all exit 2 with one line."""
     for node in ("node1", "node2"):
         tiny_job(tmp_path / node, token_file, checkpoint='dir = "ckpt"')
-    first = subprocess.run([venv_bin("mpiexec"), "-n", "2", *hpcpar("train", "job.toml")], cwd=tmp_path / "node1",
-                           capture_output=True, text=True, timeout=120)
-    assert first.returncode == 0, first.stdout + first.stderr
+    status, output = run_ranks([(tmp_path / "node1", {}, hpcpar("train", "job.toml"))] * 2, timeout=120)
+    assert status == 0, output  # a checkpoint on node1 alone
     if node2 == "another-version":
         shutil.copytree(tmp_path / "node1" / "ckpt", tmp_path / "node2" / "ckpt")
         break_version(tmp_path / "node2" / "ckpt")
@@ -332,3 +333,19 @@ def test_a_load_cut_short_on_one_rank_falls_back_on_every_rank(tmp_path):
     assert status == 0, output
     assert "rank 0 loaded step 1" in output and "rank 1 loaded step 1" in output, output
     assert "injected on rank 1" in output  # the warning that skips step 2
+
+
+def test_ranks_that_read_different_jobs_are_refused_on_every_rank(tmp_path, token_file):
+    """The job file differs between the nodes (or changed while the ranks read it): the ranks built
+    different models and waited for each other in different collectives; now every rank exits 2."""
+    for node, layers in (("node1", 1), ("node2", 2)):
+        path = tiny_job(tmp_path / node, token_file)
+        with open(path) as f:
+            text = f.read().replace("n_layer = 1", f"n_layer = {layers}")
+        with open(path, "w") as f:
+            f.write(text)
+    status, output = run_ranks([(tmp_path / node, {}, hpcpar("train", "job.toml")) for node in ("node1", "node2")])
+    assert status == 2, output
+    errors = [line for line in output.splitlines() if "hpcpar train: error" in line]
+    assert len(errors) == 1 and "world rank(s) [1] read another job than rank 0" in errors[0], output
+    assert "Traceback" not in output

@@ -265,6 +265,15 @@ def test_calibrate_writes_a_machine_file_the_planner_reads(tmp_path, job_file):
     assert planned.returncode == 0 and "2x1x1" in planned.stdout
 
 
+def test_calibrate_refuses_a_bad_inter_file_before_measuring(tmp_path):
+    """--inter was read after the whole calibration, and a bad one was a traceback then; now one line, exit 2."""
+    out = tmp_path / "machine.toml"
+    result = run_hpcpar("plan", "calibrate", "--out", str(out), "--inter", str(tmp_path / "missing.toml"))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("hpcpar plan: error: machine file") and "Traceback" not in result.stderr
+    assert "gemm" not in result.stdout and not out.exists()
+
+
 def test_oversubscription_slows_compute_by_the_measured_concurrency_else_ranks_per_core():
     machine = machines.load_machine("dgx-a100")
     machine.cores = 2

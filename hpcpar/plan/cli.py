@@ -115,11 +115,11 @@ def run_calibrate(args) -> int:
 
     world = MPI.COMM_WORLD
     out = args.out or DEFAULT_MACHINE
-    with agreed_verdict("hpcpar plan", (MachineError,)):  # before measuring (each was a traceback after it)
-        if args.inter:  # every rank reads it
+    if args.inter:  # read first: a bad file is one line on every rank, not a traceback after the measuring
+        with agreed_verdict("hpcpar plan", (MachineError,)):
             load_machine(args.inter)
     if problem := world.bcast(output_problem(out) if world.Get_rank() == 0 else None, root=0):  # rank 0 writes it
-        raise _usage(f"--out {out} {problem}")
+        raise _usage(f"--out {out} {problem}")  # before measuring too (it was a traceback after it)
     machine, comments = calibrate(world, inter_file=args.inter)
     if world.Get_rank() == 0:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

@@ -51,6 +51,20 @@ def digest(print_: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def job_digest(job) -> str:
+    """A hash of every setting of ``job``: ranks that hold the same job have the same one."""
+    return hashlib.sha256(json.dumps(job.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def ranks_with_another_job(job, comm) -> list[int]:
+    """The ranks of ``comm`` (an mpi4py communicator) whose job differs from rank 0's (collective:
+    one small all-gather). Ranks read the job file each: one that read it while it was being
+    rewritten, or on a node whose copy differs, would build another grid or model, and call other
+    collectives than the rest, which would then fail or wait forever."""
+    digests = comm.allgather(job_digest(job))
+    return [rank for rank, theirs in enumerate(digests) if theirs != digests[0]]
+
+
 def describe(print_: dict) -> str:
     data = print_.get("data") or {}
     shown = (f"{data.get('path')} ({data.get('tokens', 0):,} tokens)" if "path" in data else data.get("kind", "?"))

@@ -25,7 +25,8 @@ from ..dist.topology import PlacementWarning
 from ..dist.trace import Tracer
 from ..nn.dropout_keys import DropoutKey, dropout_key
 from .build import Run, build
-from .config import Job
+from . import identity
+from .config import Job, JobError
 from .evaluate import evaluate, sample_text
 from .lifecycle import StopRequest, requeue_if_slurm, save_checkpoint, start, stop_reason
 from .resume import Request
@@ -43,6 +44,7 @@ def train(job: Job, resume: Request | str | None = None, stop: StopRequest | Non
     shows it: auto, bar, log or none (``Progress``).
     """
     stop = stop or StopRequest()
+    same_job_everywhere(job)  # before init: ranks holding other jobs would build other grids and models
     ctx = start_context(job)
     with Logger(job, ctx, job.train.steps, progress) as log:  # first: with a bar, every line goes above it
         describe(job, ctx)
@@ -138,6 +140,18 @@ def context_options(job: Job) -> dict:
     p = job.parallel
     return dict(device=job.train.device, shm=p.shm, node_size=p.node_size, backend=p.backend,
                 device_nonblocking=p.device_nonblocking)
+
+
+def same_job_everywhere(job: Job) -> None:
+    """A JobError on every rank unless every rank of the world holds ``job``'s settings (collective):
+    a job file rewritten while the ranks read it, or one that differs between nodes."""
+    from mpi4py import MPI
+
+    differ = identity.ranks_with_another_job(job, MPI.COMM_WORLD)
+    if differ:
+        raise JobError(job.source, [("", f"world rank(s) {differ} read another job than rank 0 (a job file that changed "
+                                         f"while the ranks read it, or that differs between nodes); every rank must "
+                                         f"train the same job")])
 
 
 def start_context(job: Job):

@@ -60,6 +60,43 @@ def test_a_plain_script_after_hpcpar_init_aborts_the_job_when_rank_1_raises(tmp_
     assert "rank 1 of 2 failed" in output and output.count("Traceback") == 1
 
 
+LEAVING_SCRIPT = """
+import sys, time
+import numpy as np
+import hpcpar
+ctx = hpcpar.init()
+x = np.ones(4)
+ctx.world.allreduce(x, out=x)
+if ctx.rank == 1:
+    sys.exit(int(sys.argv[1]))  # a plain script: no hook sees this exit
+if sys.argv[1] == "0":
+    time.sleep(2)  # rank 0 ends last, with nothing left to do together: a normal end
+else:
+    ctx.world.allreduce(x, out=x)  # rank 1 will never come
+print("rank", ctx.rank, "done")
+"""
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_a_rank_that_ends_its_program_answers_the_stall_census(tmp_path, status):
+    """sys.exit(3) on rank 1 of a plain script: rank 1 waits at its exit (before MPI_Finalize) and
+    answers rank 0's census that it has left, so rank 0, stalled in an all-reduce rank 1 will
+    never call, stops at once (at HPCPAR_STALL_S) instead of waiting forever. Ranks that end at
+    different times with nothing pending end normally."""
+    script = tmp_path / "leaving.py"
+    script.write_text(LEAVING_SCRIPT)
+    start = time.monotonic()
+    proc = subprocess.run([venv_bin("mpiexec"), "-n", "2", sys.executable, str(script), str(status)],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "HPCPAR_STALL_S": "1"})
+    output = proc.stdout + proc.stderr
+    if status == 0:
+        assert proc.returncode == 0 and "rank 0 done" in output, output
+        return
+    assert proc.returncode != 0 and time.monotonic() - start < 30, output
+    assert ("rank 1 of communicator 'world' has ended its program after its collective #1 there, while rank 0 "
+            "waits in allreduce #2, which can never complete") in output, output
+
+
 HOOKS_SCRIPT = """
 import json, sys, threading
 import hpcpar
@@ -72,11 +109,13 @@ if ctx.rank == 0:
 
 
 @pytest.mark.parametrize("kwargs, env, hook, expected", [
-    ({}, {}, "python's", ["on: an uncaught exception on any rank aborts the job", "_abort", "_thread_hook"]),
+    ({}, {}, "python's", ["on: an uncaught exception on any rank aborts the job; a rank that ends its program "
+                          "answers the stall census at its exit", "_abort", "_thread_hook"]),
     ({"fail_fast": False}, {}, "python's", ["left alone (init(fail_fast=False))", "excepthook", "_excepthook"]),
     ({}, {"HPCPAR_FAIL_FAST": "0"}, "python's", ["left alone (HPCPAR_FAIL_FAST=0)", "excepthook", "_excepthook"]),
     ({}, {}, "own", ["on: an uncaught exception on any rank aborts the job (the application's own sys.excepthook "
-                     "kept)", "<lambda>", "_thread_hook"]),
+                     "kept); a rank that ends its program answers the stall census at its exit", "<lambda>",
+                     "_thread_hook"]),
 ], ids=["default", "init-argument", "environment", "the-applications-hook"])
 def test_init_installs_fail_fast_unless_told_not_to(tmp_path, kwargs, env, hook, expected):
     script = tmp_path / "hooks.py"

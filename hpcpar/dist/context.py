@@ -31,6 +31,7 @@ from . import topology as _topology
 from .shm import MIN_BYTES, ShmCollectives, shm_setting
 from .comm import Communicator, default_wait_policy
 from .device_transport import query_cuda_aware
+from .watchdog import answer_at_exit
 
 
 logger = log.get_logger(__name__)
@@ -250,6 +251,19 @@ def agreed_backend(comm: MPI.Comm, requested: str, device: str, cuda_aware: bool
                   "backend (parallel.backend)")
 
 
+def process_settings(world_mpi: MPI.Comm, node_size: int, tune_allocator: bool, device: str, fail_fast: bool) -> dict:
+    """What init changes in the process (hpcpar.host.apply, fail-fast), as ``ctx.host`` reports it.
+    With fail-fast wanted and ``world_mpi`` the world, a rank that ends its program also answers
+    the others' stall census while it waits for them at exit (watchdog.answer_at_exit), so that
+    a rank stalled in a collective it can no longer complete stops at once."""
+    settings = host.apply(node_size, tune_allocator, set_blas_threads=device != "cuda")
+    wanted, settings["fail_fast"] = failfast.install_for_init(fail_fast, MPI.COMM_WORLD.Get_size())
+    if wanted and world_mpi.Compare(MPI.COMM_WORLD) == MPI.IDENT:
+        answer_at_exit()
+        settings["fail_fast"] += "; a rank that ends its program answers the stall census at its exit"
+    return settings
+
+
 def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
          comm: MPI.Comm | None = None, wait_policy: str | None = None, tune_allocator: bool = True,
          shm: bool | None = None, node_size: int | None = None, backend: str = "auto",
@@ -287,8 +301,7 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
         _topology.warn_about_placement(topo, dp, pp, tp)
     if device == "cuda":
         arrays.select_gpu(node_rank)
-    settings = host.apply(node_size, tune_allocator, set_blas_threads=device != "cuda")
-    settings["fail_fast"] = failfast.install_for_init(fail_fast, MPI.COMM_WORLD.Get_size())
+    settings = process_settings(world_mpi, node_size, tune_allocator, device, fail_fast)
 
     cuda_aware = query_cuda_aware()
     policy = wait_policy or default_wait_policy(node_size, node_cpus)

@@ -148,17 +148,22 @@ def install() -> None:
 FAIL_FAST_VARIABLE = "HPCPAR_FAIL_FAST"
 
 
-def install_for_init(enabled: bool, world_size: int) -> str:
+def install_for_init(enabled: bool, world_size: int) -> tuple[bool, str]:
     """``hpcpar.init``'s part: in a job of several ranks, an uncaught exception aborts it, as
     under ``hpcpar run``, so that a plain ``python script.py`` does not leave the other ranks
     waiting. Only Python's own hooks are replaced (an application's, IPython's or a test
-    runner's stay); returns what was done, for ``hpcpar info``."""
+    runner's stay). Returns whether fail-fast is wanted here (not turned off, several ranks)
+    and what was done, for ``hpcpar info``."""
     if not enabled:
-        return "left alone (init(fail_fast=False))"
+        return False, "left alone (init(fail_fast=False))"
     if os.environ.get(FAIL_FAST_VARIABLE, "1") == "0":
-        return f"left alone ({FAIL_FAST_VARIABLE}=0)"
+        return False, f"left alone ({FAIL_FAST_VARIABLE}=0)"
     if world_size == 1:
-        return "left alone (one rank: no other waits on it)"
+        return False, "left alone (one rank: no other waits on it)"
+    return True, _install_unless_taken()
+
+
+def _install_unless_taken() -> str:
     kept = []
     if sys.excepthook in (sys.__excepthook__, _abort):
         sys.excepthook = _abort

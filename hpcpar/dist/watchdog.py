@@ -20,12 +20,19 @@ The report repeats every ``HPCPAR_STALL_S`` while the wait goes on. With
 ``HPCPAR_STALL_ABORT_S`` set, a wait that lasts that long raises ``StallError`` with the
 report, which fail-fast turns into an abort of the whole job.
 
+A rank whose program has ended (``sys.exit(1)`` on one rank of a plain script) blocks in
+``MPI_Finalize`` and would never answer. With ``answer_at_exit`` (``hpcpar.init`` with fail-fast)
+it first waits in an exit barrier of its own, answering every census with "left after
+collective #N"; a rank stalled in a later collective of that communicator then raises
+``PeerLeft`` at once: that collective can never complete, so fail-fast aborts the job.
+
 Waiting costs nothing extra until the first check (a clock read per poll); the census only
 ever runs in a wait that has already lasted a second. Blocking object calls (``*_object``,
 pickled) are not watched.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -38,10 +45,18 @@ COLLECTIVES = ("allreduce", "iallreduce", "reduce_scatter", "allgather", "broadc
 _FIRST_CHECK_S = 1.0  # a wait shorter than this never looks at the watchdog's messages
 _CHECK_EVERY_S = 0.25
 _GRACE_S = 1.0  # after announcing, how long answers may take before the report
+_EXIT_POLL_S = 0.01  # how often a rank waiting at its exit looks for censuses
 
 
 class StallError(RuntimeError):
     """A wait outlasted HPCPAR_STALL_ABORT_S; the message is the stall report."""
+
+
+class PeerLeft(StallError):
+    """A rank this one waits for in a collective has ended its program: the wait can never end."""
+
+
+LEFT = len(COLLECTIVES)  # the operation number of a notice from a rank that has left its program
 
 
 def _seconds_from_env(name: str, default: float | None) -> float | None:
@@ -142,9 +157,28 @@ class StallWatchdog:
         status = MPI.Status()
         while self.comm.mpi.Iprobe(source=MPI.ANY_SOURCE, tag=WATCHDOG_TAG, status=status):
             self.comm.mpi.Recv(notice, source=status.Get_source(), tag=WATCHDOG_TAG)
-            self.heard[status.Get_source()] = (int(notice[0]), COLLECTIVES[int(notice[1])])
-            if waiting.kind == "collective" and int(notice[0]) == waiting.seq:
+            seq, op = int(notice[0]), int(notice[1])
+            if op == LEFT:
+                if waiting.kind == "collective" and waiting.seq > seq:
+                    raise PeerLeft(f"hpcpar: rank {self._who(status.Get_source())} of communicator "
+                                   f"'{self.comm.name}' has ended its program after its collective #{seq} there, "
+                                   f"while rank {self._who(self.comm.rank)} waits in {waiting.op} #{waiting.seq}, "
+                                   f"which can never complete")
+                continue
+            self.heard[status.Get_source()] = (seq, COLLECTIVES[op])
+            if waiting.kind == "collective" and seq == waiting.seq:
                 self._announce(waiting)
+
+    def answer_as_left(self) -> None:
+        """At exit: answer each notice that has come with "left after collective #N" (N: the
+        collectives this rank called here)."""
+        notice = np.empty(2, dtype=np.int64)
+        status = MPI.Status()
+        while self.comm.mpi.Iprobe(source=MPI.ANY_SOURCE, tag=WATCHDOG_TAG, status=status):
+            self.comm.mpi.Recv(notice, source=status.Get_source(), tag=WATCHDOG_TAG)
+            if int(notice[1]) != LEFT:
+                answer = np.array([self.collectives_called, LEFT], dtype=np.int64)
+                self._sends.append((self.comm.mpi.Isend(answer, dest=status.Get_source(), tag=WATCHDOG_TAG), answer))
 
     def _announce(self, waiting: Waiting) -> None:
         """Tell every other rank: I wait in collective #seq (once per collective)."""
@@ -199,3 +233,31 @@ class StallWatchdog:
         self.reports.append(text)
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
+
+
+_exit_barrier = None  # the communicator of the exit barrier, once answer_at_exit has run
+
+
+def answer_at_exit() -> None:
+    """Register (once; collective over the world the first time) the exit barrier: at exit,
+    before mpi4py's ``MPI_Finalize``, this rank waits for every rank to reach its own exit,
+    answering censuses meanwhile (``StallWatchdog.answer_as_left``)."""
+    global _exit_barrier
+    if _exit_barrier is None:
+        _exit_barrier = MPI.COMM_WORLD.Dup()
+        atexit.register(_wait_for_everyone_to_leave)
+
+
+def _wait_for_everyone_to_leave() -> None:
+    if MPI.Is_finalized() or _exit_barrier is None:
+        return
+    everyone = _exit_barrier.Ibarrier()
+    while True:
+        watchdogs = [w for w in _by_handle.values() if w.comm.mpi != MPI.COMM_NULL]
+        for watchdog in watchdogs:
+            watchdog.answer_as_left()
+        if everyone.Test():
+            break
+        time.sleep(_EXIT_POLL_S)
+    for watchdog in watchdogs:
+        watchdog._finish_sends()

@@ -14,6 +14,7 @@ import argparse
 import difflib
 import importlib
 import json
+import math
 import os
 import sys
 
@@ -77,6 +78,37 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _finite(text: str, kind):
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a finite number'}, got {text!r}")
+    return value
+
+
+def at_least(low, kind=int):
+    """An argparse type: a ``kind`` number >= ``low`` (a count of steps, rounds, sequences, layers...), so
+    that 0 or a negative value is a usage line, not a traceback (or a silently empty table) later."""
+    def convert(text: str):
+        value = _finite(text, kind)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+    return convert
+
+
+def above(low: float):
+    """An argparse type: a finite number > ``low`` (a size in MiB, a factor)."""
+    def convert(text: str) -> float:
+        value = _finite(text, float)
+        if value <= low:
+            raise argparse.ArgumentTypeError(f"must be > {low:g}, got {text}")
+        return value
+    return convert
+
+
 def _log_ranks(text: str) -> str:
     try:
         log.parse_ranks(text)
@@ -120,15 +152,31 @@ def jobs_reference() -> str:
             + schema_table() + "\n")
 
 
+def _unread_train_flags(args) -> str | None:
+    """What is wrong with flags ``hpcpar train`` would not read in this use (they would do nothing)."""
+    if args.list_keys and (args.job is not None or args.set):
+        return "--list-keys prints every key and reads no job; leave out the job file and --set"
+    if args.list_keys:
+        return None
+    if args.job is None:
+        return "the following arguments are required: job (or --list-keys)"
+    if args.machine is not None and not args.dry_run:  # training never reads a machine file
+        return "--machine FILE is the machine of --dry-run's predicted step time; add --dry-run or leave --machine out"
+    unread = [flag for flag, value in (("--resume", args.resume), ("--overwrite", args.overwrite),
+                                       ("--load-weights-only", args.load_weights_only), ("--trace", args.trace))
+              if value and args.dry_run]
+    if unread:
+        return (f"{', '.join(unread)} {'does' if len(unread) == 1 else 'do'} nothing with --dry-run, which trains "
+                f"nothing; leave {'it' if len(unread) == 1 else 'them'} out")
+    return None
+
+
 def _train(args) -> int:
+    if problem := _unread_train_flags(args):
+        raise _usage("hpcpar train", problem)
     if args.list_keys:
         print(jobs_reference(), end="")
         return 0
-    if args.job is None:
-        raise _usage("hpcpar train", "the following arguments are required: job (or --list-keys)")
-    if args.machine is not None and not args.dry_run:  # training never reads a machine file
-        raise _usage("hpcpar train", "--machine FILE is the machine of --dry-run's predicted step time; "
-                                     "add --dry-run or leave --machine out")
     from mpi4py import MPI
 
     from .backend import DeviceError
@@ -137,7 +185,7 @@ def _train(args) -> int:
     from .train.config_load import load_job
     from .train.loop import StopRequest, train
     from .train.resume import Request
-    from .train.validate import validate
+    from .train.validate import check_machine, validate
 
     if args.dry_run:
         from .plan.cli import dry_run
@@ -148,6 +196,7 @@ def _train(args) -> int:
     try:  # the same verdict on every rank (one all-gather of it), before any rank waits on another
         with agreed_verdict("hpcpar train", (JobError, DeviceError)):
             job = validate(load_job(args.job, overrides), MPI.COMM_WORLD.Get_size())
+            check_machine(job)
         # JobErrors inside (a checkpoint that does not fit the job) come on every rank at once
         request = Request(args.resume, overwrite=args.overwrite, weights_only=args.load_weights_only)
         train(job, resume=request, stop=stop, progress=args.progress)
@@ -237,8 +286,12 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     install()
     command = _command_of(argv)
-    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
-    log.configure(args.log_level, args.log_ranks)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    try:
+        log.configure(args.log_level, args.log_ranks)
+    except ValueError as error:  # the flags were checked by the parser: $HPCPAR_LOG_LEVEL or $HPCPAR_LOG_RANKS
+        parser.error(f"{error} (from the environment: HPCPAR_LOG_LEVEL or HPCPAR_LOG_RANKS)")
     try:
         with fail_fast():
             try:

@@ -45,6 +45,7 @@ from .backend import DeviceError, check_precision
 from .bench.step import traced_peak
 from .dist.context import agreed_device, init
 from .dist.failfast import UsageError, agreed_verdict
+from .paths import output_problem
 from .dist.waiting import wait_idle
 from .parallel.pipeline.schedules import interleaved_fit
 from .tables import format_table
@@ -53,7 +54,7 @@ from .train.config import JobError
 from .train.config_load import load_job
 from .train.identity import ranks_with_another_job
 from .train.loop import context_options
-from .train.validate import validate
+from .train.validate import check_machine, validate
 
 logger = log.get_logger(__name__)
 
@@ -256,6 +257,8 @@ def run(args) -> int:
     with agreed_verdict("hpcpar compare", (JobError,)):  # the same verdict on every rank, before any waits
         job = load_job(args.job, args.set)
         runs, skipped = layouts_to_measure(job, world.Get_size(), args.steps, precisions)
+        for layout_job in runs:  # this machine's environment and memory, as hpcpar train checks them
+            check_machine(layout_job)
     with agreed_verdict("hpcpar compare", (DeviceError,)):  # every rank gets here: the device as init agrees on it
         device = agreed_device(world, job.train.device)
         for precision in sorted({run.train.precision for run in runs}):  # as training checks it, before a layout runs
@@ -264,6 +267,9 @@ def run(args) -> int:
     if problem:
         logger.warning(problem)
     out = args.out or os.path.join("runs", "compare-" + os.path.basename(args.job).rsplit(".", 1)[0])
+    # before measuring (it was a traceback after every layout ran); rank 0 writes it, so rank 0's verdict
+    if problem := world.bcast(output_problem(out, folder=True) if world.Get_rank() == 0 else None, root=0):
+        raise UsageError(f"hpcpar compare: error: --out {out} {problem}")
     results = []
     for layout_run in runs:
         figures = measure_on_first_ranks(layout_run, world, args.steps)

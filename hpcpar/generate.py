@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import checkpoint, log
-from .checkpoint.manifest import CheckpointError, read_manifest, resolve_step_dir
+from .checkpoint.cli import step_folder
+from .checkpoint.manifest import CheckpointError, read_manifest
 from .dist.context import single_process
 from .dist.failfast import UsageError
 from .nn.gpt import GPT, GPTConfig
@@ -30,11 +31,14 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     if log.world_rank() != 0:
         return 0
-    if args.tokens < 0 or args.top_k < 1 or args.temperature < 0:  # before the checkpoint is read
-        raise UsageError(f"hpcpar generate: error: --tokens must be >= 0, --top-k >= 1 and --temperature >= 0, got "
-                         f"--tokens {args.tokens} --top-k {args.top_k} --temperature {args.temperature}")
+    if args.tokens < 0 or args.top_k < 1 or not 0 <= args.temperature < float("inf"):  # before the checkpoint is read
+        raise UsageError(f"hpcpar generate: error: --tokens must be >= 0, --top-k >= 1 and --temperature a number >= 0, "
+                         f"got --tokens {args.tokens} --top-k {args.top_k} --temperature {args.temperature}")
+    if not args.prompt:  # the model needs a token to continue from (it was an IndexError traceback)
+        raise UsageError("hpcpar generate: error: --prompt is empty; give the text the sample continues (at least "
+                         "one character)")
     try:
-        step_dir = resolve_step_dir(args.checkpoint)
+        step_dir = step_folder(args.checkpoint)
         saved = read_manifest(step_dir)["extra"].get("model_config")
         if saved is None:
             raise CheckpointError(f"{step_dir}: no model_config in the checkpoint (was it written by hpcpar train?)")

@@ -10,6 +10,8 @@ from . import backend
 from .dist.device_transport import device_nonblocking_supported, library_version, query_cuda_aware
 from .dist.context import LayoutError, agreed_backend, agreed_device, init, resolve_layout
 from .dist.nccl import BACKENDS, describe_backend, nccl_available
+from .dist.nodes import node_size_setting
+from .dist.shm import shm_setting
 from .dist.failfast import agreed_verdict
 from .dist.topology import PlacementWarning
 
@@ -28,8 +30,10 @@ def add_arguments(parser) -> None:
 
 def run(args) -> None:
     # checked before any rank waits on another, and agreed: a node's own device or NCCL can differ
-    with agreed_verdict("hpcpar info", (LayoutError, RuntimeError)):
+    # ValueError: a variable of the environment init reads (HPCPAR_DEVICE=gpu was a traceback)
+    with agreed_verdict("hpcpar info", (LayoutError, RuntimeError, ValueError)):
         resolve_layout(MPI.COMM_WORLD.Get_size(), args.dp, args.pp, args.tp)
+        shm_setting(), node_size_setting(), device_nonblocking_supported("MPICH", ())  # (a library named: no query)
         world = MPI.COMM_WORLD  # the device and the backend as init will find them (the same on every rank)
         agreed_backend(world, args.backend, agreed_device(world, args.device), query_cuda_aware(), None)
     print_info(dp=args.dp, pp=args.pp, tp=args.tp, device=args.device, comm_backend=args.backend)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from . import log
 from .dist.failfast import UsageError
+from .paths import input_problem, output_problem
 
 logger = log.get_logger(__name__)
 
@@ -144,19 +145,38 @@ def plot_metrics(path: str, out: str | None = None) -> str | None:
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     fig.suptitle(title_of(path, segments))
     fig.tight_layout()
-    out = out or os.path.splitext(path)[0] + ".png"
+    return _save(plt, fig, out or default_out(path))
+
+
+def default_out(path: str) -> str:
+    return os.path.splitext(path)[0] + ".png"
+
+
+def _save(plt, fig, out: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
 
 
+def read_compare(path: str) -> dict:
+    """The result of ``hpcpar compare``; ValueError naming the file when it is not one."""
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not JSON ({error})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
+        raise ValueError(f"{path}: not the compare.json of `hpcpar compare` (no list of results)")
+    return data
+
+
 def plot_compare(path: str, out: str | None = None) -> str | None:
     """Throughput per layout, where each layout's step goes (compute + communication + idle = 100 %), memory."""
+    data = read_compare(path)
     plt = _pyplot()
     if plt is None:
         return None
-    with open(path) as f:
-        data = json.load(f)
     results = data["results"]
     names = [r["label"] for r in results]
     fig, (ax_speed, ax_share, ax_mem) = plt.subplots(1, 3, figsize=(15, 4.5))
@@ -180,23 +200,33 @@ def plot_compare(path: str, out: str | None = None) -> str | None:
         ax.set_yticklabels([])
     fig.suptitle(f"hpcpar compare: {data.get('job', os.path.basename(path))}")
     fig.tight_layout()
-    out = out or os.path.splitext(path)[0] + ".png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out or default_out(path))
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("path", help="a metrics .jsonl file (train.metrics of a job) or a compare.json")
-    parser.add_argument("--out", default=None, help="PNG path (default: the input's path with .png)")
+    parser.add_argument("--out", default=None, help="PNG path, made with its folders (default: the input's path with .png)")
     parser.set_defaults(func=run)
+
+
+def path_problem(path: str, out: str) -> str | None:
+    """What is wrong with the input or the PNG, before anything is read or drawn (a folder as the input
+    was a traceback, a named pipe blocked the read, a missing folder of --out a traceback after drawing)."""
+    if problem := input_problem(path):
+        return f"{path} {problem}; give a metrics .jsonl or a compare.json"
+    if not out.lower().endswith(".png"):  # matplotlib would write OUT.png and the line would name OUT
+        return f"--out {out}: not a .png file name; give one such as {os.path.splitext(out)[0]}.png"
+    if problem := output_problem(out):
+        return f"--out {out} {problem}"
+    return None
 
 
 def run(args) -> int:
     if log.world_rank() != 0:  # serial: started by mpiexec, rank 0 alone draws
         return 0
-    if not os.path.exists(args.path):
-        raise UsageError(f"hpcpar plot: error: {args.path} does not exist")
+    problem = path_problem(args.path, args.out or default_out(args.path))
+    if problem:
+        raise UsageError(f"hpcpar plot: error: {problem}")
     try:
         chart = (plot_metrics if args.path.endswith(".jsonl") else plot_compare)(args.path, args.out)
     except (ValueError, KeyError) as error:

@@ -168,3 +168,50 @@ def test_ls_of_a_missing_folder_and_usage_errors(tmp_path):
     assert result.returncode == 1 and "no such folder" in result.stderr and "Traceback" not in result.stderr
     result = ckpt("frobnicate")
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def ckpt_in_process(capsys, *args):
+    """``hpcpar ckpt ARGS`` in this process: (exit status, stderr lines)."""
+    from hpcpar import cli
+
+    parsed = cli.build_parser("ckpt").parse_args(["ckpt", *map(str, args)])
+    status = parsed.func(parsed)
+    return status, capsys.readouterr().err.splitlines()
+
+
+def test_export_refuses_an_output_it_cannot_write_before_reading_a_tensor(root, tmp_path, capsys):
+    """An export onto a step folder's own index.h5 replaced it (exit 0) and the checkpoint no longer
+    verified; a folder or a path under a file as OUT was an errno line after the whole copy."""
+    before = {name: (latest_dir(root) / name).read_bytes() for name in os.listdir(latest_dir(root))}
+    (tmp_path / "afile").write_text("x")
+    for out, message in ((latest_dir(root) / "index.h5", "is a checkpoint's step folder, and writing into it "
+                                                         "would damage it; write elsewhere"),
+                         (root / "step-00000003" / "new.h5", "is a checkpoint's step folder"),
+                         (tmp_path, "it is a folder; give the path of a file"),
+                         (tmp_path / "afile" / "o.h5", f"it cannot be made: {tmp_path}/afile is a file, not a folder")):
+        status, lines = ckpt_in_process(capsys, "export", root, out)
+        assert status == 1 and len(lines) == 1 and lines[0].startswith(f"hpcpar ckpt export: error: {out}: "), lines
+        assert message in lines[0], lines
+    assert {name: (latest_dir(root) / name).read_bytes() for name in os.listdir(latest_dir(root))} == before
+    assert sorted(os.listdir(tmp_path)) == ["afile", "root"]
+    status, _ = ckpt_in_process(capsys, "export", root, tmp_path / "new" / "model.h5")  # a missing folder is made
+    assert status == 0 and (tmp_path / "new" / "model.h5").is_file()
+
+
+@pytest.mark.parametrize("action", ["ls", "inspect", "verify"])
+def test_a_file_given_as_a_checkpoint_is_named_as_such(tmp_path, capsys, action):
+    (tmp_path / "job.toml").write_text("")  # was "[Errno 20] Not a directory: 'job.toml/latest'"
+    status, lines = ckpt_in_process(capsys, action, tmp_path / "job.toml")
+    assert status == 1 and lines == [f"hpcpar ckpt {action}: error: {tmp_path}/job.toml: a file, not a folder; give "
+                                     f"a checkpoint root (checkpoint.dir)" + ("" if action == "ls" else " or a step folder")]
+
+
+def test_under_mpiexec_rank_0_alone_exports_and_speaks(root, tmp_path):
+    """Every rank exported to OUT.tmp at once: HDF5's file lock failed all but one, each saying so."""
+    from conftest import venv_bin
+
+    out = tmp_path / "model.h5"
+    result = subprocess.run([venv_bin("mpiexec"), "-n", "2", sys.executable, "-m", "hpcpar", "ckpt", "export", root, out],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout.count("exported step 7") == 1 and out.is_file()

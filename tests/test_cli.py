@@ -2,8 +2,11 @@
 with exit status 2 (under mpiexec too), --version, log lines by rank, plots of metrics files."""
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -106,6 +109,10 @@ USAGE_ERRORS = [
     (["compare", "jobs/gpt-dp.toml", "--steps", "0"], "hpcpar compare: error: --steps must be >= 1"),
     (["train", "jobs/gpt-dp.toml", "--machine", "m.toml"], "hpcpar train: error: --machine FILE is the machine of "
                                                            "--dry-run"),  # training never read it
+    (["train", "jobs/gpt-dp.toml", "--dry-run", "--resume", "must", "--overwrite"],
+     "hpcpar train: error: --resume, --overwrite do nothing with --dry-run"),  # they were ignored, exit 0
+    (["train", "jobs/gpt-dp.toml", "--list-keys"], "hpcpar train: error: --list-keys prints every key and reads "
+                                                   "no job"),  # the job and --set were ignored, exit 0
     (["generate", "/nope", "--top-k", "0"], "hpcpar generate: error: --tokens must be >= 0, --top-k >= 1"),  # 0 sampled every token
     (["compare", "jobs/gpt-dp.toml", "--set", 'train.device="guard"', "--precision", "bf16"],
      "hpcpar compare: error: precision bf16 on the GPU needs bfloat16 arrays"),  # before any layout runs
@@ -125,7 +132,9 @@ def test_a_usage_error_is_one_line_and_exit_status_2(args, start, corrupt_metric
 @pytest.mark.parametrize("args, start", [(["info", "--tp", "3"], "hpcpar info: error: world size 4 is not divisible"),
                                          (["bench", "foo"], "hpcpar bench: error: argument BENCHMARK"),
                                          (["compare", "--steps", "2"], "hpcpar compare: error: the following"),
-                                         (["compare", "jobs/gpt-ps.toml"], "hpcpar compare: error: jobs/gpt-ps.toml")])
+                                         (["compare", "jobs/gpt-ps.toml"], "hpcpar compare: error: jobs/gpt-ps.toml"),
+                                         (["data", "prepare", "--out", "runs/never.h5", "/nope.txt"],
+                                          "hpcpar data prepare: error: no such file '/nope.txt'")])  # was once per rank
 def test_a_usage_error_under_mpiexec_is_one_line_from_rank_0(args, start):
     proc = hpcpar_command(*args, ranks=4)
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
@@ -158,6 +167,26 @@ def test_log_lines_come_from_the_ranks_asked_for(tmp_path, options, env, out, er
     proc = hpcpar_command("run", *options, script, ranks=2, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(proc.stdout.splitlines()) == out and sorted(proc.stderr.splitlines()) == err
+
+
+@pytest.mark.parametrize("variable", ["HPCPAR_LOG_LEVEL", "HPCPAR_LOG_RANKS"])
+def test_a_bad_log_variable_is_a_usage_line(variable):  # was a ValueError traceback
+    proc = hpcpar_command("plot", "/nope.jsonl", env={variable: "bogus"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("hpcpar: error: log ") and "from the environment" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("variable, value, message", [("HPCPAR_DEVICE", "gpu", "device must be one of"),
+                                                     ("HPCPAR_SHM", "maybe", "HPCPAR_SHM must be 0 or 1"),
+                                                     ("HPCPAR_NODE_SIZE", "x", "HPCPAR_NODE_SIZE must be a positive")])
+def test_hpcpar_info_names_a_bad_environment_variable(monkeypatch, variable, value, message):  # was a traceback
+    from hpcpar.dist.failfast import UsageError
+
+    monkeypatch.setenv(variable, value)
+    parsed = cli.build_parser("info").parse_args(["info"])
+    with pytest.raises(UsageError, match=f"hpcpar info: error: {message}"):
+        parsed.func(parsed)
 
 
 def test_log_options_are_checked():
@@ -221,6 +250,113 @@ def test_a_bad_metrics_file_is_named(tmp_path, text, problem):
     path.write_text(text)
     with pytest.raises(ValueError, match=problem):
         plot.plot_metrics(str(path))
+
+
+def test_plot_checks_its_input_and_its_png_before_drawing(tmp_path, monkeypatch):
+    """A folder as input was a traceback; --out odir wrote odir.png and said 'wrote odir'; --out into a missing
+    folder or under a file was a traceback after drawing; a compare.json that is not an object a traceback."""
+    from hpcpar.dist.failfast import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    pathlib.Path("m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(1, 3)))
+    pathlib.Path("list.json").write_text("[1, 2]")
+    pathlib.Path("text.json").write_text("xx")
+    pathlib.Path("afile").write_text("x")
+    for name in ("folder.jsonl", "shots.png"):
+        os.mkdir(name)
+    for path, out, message in (("folder.jsonl", None, "folder.jsonl is a folder, not a file"),
+                               ("m.jsonl", "odir", "--out odir: not a .png file name; give one such as odir.png"),
+                               ("m.jsonl", "shots.png", "--out shots.png is a folder; give the path of a file"),
+                               ("m.jsonl", "afile/m.png", f"--out afile/m.png cannot be made: {tmp_path}/afile is a file"),
+                               ("list.json", None, "list.json: not the compare.json of `hpcpar compare`"),
+                               ("text.json", None, "text.json: not JSON (Expecting value")):
+        with pytest.raises(UsageError) as caught:
+            plot.run(argparse.Namespace(path=path, out=out))
+        assert str(caught.value).startswith(f"hpcpar plot: error: {message}"), caught.value
+    assert sorted(os.listdir()) == ["afile", "folder.jsonl", "list.json", "m.jsonl", "shots.png", "text.json"]
+    if importlib.util.find_spec("matplotlib"):
+        plot.run(argparse.Namespace(path="m.jsonl", out="new/folder/m.png"))  # a missing folder is made
+        assert os.path.isfile("new/folder/m.png")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"prompt": ""}, "--prompt is empty; give the text the sample continues"),  # was an IndexError traceback
+    ({"temperature": float("nan")}, "--temperature a number >= 0, got --tokens 5 --top-k 40 --temperature nan"),  # sampled
+    ({"checkpoint": "FILE"}, "FILE: a file, not a folder; give a checkpoint root")])  # was an errno line about FILE/latest
+def test_generate_refuses_bad_flags_and_a_file_as_checkpoint(tmp_path, change, message):
+    from hpcpar import generate
+    from hpcpar.dist.failfast import UsageError
+
+    (tmp_path / "FILE").write_text("x")
+    args = argparse.Namespace(**{"checkpoint": "/nope", "tokens": 5, "prompt": "def ", "temperature": 0.8, "top_k": 40,
+                                 "seed": 0, **change})
+    args.checkpoint = args.checkpoint.replace("FILE", str(tmp_path / "FILE"))
+    with pytest.raises(UsageError) as caught:
+        generate.run(args)
+    text = str(caught.value)
+    assert text.startswith("hpcpar generate: error: ") and message.replace("FILE", str(tmp_path / "FILE")) in text, text
+
+
+def test_compare_names_a_bad_environment_variable_before_measuring(tmp_path, monkeypatch):  # was a traceback
+    from hpcpar.dist.failfast import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HPCPAR_SHM", "maybe")
+    parsed = cli.build_parser("compare").parse_args(["compare", os.path.join(REPO, "jobs", "gpt-dp.toml")])
+    with pytest.raises(UsageError, match="parallel.shm: unset, so the environment decides, and HPCPAR_SHM must be"):
+        parsed.func(parsed)
+
+
+def test_compare_checks_its_out_folder_before_measuring(tmp_path, monkeypatch):
+    """--out under a file was a traceback once every layout had been measured."""
+    from hpcpar.dist.failfast import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    parsed = cli.build_parser("compare").parse_args(["compare", os.path.join(REPO, "jobs", "gpt-dp.toml"),
+                                                     "--out", "afile/out"])
+    with pytest.raises(UsageError, match=f"hpcpar compare: error: --out afile/out cannot be made: {tmp_path}/afile is "
+                                         f"a file, not a folder"):
+        parsed.func(parsed)
+
+
+@pytest.mark.parametrize("words, message", [  # each was a traceback (or, for --stages 0, an empty table)
+    (["step", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["step", "--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+    (["ckpt", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+    (["allreduce", "--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
+    (["allreduce", "--max-mib", "-1"], "argument --max-mib: must be > 0, got -1"),
+    (["dp", "--bucket-mb", "nan"], "argument --bucket-mb: expected a finite number, got 'nan'"),
+    (["pipeline", "--micro", "4", "0"], "argument --micro: must be >= 1, got 0"),
+    (["pipeline", "--stages", "0"], "argument --stages: must be >= 1, got 0"),
+    (["recompute", "--n-head", "x"], "argument --n-head: expected an integer, got 'x'"),
+    (["async", "--slow-rank", "-2"], "argument --slow-rank: must be >= -1, got -2"),
+    (["net", "--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
+])
+def test_bench_counts_out_of_range_are_usage_errors(words, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.build_parser("bench").parse_args(["bench", *words])
+    lines = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 2 and lines[-1].startswith(f"hpcpar bench {words[0]}: error: {message}"), lines
+
+
+@pytest.mark.parametrize("words, message", [(["--n-head", "3"], "must be divisible by n_head (3)"),
+                                            (["--dropout", "1.5"], "GPTConfig.dropout must be in [0, 1), got 1.5")])
+def test_bench_recompute_refuses_a_model_that_cannot_be_built(words, message):  # each was a traceback
+    from hpcpar.dist.failfast import UsageError
+
+    parsed = cli.build_parser("bench").parse_args(["bench", "recompute", *words])
+    with pytest.raises(UsageError, match=re.escape(message)):
+        parsed.func(parsed)
+
+
+def test_bench_ckpt_needs_an_existing_dir(tmp_path):
+    from hpcpar.dist.failfast import UsageError
+
+    (tmp_path / "afile").write_text("x")
+    parsed = cli.build_parser("bench").parse_args(["bench", "ckpt", "--dir", str(tmp_path / "afile")])
+    with pytest.raises(UsageError, match=f"--dir {tmp_path}/afile is not a folder"):  # mkdtemp's traceback on rank 0
+        parsed.func(parsed)
 
 
 def test_data_prepare_refuses_a_compressed_file(tmp_path):

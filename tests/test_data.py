@@ -100,7 +100,8 @@ def test_a_failed_prepare_leaves_the_old_file_and_no_temporary(tmp_path, text_fi
 
 @pytest.mark.parametrize("kwargs, message", [({"val_fraction": 0.0}, "val_fraction"),
                                              ({"val_fraction": 1.0}, "val_fraction"),
-                                             ({"max_mb": 0}, "max_mb")])
+                                             ({"max_mb": 0}, "max_mb"),
+                                             ({"max_mb": float("nan")}, "max_mb must be a number > 0, got nan")])
 def test_prepare_rejects_bad_options(tmp_path, text_files, kwargs, message):
     with pytest.raises(ValueError, match=message):
         prepare(str(tmp_path / "t.h5"), text_files[0], **kwargs)
@@ -111,6 +112,22 @@ def test_prepare_names_a_missing_file_or_a_folder(tmp_path):
         prepare(str(tmp_path / "t.h5"), [str(tmp_path / "absent.txt")])
     with pytest.raises(IsADirectoryError, match="folder"):
         prepare(str(tmp_path / "t.h5"), [str(tmp_path)])
+
+
+def test_prepare_refuses_an_output_it_cannot_write_or_that_is_an_input_before_reading(tmp_path, text_files):
+    """A folder or a path under a file as --out failed after the text was read, with an errno line
+    ("File exists: ..."); --out one of the inputs replaced that file by the tokens of its own bytes."""
+    paths = text_files[0]
+    (tmp_path / "afile").write_text("x")
+    for out, message in ((tmp_path, "is a folder; give the path of a file"),
+                         (tmp_path / "afile" / "t.h5", f"cannot be made: {tmp_path}/afile is a file, not a folder"),
+                         (paths[1], "is both the output and one of the text files")):
+        with pytest.raises(ValueError, match=message):
+            prepare(str(out), paths, max_mb=None)
+    os.mkfifo(tmp_path / "pipe.txt")
+    with pytest.raises(ValueError, match="pipe.txt' is not a regular file"):
+        prepare(str(tmp_path / "t.h5"), [str(tmp_path / "pipe.txt")])
+    assert sorted(os.listdir(tmp_path)) == ["afile", "part0.txt", "part1.txt", "part2.txt", "pipe.txt"]
 
 
 def test_cli_data_prepare(tmp_path, text_files):
@@ -149,6 +166,19 @@ def test_dataset_info_rejects_other_hdf5_files(tmp_path):
 
 
 # --- TokenDataset ----------------------------------------------------------------------------------------
+
+def test_id_range_reads_each_version_of_a_file_once(tmp_path):
+    """Validation runs once per candidate layout (hpcpar plan: thousands): a wide-dtype file is scanned once."""
+    from hpcpar.data import loader
+
+    path = str(tmp_path / "wide.h5")
+    for tokens in ([1, 5, 3], [7, 9, 8, 8, 8, 8, 8, 8]):  # the second write changes the file's size
+        with h5py.File(path, "w") as f:
+            f["train"] = f["val"] = np.array(tokens, dtype=np.uint16)
+        misses = loader._id_range.cache_info().misses
+        assert loader.id_range(path, "train") == loader.id_range(path, "train") == (min(tokens), max(tokens))
+        assert loader._id_range.cache_info().misses == misses + 1
+
 
 def test_token_dataset_batches_are_slices_of_the_corpus(token_file):
     path, corpus = token_file

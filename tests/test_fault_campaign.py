@@ -177,9 +177,9 @@ def test_a_fresh_run_into_a_used_folder_is_refused_or_moves_the_old_run_aside(jo
 
 
 def test_auto_starts_fresh_in_an_empty_folder_and_must_refuses_it(job, tmp_path, token_file):
-    error = refused(train(job, tmp_path, token_file, "--resume must"))
-    assert f"--resume must: no checkpoint in {tmp_path}/ckpt" in error
-    assert not os.path.exists(tmp_path / "ckpt") or not list_steps(str(tmp_path / "ckpt"))
+    error = refused(train(job, tmp_path / "new", token_file, "--resume must"))
+    assert f"--resume must: no checkpoint in {tmp_path}/new/ckpt" in error
+    assert not os.path.exists(tmp_path / "new")  # refused before anything is written: not even the metrics' folder
     text = ok(train(job, tmp_path, token_file, "train.steps=2"))
     assert f"starting fresh: no checkpoint in {tmp_path}/ckpt" in text
     for name in ("job.toml", "command.txt", "env.json", "run.json"):  # the run folder's provenance

@@ -1,16 +1,20 @@
 """Job files: loading, --set overrides, and one clear JobError naming the file and key for each bad job."""
+import contextlib
 import os
 import re
 import textwrap
+import threading
 import tomllib
 
+import h5py
+import numpy as np
 import pytest
 
 from conftest import REPO
 from hpcpar.data.prepare import prepare
 from hpcpar.train.config import SECTIONS, Job, JobError, schema_table
 from hpcpar.train.config_load import load_job, parse_override
-from hpcpar.train.validate import validate
+from hpcpar.train.validate import check_machine, validate
 
 GOOD = """
 [model]
@@ -118,8 +122,11 @@ def test_unknown_key_names_it_suggests_and_lists_the_allowed(tmp_path):
     (('steps = 20', 'steps = "ten"'), 'train.steps: expected an integer, got "ten"'),
     (('steps = 20', 'steps = 20.0'), "train.steps: expected an integer, got 20.0"),
     (('n_layer = 2', 'n_layer = true'), "model.n_layer: expected an integer, got true"),
-    (('betas = [0.9, 0.95]', 'betas = 0.9'), "optimizer.betas: expected a list of 2 numbers, got 0.9"),
-    (('dropout = 0.1', 'dropout = "0.1"'), 'model.dropout: expected a number, got "0.1"'),
+    (('betas = [0.9, 0.95]', 'betas = 0.9'), "optimizer.betas: expected a list of 2 finite numbers, got 0.9"),
+    (('dropout = 0.1', 'dropout = "0.1"'), 'model.dropout: expected a finite number, got "0.1"'),
+    (('lr = 1 ', 'lr = inf '), "optimizer.lr: expected a finite number, got inf"),  # trained on NaNs, exit 0
+    (('lr = 1 ', 'lr = 1' + '0' * 400 + ' '), "optimizer.lr: expected a finite number, got 1000"),  # OverflowError
+    (('betas = [0.9, 0.95]', 'betas = [0.9, nan]'), "optimizer.betas: expected a list of 2 finite numbers, got [0.9, nan]"),
     (('pp = 2', 'pp = 0'), "parallel.pp: 0 must be >= 1"),
     (('dropout = 0.1', 'dropout = 1.0'), "model.dropout: 1.0 must be in [0.0, 1.0)"),
     (('precision = "fp64"', 'precision = "fp8"'), 'train.precision: "fp8" is not one of fp32, fp16, bf16, fp64'),
@@ -156,6 +163,29 @@ def test_malformed_toml_gives_the_line(tmp_path):
 def test_a_missing_job_file(tmp_path):
     with pytest.raises(JobError, match="absent.toml: no such job file"):
         load_job(str(tmp_path / "absent.toml"))
+
+
+def test_a_job_file_that_is_a_folder_or_a_named_pipe_is_refused_unread(tmp_path):
+    """A folder was a traceback (IsADirectoryError); a named pipe blocked the read until someone wrote to it."""
+    (tmp_path / "jobs").mkdir()
+    with pytest.raises(JobError, match="jobs: the job file is a folder, not a file; give a TOML file"):
+        load_job("jobs")
+    os.mkfifo(tmp_path / "job.fifo")
+    with unblocking(tmp_path / "job.fifo"), pytest.raises(JobError, match="job.fifo: the job file is not a regular"):
+        load_job("job.fifo")
+
+
+@contextlib.contextmanager
+def unblocking(fifo):
+    """A writer that ends a read of ``fifo`` (so that reading it fails the test instead of blocking it),
+    and is itself released when nothing read."""
+    writer = threading.Thread(target=lambda: open(fifo, "w").close(), daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # the writer's open returns
+        writer.join()
 
 
 # --- validate: the keys together and the world -------------------------------------------------------------
@@ -284,6 +314,108 @@ def test_an_existing_data_file_is_checked_against_the_model(tmp_path):
     (tmp_path / "data" / "junk.h5").write_bytes(b"not hdf5")
     assert "data.path: \"data/junk.h5\" is not a token file" in job_error(tmp_path, GOOD, "data.path=data/junk.h5",
                                                                           world_size=2)
+
+
+def token_file(path, train, val=None, vocab_size=256):
+    with h5py.File(path, "w") as f:
+        f["train"], f["val"] = train, train if val is None else val
+        f.attrs["vocab_size"] = vocab_size
+    return str(path)
+
+
+def test_a_data_file_that_cannot_feed_the_model_is_refused_before_the_run(tmp_path):
+    """Each was found mid-run or never: a folder (two lines of HDF5 error), a named pipe (h5py's open
+    blocked), float tokens (trained on silently, cast to int), 2-D tokens and ids >= vocab_size (a
+    traceback after the run folder was written)."""
+    def problem(path):
+        return job_error(tmp_path, GOOD, f'data.path="{path}"', "parallel.pp=1", world_size=1)
+
+    os.mkdir("folder.h5")
+    assert 'data.path: "folder.h5" is a folder, not a file; give the token file' in problem("folder.h5")
+    os.mkfifo("pipe.h5")
+    with unblocking("pipe.h5"):
+        assert 'data.path: "pipe.h5" is not a regular file' in problem("pipe.h5")
+    message = problem(token_file("float.h5", np.full(100, 0.5)))
+    assert "is not a token file of `hpcpar data prepare`: its train split holds float64 of shape (100,), " \
+           "not 1-D integer token ids" in message
+    assert "holds uint8 of shape (100, 2)" in problem(token_file("wide.h5", np.zeros((100, 2), np.uint8)))
+    big = token_file("big.h5", np.arange(100, dtype=np.uint16), np.full(100, 900, np.uint16))
+    assert ("data.path: the val split of big.h5 holds token id 900, outside 0..model.vocab_size-1 = 0..255; "
+            "set model.vocab_size >= 901") in problem(big)
+    assert "holds token id -1" in problem(token_file("negative.h5", np.full(100, -1, np.int32)))
+    fits = token_file("fits.h5", np.full(100, 255, np.int64))  # a wide dtype whose ids all fit
+    validate(load_job(write_job(tmp_path, GOOD), [f'data.path="{fits}"', "parallel.pp=1"]), 1)
+
+
+def test_a_path_the_run_writes_that_cannot_be_made_is_refused_before_the_run(tmp_path):
+    """Each was a traceback: checkpoint.dir and train.metrics after the run folder was written,
+    train.trace after the whole run (leaving TRACE.tmp behind)."""
+    def problem(*overrides):
+        return job_error(tmp_path, GOOD, 'data.path="tokens.h5"', "parallel.pp=1", *overrides, world_size=1)
+
+    token_file("tokens.h5", np.zeros(100, np.uint8))
+    open("afile", "w").close()
+    os.mkdir("folder")
+    where = os.path.join(str(tmp_path), "afile")
+    assert f'checkpoint.dir: "afile/ck" cannot be made: {where} is a file, not a folder; give a path under a folder' \
+           in problem('checkpoint.dir="afile/ck"')
+    assert 'checkpoint.dir: "afile" is a file, not a folder' in problem('checkpoint.dir="afile"')
+    assert f'train.metrics: "afile/m/metrics.jsonl" cannot be made: {where} is a file' \
+           in problem('train.metrics="afile/m/metrics.jsonl"')
+    assert 'train.metrics: "folder" is a folder; give the path of a file' in problem('train.metrics="folder"')
+    assert 'train.trace: "folder" is a folder' in problem('train.trace="folder"')
+    message = problem('train.trace="afile/t.json"', 'checkpoint.dir="afile"')
+    assert "2 problems" in message and "train.trace: " in message and "checkpoint.dir: " in message
+    validate(load_job(write_job(tmp_path, GOOD), ['data.path="tokens.h5"', "parallel.pp=1",
+                                                  'train.metrics="new/deeper/m.jsonl"', 'checkpoint.dir="folder"']), 1)
+
+
+def test_a_path_the_run_writes_may_not_replace_what_it_reads_or_another_output(tmp_path):
+    """Each ran with exit 0: train.metrics on the token file renamed it aside as an old metrics file; the
+    trace replaced the token file, the job file or the metrics at the end; checkpoint.dir = "" was a
+    traceback, and a step folder as checkpoint.dir got a second root written inside it."""
+    def problem(*overrides):
+        return job_error(tmp_path, GOOD, 'data.path="tokens.h5"', "parallel.pp=1", *overrides, world_size=1)
+
+    token_file("tokens.h5", np.zeros(100, np.uint8))
+    assert 'train.metrics: "tokens.h5" is also data.path, which writing it would replace' in \
+        problem('train.metrics="tokens.h5"')
+    assert 'train.trace: "./job.toml" is also the job file' in problem('train.trace="./job.toml"')
+    assert 'train.trace: "m.jsonl" is also train.metrics' in problem('train.metrics="m.jsonl"', 'train.trace="m.jsonl"')
+    assert 'checkpoint.dir (--set): "" must be a folder name' in job_error(tmp_path, GOOD, 'checkpoint.dir=""')
+    os.makedirs("ck/step-00000002")
+    open("ck/step-00000002/manifest.json", "w").close()
+    assert 'checkpoint.dir: "ck/step-00000002" is a step folder of a checkpoint; give a checkpoint root (such as ck)' \
+        in problem('checkpoint.dir="ck/step-00000002"')
+
+
+def test_a_model_whose_weights_cannot_fit_in_memory_is_refused_before_it_is_built(tmp_path):
+    """n_embd = 1e8 was a MemoryError traceback while the model was built; a job that fits is not refused."""
+    job = validate(load_job(write_job(tmp_path, GOOD), ["model.n_embd=100000000", "model.n_head=1"]), 2)
+    with pytest.raises(JobError) as caught:  # the planner may plan it for a bigger machine; training here cannot
+        check_machine(job)
+    message = str(caught.value)
+    assert "job.toml: model.n_embd, model.n_layer, model.vocab_size: a GPT of about 2.4e+17 parameters" in message
+    assert "on each of the pp x tp = 2 ranks that split it, beyond this machine's" in message
+    check_machine(validate(load_job(write_job(tmp_path, GOOD)), 2))
+    job = validate(load_job(write_job(tmp_path, GOOD), ["data.batch_size=4000000000", "parallel.pp=1"]), 2)
+    with pytest.raises(JobError, match="data.batch_size, model.block_size: one micro-batch of 16,000,000,000 tokens "
+                                       "has logits of 15,259 GiB"):  # its first step never ended
+        check_machine(job)
+
+
+@pytest.mark.parametrize("variable, value, expected", [
+    ("HPCPAR_DEVICE", "gpu", "train.device: \"auto\" takes $HPCPAR_DEVICE, which is 'gpu', not one of auto, cpu"),
+    ("HPCPAR_SHM", "maybe", "parallel.shm: unset, so the environment decides, and HPCPAR_SHM must be 0 or 1"),
+    ("HPCPAR_NODE_SIZE", "x", "parallel.node_size: unset, so the environment decides, and HPCPAR_NODE_SIZE must be"),
+    ("HPCPAR_DEVICE_NONBLOCKING", "perhaps", "parallel.device_nonblocking: unset, so the environment decides")])
+def test_a_bad_environment_variable_behind_an_unset_key_is_refused_before_the_run(tmp_path, monkeypatch, variable,
+                                                                                  value, expected):
+    """Each was a ValueError traceback while the run's context was built."""
+    job = validate(load_job(write_job(tmp_path, GOOD)), 2)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(JobError, match=re.escape(expected)):
+        check_machine(job)
 
 
 def test_job_error_is_a_value_error_with_its_problems():

@@ -204,6 +204,25 @@ def test_flags_the_plan_would_not_read_are_usage_errors(job_file, args, message)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["JOB", "--world", "0", "--machine", "dgx-a100"], "--world must be >= 1, got 0"),  # was '--world N is needed'
+    (["JOB", "--world", "2", "--machine", "dgx-a100", "--top", "-1"], "--top must be >= 0, got -1"),  # dropped a row
+    (["calibrate", "--out", "afile/m.toml"], "--out afile/m.toml cannot be made: "),  # a traceback after measuring
+    (["calibrate", "--inter", "none.toml"], "machine file none.toml: No such file"),  # the same
+])
+def test_bad_plan_flags_are_refused_before_planning_or_measuring(job_file, tmp_path, monkeypatch, args, message):
+    from hpcpar import cli
+    from hpcpar.dist.failfast import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    parsed = cli.build_parser("plan").parse_args(["plan", *[job_file if a == "JOB" else a for a in args]])
+    with pytest.raises(UsageError) as caught:
+        parsed.func(parsed)
+    assert str(caught.value).startswith(f"hpcpar plan: error: {message}"), caught.value
+    assert sorted(os.listdir(tmp_path)) == ["afile", "job.toml"]
+
+
 def test_plan_without_a_machine_file_is_a_usage_error(job_file, tmp_path):
     result = run_hpcpar("plan", job_file, "--world", "2", "--machine", str(tmp_path / "none.toml"))
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "none.toml" in result.stderr

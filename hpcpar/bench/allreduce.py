@@ -52,6 +52,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..cli import above, at_least
 from .. import native
 from ..dist.comm import Communicator
 from ..dist.waiting import polite_pause
@@ -190,9 +191,9 @@ def load_library(ctx):
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--max-mib", type=float, default=64.0, help="largest message, MiB (sizes double up to it)")
-    parser.add_argument("--min-bytes", type=int, default=8, help="smallest message, bytes")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per size; the tables show medians")
+    parser.add_argument("--max-mib", type=above(0), default=64.0, help="largest message, MiB (sizes double up to it)")
+    parser.add_argument("--min-bytes", type=at_least(1), default=8, help="smallest message, bytes")
+    parser.add_argument("--rounds", type=at_least(1), default=3, help="rounds per size; the tables show medians")
     parser.add_argument("--wait", choices=("spin", "yield"), default=None,
                         help="wait setting of every side (default: yield when ranks outnumber CPUs)")
     parser.set_defaults(func=run)

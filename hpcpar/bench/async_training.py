@@ -37,6 +37,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..cli import above, at_least
 from ..autograd import no_grad
 from ..dist.failfast import UsageError
 from ..data.corpus import batch_windows, stdlib_corpus
@@ -129,13 +130,13 @@ def run_mode(spec: dict, world_ctx, args, train_tokens, held_out) -> dict | None
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--steps", type=int, default=40, help="steps per worker")
-    parser.add_argument("--batch", type=int, default=8, help="windows of 64 bytes per worker and step")
-    parser.add_argument("--slow-rank", type=int, default=1, help="world rank of the straggler, -1 for none")
-    parser.add_argument("--slow-factor", type=float, default=3.0, help="its compute takes this many times longer")
+    parser.add_argument("--steps", type=at_least(1), default=40, help="steps per worker")
+    parser.add_argument("--batch", type=at_least(1), default=8, help="windows of 64 bytes per worker and step")
+    parser.add_argument("--slow-rank", type=at_least(-1), default=1, help="world rank of the straggler, -1 for none")
+    parser.add_argument("--slow-factor", type=above(0), default=3.0, help="its compute takes this many times longer")
     parser.add_argument("--rotate", action="store_true", help="the straggler role moves to the next worker each step")
-    parser.add_argument("--servers", type=int, default=1, help="parameter-server ranks (the last ranks)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="learning rate of every mode")
+    parser.add_argument("--servers", type=at_least(1), default=1, help="parameter-server ranks (the last ranks)")
+    parser.add_argument("--lr", type=above(0), default=2e-3, help="learning rate of every mode")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
     parser.set_defaults(func=run)
 

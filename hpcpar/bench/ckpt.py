@@ -39,9 +39,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..cli import at_least
 from .. import checkpoint
 from ..checkpoint.manifest import shard_filename, step_dirname
 from ..dist.context import init
+from ..dist.failfast import UsageError
 from ..nn.gpt import GPT
 from ..optim import AdamW
 from ..parallel.zero import ZeroRedundancyOptimizer
@@ -159,15 +161,17 @@ def measure(ctx, folder: str, repeats: int, zero: bool, device: str, config=BENC
 
 def add_arguments(parser) -> None:
     parser.add_argument("--dir", default=None, help="where to write: a temporary folder is made inside (default: the system's temporary folder)")
-    parser.add_argument("--repeats", type=int, default=5, help="saves and loads timed; medians shown")
+    parser.add_argument("--repeats", type=at_least(1), default=5, help="saves and loads timed; medians shown")
     parser.add_argument("--zero", action="store_true", help="optimizer state sharded by ZeRO-1 over the ranks")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="where the model lives")
-    parser.add_argument("--n-layer", type=int, default=BENCH_CONFIG.n_layer, help="GPT blocks of the model saved")
-    parser.add_argument("--n-embd", type=int, default=BENCH_CONFIG.n_embd, help="GPT width of the model saved")
+    parser.add_argument("--n-layer", type=at_least(1), default=BENCH_CONFIG.n_layer, help="GPT blocks of the model saved")
+    parser.add_argument("--n-embd", type=at_least(1), default=BENCH_CONFIG.n_embd, help="GPT width of the model saved")
     parser.set_defaults(func=run)
 
 
 def run(args) -> None:
+    if args.dir is not None and not os.path.isdir(args.dir):  # mkdtemp failed on rank 0 alone, a traceback
+        raise UsageError(f"hpcpar bench ckpt: error: --dir {args.dir} is not a folder; give an existing one")
     config = replace(BENCH_CONFIG, n_layer=args.n_layer, n_embd=args.n_embd)
 
     ctx = init(device=args.device)

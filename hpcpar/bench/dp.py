@@ -28,6 +28,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..cli import above, at_least
 from ..dist.comm import Communicator
 from ..dist.context import init
 from ..nn.gpt import GPT, GPTConfig
@@ -100,9 +101,9 @@ def group_row(group: MPI.Comm, shm: bool, args) -> list:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per world size; medians shown")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank (weak scaling)")
-    parser.add_argument("--bucket-mb", type=float, default=6.0,
+    parser.add_argument("--steps", type=at_least(1), default=5, help="timed steps per world size; medians shown")
+    parser.add_argument("--batch", type=at_least(1), default=8, help="sequences per rank (weak scaling)")
+    parser.add_argument("--bucket-mb", type=above(0), default=6.0,
                         help="bucket size (the 12 MiB of gradients in 3 buckets: room to overlap)")
     parser.add_argument("--path", choices=("both", "mpi", "shm"), default="both",
                         help="buckets all-reduced by MPI, in the shared-memory window, or each in turn")

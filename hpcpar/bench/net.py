@@ -19,6 +19,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..cli import above, at_least
 from ..dist.comm import wait_politely
 from ..dist.context import init
 from ..dist.failfast import UsageError
@@ -93,8 +94,8 @@ def measure(world, intra, inter, nbytes, rounds):
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--max-mib", type=float, default=16.0, help="largest message, MiB (sizes double up to it)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per size, intra and inter in turn; medians")
+    parser.add_argument("--max-mib", type=above(0), default=16.0, help="largest message, MiB (sizes double up to it)")
+    parser.add_argument("--rounds", type=at_least(1), default=5, help="rounds per size, intra and inter in turn; medians")
     parser.set_defaults(func=run)
 
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 import numpy as np
 from mpi4py import MPI
 
+from ..cli import at_least
 from ..dist.comm import Communicator
 from ..dist.context import init
 from ..nn.gpt import GPT
@@ -53,11 +54,11 @@ def run_case(ctx, schedule, chunks, m, batch, steps, sample, config=BENCH_CONFIG
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step (split into micro-batches)")
-    parser.add_argument("--micro", type=int, nargs="+", default=[4, 8, 16], help="micro-batch counts to measure")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per row; medians shown")
-    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline depths to measure (those that fit the world)")
-    parser.add_argument("--n-layer", type=int, default=6,
+    parser.add_argument("--batch", type=at_least(1), default=16, help="sequences per step (split into micro-batches)")
+    parser.add_argument("--micro", type=at_least(1), nargs="+", default=[4, 8, 16], help="micro-batch counts to measure")
+    parser.add_argument("--steps", type=at_least(1), default=3, help="timed steps per row; medians shown")
+    parser.add_argument("--stages", type=at_least(1), nargs="+", default=[2, 4], help="pipeline depths to measure (those that fit the world)")
+    parser.add_argument("--n-layer", type=at_least(1), default=6,
                         help="blocks; 6 (+ embedding + head = 8 layers) cut evenly into 2 and 4 stages, "
                              "and 2 stages x 2 chunks (4 layers make the interleaved stages uneven)")
     parser.set_defaults(func=run)

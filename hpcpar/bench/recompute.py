@@ -10,7 +10,9 @@ tracemalloc peak of one forward and backward (kept activations, gradients and te
 """
 from __future__ import annotations
 
+from ..cli import at_least
 from ..autograd.memory import kept_for_backward
+from ..dist.failfast import UsageError
 from ..nn.activation_memory import block_kept_bytes
 from ..nn.gpt import GPT, RECOMPUTE, GPTConfig
 from ..optim import precision_dtype
@@ -64,22 +66,25 @@ def measure(config: GPTConfig, batch_size: int, precision: str, steps: int, warm
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
-    parser.add_argument("--n-embd", type=int, default=256, help="embedding width")
-    parser.add_argument("--n-head", type=int, default=4, help="attention heads")
-    parser.add_argument("--block", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
+    parser.add_argument("--n-layer", type=at_least(1), default=4, help="transformer blocks")
+    parser.add_argument("--n-embd", type=at_least(1), default=256, help="embedding width")
+    parser.add_argument("--n-head", type=at_least(1), default=4, help="attention heads")
+    parser.add_argument("--block", type=at_least(1), default=128, help="tokens per sequence")
+    parser.add_argument("--batch", type=at_least(1), default=8, help="sequences per micro-batch")
     parser.add_argument("--dropout", type=float, default=0.1, help="dropout (residual and attention)")
     parser.add_argument("--precision", default="fp32", choices=["fp64", "fp32", "bf16", "fp16"],
                         help="the model's dtype (no optimizer runs: forward and backward only)")
-    parser.add_argument("--steps", type=int, default=10, help="timed forward+backward passes per mode; medians")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed passes per mode first")
+    parser.add_argument("--steps", type=at_least(1), default=10, help="timed forward+backward passes per mode; medians")
+    parser.add_argument("--warmup", type=at_least(0), default=2, help="untimed passes per mode first")
     parser.set_defaults(func=run)
 
 
 def run(args) -> None:
-    config = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head,
-                       n_embd=args.n_embd, dropout=args.dropout, seed=0)
+    try:  # the model's own checks (heads dividing the width, dropout in [0, 1)): one line, not a traceback
+        config = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head,
+                           n_embd=args.n_embd, dropout=args.dropout, seed=0)
+    except ValueError as error:
+        raise UsageError(f"hpcpar bench recompute: error: {error}") from None
     rows = measure(config, args.batch, args.precision, args.steps, args.warmup)
     title = (f"Activation recomputation, GPT n_layer={config.n_layer} n_embd={config.n_embd} n_head={config.n_head} "
              f"block={config.block_size} batch={args.batch} dropout={config.dropout} {args.precision}, 1 process, "

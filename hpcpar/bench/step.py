@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from ..cli import at_least
 from ..autograd import Function
 from ..nn.gpt import GPT, GPTConfig
 from ..optim import AdamW, DynamicLossScaler, MixedPrecision, precision_dtype
@@ -260,9 +261,9 @@ def format_results(results: dict, config: GPTConfig, batch_size: int) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--steps", type=int, default=10, help="timed steps; medians shown")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--steps", type=at_least(1), default=10, help="timed steps; medians shown")
+    parser.add_argument("--warmup", type=at_least(0), default=3, help="untimed steps first")
+    parser.add_argument("--batch", type=at_least(1), default=8, help="sequences per step")
     parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp16"],
                         help="hpcpar's precisions, each beside float32 (bf16 needs ml_dtypes)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")

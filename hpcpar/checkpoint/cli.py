@@ -7,7 +7,9 @@
 
 PATH is a checkpoint root (its ``latest`` step) or one step folder. ``verify`` exits 1 and
 prints one line per problem, each naming the file; any other failure is one line on stderr
-and exit status 1.
+and exit status 1. ``export`` checks OUT before it reads a tensor: never inside a step folder
+(it would damage that checkpoint), its missing folders made. Started by mpiexec, rank 0 alone
+acts and speaks.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import time
 
 import h5py
 
+from .. import log
+from ..paths import output_problem
 from ..tables import format_table, human_bytes
 from .manifest import (INDEX, LATEST, MANIFEST, CheckpointError, latest_step, list_steps,
                        read_manifest, resolve_step_dir, step_dirname, verify_files)
@@ -113,7 +117,8 @@ def _when(seconds: float | None) -> str:
 def ls(args) -> int:
     root = args.root
     if not os.path.isdir(root):
-        raise CheckpointError(f"{root}: no such folder")
+        raise CheckpointError(f"{root}: " + ("a file, not a folder; give a checkpoint root (checkpoint.dir)"
+                                            if os.path.lexists(root) else "no such folder"))
     latest = latest_step(root)
     steps = list_steps(root)
     rows, invalid = [], []
@@ -148,8 +153,16 @@ def ls(args) -> int:
     return 0
 
 
+def step_folder(path: str) -> str:
+    """The step folder of a checkpoint root or a step folder; a file there is named as such (it was an
+    errno line about PATH/latest)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path}: a file, not a folder; give a checkpoint root (checkpoint.dir) or a step folder")
+    return resolve_step_dir(path)
+
+
 def inspect(args) -> int:
-    step_dir = resolve_step_dir(args.path)
+    step_dir = step_folder(args.path)
     manifest = read_manifest(step_dir)
     layout = manifest["layout"]
     data_bytes = sum(facts["bytes"] for name, facts in manifest["files"].items() if name != INDEX)
@@ -223,7 +236,7 @@ def provenance_lines(extra: dict) -> list[str]:
 
 
 def verify(args) -> int:
-    step_dir = resolve_step_dir(args.path)
+    step_dir = step_folder(args.path)
     problems = check(step_dir)
     for line in problems:
         print(line)
@@ -238,7 +251,9 @@ def verify(args) -> int:
 
 def export(args) -> int:
     """Copy every tensor, read at its global shape through index.h5, into one plain HDF5 file."""
-    step_dir = resolve_step_dir(args.path)
+    step_dir = step_folder(args.path)
+    if problem := export_problem(args.out):
+        raise CheckpointError(f"{args.out}: {problem}")
     problems = check(step_dir)
     if problems:
         raise CheckpointError(f"refusing to export {step_dir}: it fails verification ({len(problems)} problem(s); "
@@ -246,6 +261,7 @@ def export(args) -> int:
     manifest = read_manifest(step_dir)
     tmp = f"{args.out}.tmp"  # a failed export leaves no half-written OUT behind
     total = 0
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     try:
         with h5py.File(os.path.join(step_dir, INDEX), "r") as index, h5py.File(tmp, "w", libver="latest") as out:
             out.attrs["step"] = manifest["step"]
@@ -272,6 +288,16 @@ def export(args) -> int:
     return 0
 
 
+def export_problem(out: str) -> str | None:
+    """Why ``out`` cannot take an export (before any tensor is read): a step folder's own files are
+    never replaced (an export onto index.h5 made its checkpoint unloadable)."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.isfile(os.path.join(folder, MANIFEST)):
+        return f"{folder} is a checkpoint's step folder, and writing into it would damage it; write elsewhere"
+    problem = output_problem(out)
+    return None if problem is None else f"it {problem}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``hpcpar ckpt``'s actions, each with its own arguments."""
     parser.description = __doc__.split("\n\n")[1]
@@ -293,8 +319,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _reporting(action):
-    """``action(args)``, with a checkpoint or file error as one line on stderr and exit status 1."""
+    """``action(args)``, with a checkpoint or file error as one line on stderr and exit status 1. Serial:
+    started by mpiexec, rank 0 alone does it (every rank exporting to OUT.tmp at once failed, each saying so)."""
     def run(args) -> int:
+        if log.world_rank() != 0:
+            return 0
         try:
             return action(args)
         except (CheckpointError, OSError) as error:

@@ -19,6 +19,8 @@ merged into one contiguous read, distant ones are read separately.
 """
 from __future__ import annotations
 
+import functools
+import os
 from abc import ABC, abstractmethod
 
 import h5py
@@ -27,15 +29,45 @@ import numpy as np
 from .corpus import batch_windows
 
 
+SPLITS = ("train", "val")
+ID_SCAN_TOKENS = 1 << 24  # ``id_range`` reads a split in blocks of this many tokens
+
+
 def dataset_info(path: str) -> dict:
-    """vocab_size and the token counts of the ``train`` and ``val`` splits; ValueError if not a token file."""
+    """vocab_size, the token counts of the ``train`` and ``val`` splits and their dtypes (``dtypes``);
+    ValueError if not a token file (a split missing, or not 1-D integer token ids)."""
     with h5py.File(path, "r") as f:
-        missing = [name for name in ("train", "val") if name not in f] + \
+        missing = [name for name in SPLITS if name not in f] + \
                   (["attribute vocab_size"] if "vocab_size" not in f.attrs else [])
         if missing:
             raise ValueError(f"it lacks {', '.join(missing)} (has {', '.join(f) or 'nothing'})")
+        for name in SPLITS:
+            split = f[name]
+            if not isinstance(split, h5py.Dataset) or split.ndim != 1 or split.dtype.kind not in "iu":
+                held = (f"{split.dtype} of shape {split.shape}" if isinstance(split, h5py.Dataset) else "a group")
+                raise ValueError(f"its {name} split holds {held}, not 1-D integer token ids")
         return {"vocab_size": int(f.attrs["vocab_size"]), "train": f["train"].shape[0], "val": f["val"].shape[0],
+                "dtypes": {name: f[name].dtype for name in SPLITS},
                 "source": str(f.attrs.get("source", "")), "sha256": str(f.attrs.get("sha256", ""))}
+
+
+def id_range(path: str, split: str) -> tuple[int, int]:
+    """The smallest and largest token id of a split (0, 0 when empty), read in blocks once per version of
+    the file: validation runs once per candidate layout in ``hpcpar plan`` and ``compare``."""
+    facts = os.stat(path)
+    return _id_range(os.path.realpath(path), split, facts.st_size, facts.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _id_range(path: str, split: str, size: int, mtime_ns: int) -> tuple[int, int]:  # size, time: the cache key
+    low, high = 0, 0
+    with h5py.File(path, "r") as f:
+        tokens = f[split]
+        for start in range(0, tokens.shape[0], ID_SCAN_TOKENS):
+            block = tokens[start: start + ID_SCAN_TOKENS]
+            low = int(block.min()) if start == 0 else min(low, int(block.min()))
+            high = int(block.max()) if start == 0 else max(high, int(block.max()))
+    return low, high
 
 
 class TokenDataset:

@@ -19,6 +19,8 @@ import sysconfig
 import h5py
 import numpy as np
 
+from .. import log
+from ..paths import input_problem, output_problem
 from .corpus import read_text_bytes, stdlib_files
 
 FORMAT = "hpcpar-tokens"
@@ -53,14 +55,21 @@ def prepare(out: str, paths: list[str] | None = None, max_mb: float | None = 8, 
     Returns the file's attributes plus ``train_tokens`` and ``val_tokens``."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    if max_mb is not None and max_mb <= 0:
-        raise ValueError(f"max_mb must be > 0, got {max_mb}")
+    if max_mb is not None and not 0 < max_mb < float("inf"):  # nan too
+        raise ValueError(f"max_mb must be a number > 0, got {max_mb}")
+    if problem := output_problem(out):  # before any text is read: it may be 8 MB of it
+        raise ValueError(f"{out!r} {problem}")
     if paths:
         for path in paths:
             if os.path.isdir(path):
                 raise IsADirectoryError(f"{path!r} is a folder; give its files (e.g. {path}/*.txt)")
-            if not os.path.isfile(path):
+            problem = input_problem(path)
+            if problem == "does not exist":
                 raise FileNotFoundError(f"no such file {path!r}")
+            if problem:
+                raise ValueError(f"{path!r} {problem}; give a text file")
+            if os.path.exists(out) and os.path.samefile(path, out):
+                raise ValueError(f"{out!r} is both the output and one of the text files; write another file")
             compressed = compression_of(path)
             if compressed:
                 raise ValueError(f"{path!r} is {compressed[0]}-compressed; tokens are the bytes of plain text: "
@@ -144,7 +153,10 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    """``hpcpar data prepare``: 0 on success, 2 with a one-line message on bad input."""
+    """``hpcpar data prepare``: 0 on success, 2 with a one-line message on bad input. Serial: started by
+    mpiexec, rank 0 alone writes and speaks (every rank writing OUT.tmp at once failed, each saying so)."""
+    if log.world_rank() != 0:
+        return 0
     try:
         made = prepare(args.out, args.paths, args.max_mb, args.val_fraction)
     except (OSError, ValueError) as err:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from ..paths import output_problem
 from ..tables import format_table
 from .machine import MACHINES_DIR, MachineError, load_machine
 
@@ -59,7 +60,7 @@ CALIBRATE_FLAGS = {"out": "--out", "inter": "--inter"}
 
 
 def refuse_unread_flags(args) -> None:
-    """One usage line for flags this use of ``hpcpar plan`` would not read."""
+    """One usage line for flags this use of ``hpcpar plan`` would not read, or out of range."""
     calibrating = args.job == "calibrate"
     unread = PLANNING_FLAGS if calibrating else CALIBRATE_FLAGS
     given = [flag for name, flag in unread.items() if getattr(args, name) not in (None, [])]
@@ -68,6 +69,9 @@ def refuse_unread_flags(args) -> None:
         raise _usage(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing here: {what}")
     if args.explain is not None and args.top is not None:
         raise _usage("--top does nothing with --explain, which shows one layout")
+    for flag, value, low in (("--world", args.world, 1), ("--top", args.top, 0)):  # --top -1 dropped the last row
+        if value is not None and value < low:
+            raise _usage(f"{flag} must be >= {low}, got {value}")
 
 
 def run(args) -> int:
@@ -106,15 +110,16 @@ def run(args) -> int:
 def run_calibrate(args) -> int:
     from mpi4py import MPI
 
-    from .calibrate import calibrate, write_machine
-
     from ..dist.failfast import agreed_verdict
+    from .calibrate import calibrate, write_machine
 
     world = MPI.COMM_WORLD
     out = args.out or DEFAULT_MACHINE
     if args.inter:  # read first: a bad file is one line on every rank, not a traceback after the measuring
         with agreed_verdict("hpcpar plan", (MachineError,)):
             load_machine(args.inter)
+    if problem := world.bcast(output_problem(out) if world.Get_rank() == 0 else None, root=0):  # rank 0 writes it
+        raise _usage(f"--out {out} {problem}")  # before measuring too (it was a traceback after it)
     machine, comments = calibrate(world, inter_file=args.inter)
     if world.Get_rank() == 0:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

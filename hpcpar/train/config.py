@@ -190,7 +190,8 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    dir: str = _key("runs/{job}/checkpoints", STRING, "checkpoint root folder")
+    dir: str = _key("runs/{job}/checkpoints", STRING, "checkpoint root folder",
+                    check=Check("a folder name", lambda v: bool(v.strip())))
     interval: int = _key(0, INTEGER, "steps between checkpoints; 0 = none during training (local SGD: a multiple of "
                                     "parallel.local_steps, since it saves right after an average)", check=at_least(0))
     keep: int = _key(2, INTEGER, "checkpoints kept (older ones are removed)", check=at_least(1))

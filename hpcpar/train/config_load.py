@@ -26,6 +26,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
+from ..paths import input_problem
 from .config import DEPRECATED_SECTIONS, PATH_KEYS, SECTIONS, Job, JobError, _fields_by_key
 from .config_types import toml_value
 
@@ -66,11 +67,14 @@ def _toml(source: str):
 
 
 def _read_toml(path: str) -> dict:
+    problem = input_problem(path)  # a folder fails late; a named pipe would block the read forever
+    if problem == "does not exist":
+        raise JobError(path, [("", f"no such job file (looked in {os.path.abspath(path)})")])
+    if problem:
+        raise JobError(path, [("", f"the job file {problem}; give a TOML file such as jobs/demo.toml")])
     try:
         with open(path, "rb") as f:
             return _toml(path).load(f)
-    except FileNotFoundError:
-        raise JobError(path, [("", f"no such job file (looked in {os.path.abspath(path)})")]) from None
     except tomllib.TOMLDecodeError as err:
         text = f"invalid TOML: {err}"
         line = re.search(r"at line (\d+)", str(err))

@@ -8,6 +8,7 @@ The schema itself (the sections and their keys) is ``config``'s.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,7 +32,13 @@ def _integer(v):
 def _number(v):
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError
-    return float(v)
+    try:
+        value = float(v)
+    except OverflowError:  # an integer beyond any float
+        raise TypeError from None
+    if not math.isfinite(value):  # TOML's inf and nan: no key means anything by them (lr = inf trained on NaNs)
+        raise TypeError
+    return value
 
 
 def _boolean(v):
@@ -65,10 +72,10 @@ def _partition(v):
 
 
 INTEGER = Type("an integer", _integer)
-NUMBER = Type("a number", _number)
+NUMBER = Type("a finite number", _number)
 BOOLEAN = Type("true or false", _boolean)
 STRING = Type("a string", _string)
-NUMBER_PAIR = Type("a list of 2 numbers", _list_of(_number, 2))
+NUMBER_PAIR = Type("a list of 2 finite numbers", _list_of(_number, 2))
 INTEGER_PAIR = Type("a list of 2 integers", _list_of(_integer, 2))
 def _resume(v):
     if isinstance(v, bool):  # the old boolean: true resumed when there was a checkpoint, false ignored them

@@ -77,13 +77,7 @@ class Logger:
         self.job, self.total = job, total_steps
         self.unit = "tok" if job.model.kind == "gpt" else "img"
         self.path = job.train.metrics
-        if self.rank0 and self.path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self.tensorboard = None
-        if self.rank0 and job.train.tensorboard:
-            from .tensorboard import TensorBoardWriter
-
-            self.tensorboard = TensorBoardWriter(job.train.tensorboard)
+        self.tensorboard = None  # opened by begin, with the metrics file's folder: after the resume verdict
         self.progress = Progress(progress, total_steps, self.unit, show=self.rank0)
         self.every_loss = False  # set by begin: whether rank 0 shows a bar
         self.device_peak = DevicePeak(ctx.device).__enter__()  # left by close
@@ -96,7 +90,9 @@ class Logger:
         """The run's start record, and the progress display from ``start_step`` on.
 
         A fresh run starts a new metrics file (an old one is renamed with its own run id); a
-        resumed run appends a ``{"event": "resume", "step": N}`` record to its run's file."""
+        resumed run appends a ``{"event": "resume", "step": N}`` record to its run's file. Nothing is
+        written before: a start that is refused leaves no folder behind."""
+        self.open_outputs()
         name = os.path.splitext(os.path.basename(self.job.source))[0]
         run_id = ((identity or {}).get("provenance") or {}).get("run_id")
         if resumed_from is None:
@@ -109,6 +105,15 @@ class Logger:
                      "run_id": run_id, "time": time.time()})
         self.progress.begin(start_step)
         self.every_loss = ctx.world.bcast_object(self.progress.live, root=0)  # a bar shows every step's loss
+
+    def open_outputs(self) -> None:
+        """Rank 0: the metrics file's folder, and the TensorBoard writer (which makes its own)."""
+        if self.rank0 and self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        if self.rank0 and self.job.train.tensorboard and self.tensorboard is None:
+            from .tensorboard import TensorBoardWriter
+
+            self.tensorboard = TensorBoardWriter(self.job.train.tensorboard)
 
     def set_aside_old_metrics(self) -> None:
         """Rank 0, at a fresh start: rename an existing metrics file ``NAME.RUNID.jsonl`` (its run's id,

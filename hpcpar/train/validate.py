@@ -3,8 +3,10 @@
 ``load_job`` (config_load.py) has already checked each key on its own; ``validate`` checks the
 dp x pp x tp layout, heads and vocabulary divisible by tp, batch divisible by dp and
 micro-batches, pipeline stages versus layers, modes that exclude each other, ``no_decay``
-patterns against the model's parameter names, and the data file, and reports every problem in one ``JobError``. A pure function of the job and the
-world size: every rank reaches the same verdict before any rank waits on another.
+patterns against the model's parameter names, the data file, and the paths the run writes
+(metrics, trace, TensorBoard, checkpoints), and reports every problem in one ``JobError``. A
+pure function of the job, the world size and the files it names: every rank reaches the same
+verdict before any rank waits on another, and before anything is written.
 """
 from __future__ import annotations
 
@@ -13,7 +15,11 @@ import math
 import os
 from dataclasses import replace
 
+import numpy as np
+
 from .. import defaults
+from ..checkpoint.manifest import MANIFEST
+from ..paths import input_problem, output_problem
 from ..parallel.pipeline.schedules import interleaved_fit
 from .config import BYTE_VOCAB, Job, JobError
 from .config_types import toml_value
@@ -37,6 +43,7 @@ def validate(job: Job, world_size: int) -> Job:
                                                f"{job.optimizer.lr:g}; the cosine decays from lr down to min_lr"))
     if job.data.kind == "text":
         problems += _check_token_file(job)
+    problems += _check_outputs(job)
     if problems:
         raise JobError(job.source, problems)
     return replace(job, parallel=replace(job.parallel, dp=dp), world_size=world_size)
@@ -156,6 +163,65 @@ def _check_batch(job: Job, dp: int | None) -> list:
     return []
 
 
+def check_machine(job: Job) -> None:
+    """Before training on this machine (not in ``validate``: plans and dry runs are for other machines): the
+    environment variables that decide unset keys, and the memory; a JobError listing what is wrong."""
+    problems = _check_environment(job) + _check_memory(job)
+    if problems:
+        raise JobError(job.source, problems)
+
+
+def _check_environment(job: Job) -> list[tuple[str, str]]:
+    """A variable that decides an unset key holds a value it takes (a bad one was a ValueError traceback
+    while the run's context was built)."""
+    from ..backend import DEVICES
+    from ..dist.device_transport import device_nonblocking_supported
+    from ..dist.nodes import node_size_setting
+    from ..dist.shm import shm_setting
+
+    p, problems = job.parallel, []
+    device = os.environ.get("HPCPAR_DEVICE") if job.train.device == "auto" else None
+    if device and device not in DEVICES:
+        problems.append(("train.device", f"\"auto\" takes $HPCPAR_DEVICE, which is {device!r}, not one of "
+                                         f"{', '.join(DEVICES)}; fix the variable or set the key"))
+    settings = (("parallel.shm", p.shm, shm_setting), ("parallel.node_size", p.node_size, node_size_setting),
+                ("parallel.device_nonblocking", p.device_nonblocking,  # a library named: no MPI query
+                 lambda _: device_nonblocking_supported("MPICH", ())))
+    for key, value, setting in settings:
+        if value is None:
+            try:
+                setting(None)
+            except ValueError as error:
+                problems.append((key, f"unset, so the environment decides, and {error}; fix the variable or set "
+                                      f"the key"))
+    return problems
+
+
+def _check_memory(job: Job) -> list[tuple[str, str]]:
+    """A GPT whose float32 weights alone, split over pp x tp, or one micro-batch's logits exceed this
+    machine's memory (a MemoryError traceback while the model was built, or a first step that never
+    ended). Deliberately loose (no gradients, optimizer state or other activations, one rank per
+    machine): it refuses only what cannot run, never what might."""
+    m, p = job.model, job.parallel
+    if m.kind != "gpt":
+        return []
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    count = 12 * m.n_layer * m.n_embd ** 2 + (m.vocab_size + m.block_size) * m.n_embd  # blocks + embeddings
+    weights = 4 * count / (p.pp * p.tp)
+    tokens = job.data.batch_size // ((p.dp or 1) * p.micro_batches) * m.block_size  # one micro-batch of a replica
+    logits = 4 * tokens * m.vocab_size / p.tp
+    if weights > memory:
+        problem = ("model.n_embd, model.n_layer, model.vocab_size",
+                   f"a GPT of about {count:.3g} parameters takes {weights / 2**30:,.0f} GiB in float32 on each of the "
+                   f"pp x tp = {p.pp * p.tp} ranks that split it")
+    elif logits > memory:
+        problem = ("data.batch_size, model.block_size",
+                   f"one micro-batch of {tokens:,} tokens has logits of {logits / 2**30:,.0f} GiB in float32 per rank")
+    else:
+        return []
+    return [(problem[0], f"{problem[1]}, beyond this machine's {memory / 2**30:,.0f} GiB of memory; lower them")]
+
+
 # Packages a job may need beyond hpcpar's own dependencies: (key, its value, module, the extra naming it)
 OPTIONAL_PACKAGES = (("train.precision", "bf16", "ml_dtypes", "bf16"), ("data.kind", "digits", "sklearn", "digits"))
 
@@ -167,19 +233,55 @@ def _check_packages(job: Job) -> list[tuple[str, str]]:
             if job.get(key) == value and importlib.util.find_spec(module) is None]
 
 
+# The paths a run writes: (key, whether it is a folder)
+OUTPUTS = (("train.metrics", False), ("train.trace", False), ("train.tensorboard", True), ("checkpoint.dir", True))
+
+
+def _check_outputs(job: Job) -> list[tuple[str, str]]:
+    """Each path the run writes can be made (else it failed mid-run or at the end, after the rest was
+    written) and replaces nothing the run reads or writes elsewhere."""
+    problems = [(key, f"{toml_value(path)} {problem}")
+                for key, folder in OUTPUTS if (path := job.get(key)) and (problem := output_problem(path, folder))]
+    return problems or _check_overlaps(job)
+
+
+def _check_overlaps(job: Job) -> list[tuple[str, str]]:
+    """A metrics file or trace on the data file, the job file or each other (a fresh run renamed the token
+    file aside as an old metrics file; the trace replaced the file at the end, exit 0), and a checkpoint.dir
+    that is a step folder (a second root was written inside it)."""
+    taken = [("data.path", job.data.path if job.data.kind == "text" else None), ("the job file", job.source)]
+    problems = []
+    for key in ("train.metrics", "train.trace"):
+        path = job.get(key)
+        same = [name for name, other in taken if path and other and os.path.realpath(other) == os.path.realpath(path)]
+        if same:
+            problems.append((key, f"{toml_value(path)} is also {same[0]}, which writing it would replace; "
+                                  f"choose another path"))
+        taken.append((key, path))
+    folder = job.checkpoint.dir
+    if os.path.isfile(os.path.join(folder, MANIFEST)):
+        problems.append(("checkpoint.dir", f"{toml_value(folder)} is a step folder of a checkpoint; give a checkpoint "
+                                           f"root (such as {os.path.dirname(os.path.normpath(folder)) or '.'}) or a "
+                                           f"new folder"))
+    return problems
+
+
 def _check_token_file(job: Job) -> list[tuple[str, str]]:
     path, m = job.data.path, job.model
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         if not prepares_builtin_corpus(job):
             return [("data.path", missing_data_message(job))]
         info = {"vocab_size": BYTE_VOCAB}  # what `hpcpar data prepare` will make
     else:
         from ..data.loader import dataset_info
 
+        if problem := input_problem(path):  # a named pipe would block h5py's open forever
+            return [("data.path", f"{toml_value(path)} {problem}; give the token file of `hpcpar data prepare`")]
         try:
             info = dataset_info(path)
         except (OSError, KeyError, ValueError) as err:
-            return [("data.path", f"{toml_value(path)} is not a token file of `hpcpar data prepare`: {err}")]
+            text = " ".join(str(err).split())  # HDF5's messages may span lines
+            return [("data.path", f"{toml_value(path)} is not a token file of `hpcpar data prepare`: {text}")]
     problems = []
     if m.kind == "gpt" and m.vocab_size < info["vocab_size"]:
         problems.append(("model.vocab_size", f"{m.vocab_size} is smaller than the vocab_size {info['vocab_size']} "
@@ -188,7 +290,25 @@ def _check_token_file(job: Job) -> list[tuple[str, str]]:
         if split in info and info[split] <= m.block_size:
             problems.append(("data.path", f"the {split} split of {path} has {info[split]} tokens, not more than "
                                           f"model.block_size = {m.block_size}; prepare more text"))
-    return problems
+    return problems or _check_token_ids(job, info)
+
+
+def _check_token_ids(job: Job, info: dict) -> list[tuple[str, str]]:
+    """Every token id of the file is in 0..model.vocab_size-1 (an id outside fails in the embedding,
+    mid-run). Free for byte tokens: the ids of a file whose dtype holds no id out of range are not read."""
+    from ..data.loader import id_range
+
+    vocab = job.model.vocab_size
+    for split, dtype in info.get("dtypes", {}).items():
+        if job.model.kind != "gpt" or (np.iinfo(dtype).min >= 0 and np.iinfo(dtype).max < vocab):
+            continue
+        low, high = id_range(job.data.path, split)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            return [("data.path", f"the {split} split of {job.data.path} holds token id {bad}, outside "
+                                  f"0..model.vocab_size-1 = 0..{vocab - 1}; "
+                                  + ("remake the file" if bad < 0 else f"set model.vocab_size >= {high + 1}"))]
+    return []
 
 
 def prepares_builtin_corpus(job: Job) -> bool:

@@ -281,7 +281,8 @@ def _command_of(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .dist.failfast import ExitStatus, UsageError, fail_fast, install
+    from .dist.failfast import ExitStatus, UsageError, abort_grace_seconds, fail_fast, install
+    from .dist.watchdog import stall_seconds
 
     argv = sys.argv[1:] if argv is None else list(argv)
     install()
@@ -292,6 +293,10 @@ def main(argv: list[str] | None = None) -> None:
         log.configure(args.log_level, args.log_ranks)
     except ValueError as error:  # the flags were checked by the parser: $HPCPAR_LOG_LEVEL or $HPCPAR_LOG_RANKS
         parser.error(f"{error} (from the environment: HPCPAR_LOG_LEVEL or HPCPAR_LOG_RANKS)")
+    try:  # the waiting and aborting times, read deep inside a run: a bad one is one line here
+        abort_grace_seconds(), stall_seconds()
+    except ValueError as error:
+        parser.error(str(error))
     try:
         with fail_fast():
             try:

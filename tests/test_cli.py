@@ -177,6 +177,18 @@ def test_a_bad_log_variable_is_a_usage_line(variable):  # was a ValueError trace
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.parametrize("variable, value", [("HPCPAR_STALL_S", "x"), ("HPCPAR_STALL_ABORT_S", "-1"),
+                                             ("HPCPAR_ABORT_GRACE_S", "nan")])
+def test_a_bad_waiting_time_variable_is_a_usage_line(variable, value):
+    """Read deep inside a run (the first wait, the first abort): a traceback there, or an abort
+    that failed in its own error path; now one line before the command runs."""
+    proc = hpcpar_command("plot", "/nope.jsonl", env={variable: value})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    expected = f"{variable} must be {'>= 0 seconds' if value != 'x' else 'a number of seconds'}, got {value!r}"
+    assert proc.stderr.startswith(f"hpcpar: error: {expected}"), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
 @pytest.mark.parametrize("variable, value, message", [("HPCPAR_DEVICE", "gpu", "device must be one of"),
                                                      ("HPCPAR_SHM", "maybe", "HPCPAR_SHM must be 0 or 1"),
                                                      ("HPCPAR_NODE_SIZE", "x", "HPCPAR_NODE_SIZE must be a positive")])

@@ -18,7 +18,34 @@ ABORT_EXIT_CODE = 1
 # Seconds between printing the traceback and MPI_Abort. The launcher forwards a rank's
 # stderr through its proxy asynchronously; an immediate abort kills the proxy first about
 # once in 25 failures on a loaded machine, and the job then ends with no message at all.
-ABORT_GRACE_SECONDS = float(os.environ.get("HPCPAR_ABORT_GRACE_S", "0.5"))
+ABORT_GRACE_DEFAULT_S = 0.5
+
+
+def seconds_from_env(name: str, default: float | None) -> float | None:
+    """The number of seconds in the environment variable ``name`` (``default`` when unset or
+    empty); ValueError naming the variable when it is not a number >= 0."""
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not seconds >= 0:  # nan too
+        raise ValueError(f"{name} must be >= 0 seconds, got {value!r}")
+    return seconds
+
+
+def abort_grace_seconds() -> float:
+    """HPCPAR_ABORT_GRACE_S; ValueError when it is not a number >= 0 (the commands check it first)."""
+    return seconds_from_env("HPCPAR_ABORT_GRACE_S", ABORT_GRACE_DEFAULT_S)
+
+
+def _grace_while_aborting() -> float:
+    try:
+        return abort_grace_seconds()
+    except ValueError:  # never fail while ending the job: a bad value means the default
+        return ABORT_GRACE_DEFAULT_S
 
 
 class ExitStatus(Exception):
@@ -99,7 +126,7 @@ def _abort(exc_type, exc, tb) -> None:
     if getattr(exc, "report_elsewhere", False) and world.Get_size() > 1:
         # Every rank found the same fault and a lower one reports it: end without repeating it
         # (after the reporter's own grace, so that its report is what the user sees).
-        time.sleep(2 * ABORT_GRACE_SECONDS)
+        time.sleep(2 * _grace_while_aborting())
         world.Abort(ABORT_EXIT_CODE)
     lines = traceback.format_exception(exc_type, exc, tb)
     header = f"hpcpar: rank {world.Get_rank()} of {world.Get_size()} failed (host {os.uname().nodename}, pid {os.getpid()}):\n"
@@ -107,7 +134,7 @@ def _abort(exc_type, exc, tb) -> None:
     sys.stderr.flush()
     sys.stdout.flush()
     if world.Get_size() > 1:
-        time.sleep(ABORT_GRACE_SECONDS)
+        time.sleep(_grace_while_aborting())
         world.Abort(ABORT_EXIT_CODE)
     os._exit(ABORT_EXIT_CODE)
 
@@ -130,7 +157,7 @@ def _exit_everywhere(stop: SystemExit) -> None:
     sys.stdout.flush()
     sys.stderr.write(f"hpcpar: rank {world.Get_rank()} of {world.Get_size()} exited: {reason}\n")
     sys.stderr.flush()
-    time.sleep(ABORT_GRACE_SECONDS)
+    time.sleep(_grace_while_aborting())
     world.Abort(code)
 
 

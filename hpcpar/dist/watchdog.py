@@ -41,6 +41,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .failfast import seconds_from_env
+
 WATCHDOG_TAG = 32000  # below 32767, the least tag upper bound MPI guarantees; no hpcpar channel uses it
 COLLECTIVES = ("allreduce", "iallreduce", "reduce_scatter", "allgather", "broadcast", "barrier")
 _FIRST_CHECK_S = 1.0  # a wait shorter than this never looks at the watchdog's messages
@@ -60,17 +62,9 @@ class PeerLeft(StallError):
 LEFT = len(COLLECTIVES)  # the operation number of a notice from a rank that has left its program
 
 
-def _seconds_from_env(name: str, default: float | None) -> float | None:
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
-    if seconds < 0:
-        raise ValueError(f"{name} must be >= 0 seconds, got {value!r}")
-    return seconds
+def stall_seconds() -> tuple[float | None, float | None]:
+    """(HPCPAR_STALL_S, HPCPAR_STALL_ABORT_S); ValueError naming a variable that is not a number >= 0."""
+    return seconds_from_env("HPCPAR_STALL_S", 60.0), seconds_from_env("HPCPAR_STALL_ABORT_S", None)
 
 
 class Waiting:
@@ -106,8 +100,7 @@ class StallWatchdog:
     def for_communicator(cls, comm) -> "StallWatchdog | None":
         """The watchdog of ``comm``'s MPI communicator, shared by every hpcpar wrapper of it
         (so all of them number its collectives alike); None when HPCPAR_STALL_S=0."""
-        warn = _seconds_from_env("HPCPAR_STALL_S", 60.0)
-        abort = _seconds_from_env("HPCPAR_STALL_ABORT_S", None)
+        warn, abort = stall_seconds()
         if not warn and not abort:
             return None
         if abort and (not warn or warn > abort):

@@ -258,7 +258,7 @@ def run(args) -> int:
         job = load_job(args.job, args.set)
         runs, skipped = layouts_to_measure(job, world.Get_size(), args.steps, precisions)
         for layout_job in runs:  # this machine's environment and memory, as hpcpar train checks them
-            check_machine(layout_job)
+            check_machine(layout_job, writes=False)  # its metrics, trace and checkpoints are never written
     with agreed_verdict("hpcpar compare", (DeviceError,)):  # every rank gets here: the device as init agrees on it
         device = agreed_device(world, job.train.device)
         for precision in sorted({run.train.precision for run in runs}):  # as training checks it, before a layout runs

@@ -50,12 +50,15 @@ def write_job(tmp_path, text, name="job.toml"):
     return str(path)
 
 
-def job_error(tmp_path, text, *overrides, world_size=None) -> str:
+def job_error(tmp_path, text, *overrides, world_size=None, machine=False) -> str:
+    """The JobError of loading the job (and ``validate`` at ``world_size``, then ``check_machine``)."""
     path = write_job(tmp_path, text)
     with pytest.raises(JobError) as caught:
         job = load_job(path, list(overrides))
         if world_size is not None:
-            validate(job, world_size)
+            job = validate(job, world_size)
+        if machine:
+            check_machine(job)
     message = str(caught.value)
     assert message.startswith(path), "every message names the job file"
     return message
@@ -349,9 +352,11 @@ def test_a_data_file_that_cannot_feed_the_model_is_refused_before_the_run(tmp_pa
 
 def test_a_path_the_run_writes_that_cannot_be_made_is_refused_before_the_run(tmp_path):
     """Each was a traceback: checkpoint.dir and train.metrics after the run folder was written,
-    train.trace after the whole run (leaving TRACE.tmp behind)."""
+    train.trace after the whole run (leaving TRACE.tmp behind). check_machine refuses them;
+    validate alone (plans and dry runs, for other machines) does not look."""
     def problem(*overrides):
-        return job_error(tmp_path, GOOD, 'data.path="tokens.h5"', "parallel.pp=1", *overrides, world_size=1)
+        return job_error(tmp_path, GOOD, 'data.path="tokens.h5"', "parallel.pp=1", *overrides, world_size=1,
+                         machine=True)
 
     token_file("tokens.h5", np.zeros(100, np.uint8))
     open("afile", "w").close()
@@ -366,8 +371,10 @@ def test_a_path_the_run_writes_that_cannot_be_made_is_refused_before_the_run(tmp
     assert 'train.trace: "folder" is a folder' in problem('train.trace="folder"')
     message = problem('train.trace="afile/t.json"', 'checkpoint.dir="afile"')
     assert "2 problems" in message and "train.trace: " in message and "checkpoint.dir: " in message
-    validate(load_job(write_job(tmp_path, GOOD), ['data.path="tokens.h5"', "parallel.pp=1",
-                                                  'train.metrics="new/deeper/m.jsonl"', 'checkpoint.dir="folder"']), 1)
+    check_machine(validate(load_job(write_job(tmp_path, GOOD), ['data.path="tokens.h5"', "parallel.pp=1",
+                                                                'train.metrics="new/deeper/m.jsonl"',
+                                                                'checkpoint.dir="folder"']), 1))
+    validate(load_job(write_job(tmp_path, GOOD), ['data.path="tokens.h5"', "parallel.pp=1", 'checkpoint.dir="afile/ck"']), 1)
 
 
 def test_a_path_the_run_writes_may_not_replace_what_it_reads_or_another_output(tmp_path):
@@ -375,7 +382,8 @@ def test_a_path_the_run_writes_may_not_replace_what_it_reads_or_another_output(t
     trace replaced the token file, the job file or the metrics at the end; checkpoint.dir = "" was a
     traceback, and a step folder as checkpoint.dir got a second root written inside it."""
     def problem(*overrides):
-        return job_error(tmp_path, GOOD, 'data.path="tokens.h5"', "parallel.pp=1", *overrides, world_size=1)
+        return job_error(tmp_path, GOOD, 'data.path="tokens.h5"', "parallel.pp=1", *overrides, world_size=1,
+                         machine=True)
 
     token_file("tokens.h5", np.zeros(100, np.uint8))
     assert 'train.metrics: "tokens.h5" is also data.path, which writing it would replace' in \

@@ -3,10 +3,11 @@
 ``load_job`` (config_load.py) has already checked each key on its own; ``validate`` checks the
 dp x pp x tp layout, heads and vocabulary divisible by tp, batch divisible by dp and
 micro-batches, pipeline stages versus layers, modes that exclude each other, ``no_decay``
-patterns against the model's parameter names, the data file, and the paths the run writes
-(metrics, trace, TensorBoard, checkpoints), and reports every problem in one ``JobError``. A
-pure function of the job, the world size and the files it names: every rank reaches the same
-verdict before any rank waits on another, and before anything is written.
+patterns against the model's parameter names, and the data file, and reports every problem in
+one ``JobError``. A pure function of the job, the world size and the files it reads: every rank
+reaches the same verdict before any rank waits on another, and before anything is written.
+``check_machine`` adds what only matters where the job runs (the paths the run writes, the
+environment, the memory): plans and dry runs are for other machines.
 """
 from __future__ import annotations
 
@@ -43,7 +44,6 @@ def validate(job: Job, world_size: int) -> Job:
                                                f"{job.optimizer.lr:g}; the cosine decays from lr down to min_lr"))
     if job.data.kind == "text":
         problems += _check_token_file(job)
-    problems += _check_outputs(job)
     if problems:
         raise JobError(job.source, problems)
     return replace(job, parallel=replace(job.parallel, dp=dp), world_size=world_size)
@@ -163,10 +163,11 @@ def _check_batch(job: Job, dp: int | None) -> list:
     return []
 
 
-def check_machine(job: Job) -> None:
+def check_machine(job: Job, writes: bool = True) -> None:
     """Before training on this machine (not in ``validate``: plans and dry runs are for other machines): the
+    paths the run writes (unless ``writes`` is False: ``hpcpar compare`` writes none of them), the
     environment variables that decide unset keys, and the memory; a JobError listing what is wrong."""
-    problems = _check_environment(job) + _check_memory(job)
+    problems = (_check_outputs(job) if writes else []) + _check_environment(job) + _check_memory(job)
     if problems:
         raise JobError(job.source, problems)
 

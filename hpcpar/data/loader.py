@@ -33,9 +33,23 @@ SPLITS = ("train", "val")
 ID_SCAN_TOKENS = 1 << 24  # ``id_range`` reads a split in blocks of this many tokens
 
 
+def _version(path: str) -> tuple[str, int, int]:
+    """A file's identity for the caches below: validation runs once per candidate layout in
+    ``hpcpar plan`` and ``compare`` (thousands at large worlds), and a rewritten file is read again."""
+    facts = os.stat(path)
+    return os.path.realpath(path), facts.st_size, facts.st_mtime_ns
+
+
 def dataset_info(path: str) -> dict:
     """vocab_size, the token counts of the ``train`` and ``val`` splits and their dtypes (``dtypes``);
-    ValueError if not a token file (a split missing, or not 1-D integer token ids)."""
+    ValueError if not a token file (a split missing, or not 1-D integer token ids). Read once per
+    version of the file."""
+    info = _dataset_info(*_version(path))
+    return {**info, "dtypes": dict(info["dtypes"])}  # the caller's own copy
+
+
+@functools.lru_cache(maxsize=8)
+def _dataset_info(path: str, size: int, mtime_ns: int) -> dict:  # size, time: the cache key
     with h5py.File(path, "r") as f:
         missing = [name for name in SPLITS if name not in f] + \
                   (["attribute vocab_size"] if "vocab_size" not in f.attrs else [])
@@ -53,9 +67,9 @@ def dataset_info(path: str) -> dict:
 
 def id_range(path: str, split: str) -> tuple[int, int]:
     """The smallest and largest token id of a split (0, 0 when empty), read in blocks once per version of
-    the file: validation runs once per candidate layout in ``hpcpar plan`` and ``compare``."""
-    facts = os.stat(path)
-    return _id_range(os.path.realpath(path), split, facts.st_size, facts.st_mtime_ns)
+    the file."""
+    real, size, mtime_ns = _version(path)
+    return _id_range(real, split, size, mtime_ns)
 
 
 @functools.lru_cache(maxsize=8)

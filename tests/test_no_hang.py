@@ -362,25 +362,29 @@ if ctx.rank == 1:
     sys.exit(int(sys.argv[1]))  # a plain script: no hook sees this exit
 if sys.argv[1] == "0":
     time.sleep(2)  # rank 0 ends last, with nothing left to do together: a normal end
-else:
+elif sys.argv[2] == "allreduce":
     ctx.world.allreduce(x, out=x)  # rank 1 will never come
+else:
+    ctx.world.recv(x, source=1, tag=7)  # nor send
 print("rank", ctx.rank, "done")
 """
 
 
-@pytest.mark.parametrize("status", [0, 3])
-def test_a_rank_that_ends_its_program_answers_the_stall_census(tmp_path, status):
+@pytest.mark.parametrize("status, wait", [(0, "-"), (3, "allreduce"), (3, "recv")])
+def test_a_rank_that_ends_its_program_answers_the_stall_census(tmp_path, status, wait):
     """sys.exit(3) on rank 1 of a plain script: rank 1 waits at its exit (before MPI_Finalize) and
-    answers rank 0's census that it has left, so rank 0, stalled in an all-reduce rank 1 will
-    never call, stops at its census (HPCPAR_STALL_S) instead of waiting forever. Ranks that end
-    at different times with nothing pending end normally."""
+    answers that it has left, so rank 0, stalled in an all-reduce rank 1 will never call (at its
+    census) or in a receive from it (asking it), stops at HPCPAR_STALL_S instead of waiting
+    forever. Ranks that end at different times with nothing pending end normally."""
     script = tmp_path / "leaving.py"
     script.write_text(LEAVING_SCRIPT)
-    rank = (tmp_path, {"HPCPAR_STALL_S": "1"}, [sys.executable, str(script), str(status)])
+    rank = (tmp_path, {"HPCPAR_STALL_S": "1"}, [sys.executable, str(script), str(status), wait])
     code, output = run_ranks([rank, rank])
     if status == 0:
         assert code == 0 and "rank 0 done" in output, output
         return
     assert code not in (0, HANG), output
-    assert ("rank 1 of communicator 'world' has ended its program after its collective #1 there, while rank 0 "
-            "waits in allreduce #2, which can never complete") in output, output
+    expected = {"allreduce": " after its collective #1 there, while rank 0 waits in allreduce #2, which can never "
+                             "complete",
+                "recv": ", while rank 0 waits in recv (tag 7) for it, which can never complete"}[wait]
+    assert f"rank 1 of communicator 'world' has ended its program{expected}" in output, output

@@ -25,7 +25,8 @@ A rank whose program has ended (``sys.exit(1)`` on one rank of a plain script) b
 it first waits in an exit barrier of its own, answering every census with "left after
 collective #N"; a rank stalled in a later collective of that communicator raises ``PeerLeft``
 when that answer comes (its census starts at ``HPCPAR_STALL_S``): the collective can never
-complete, so fail-fast aborts the job.
+complete, so fail-fast aborts the job. A point-to-point wait that lasts ``HPCPAR_STALL_S`` asks
+its peer the same question, and raises ``PeerLeft`` when the peer answers that it has left.
 
 Waiting costs nothing extra until the first check (a clock read per poll); the census only
 ever runs in a wait that has already lasted a second. Blocking object calls (``*_object``,
@@ -60,6 +61,7 @@ class PeerLeft(StallError):
 
 
 LEFT = len(COLLECTIVES)  # the operation number of a notice from a rank that has left its program
+ASK = LEFT + 1  # a point-to-point wait asking its peer whether it has left (a live peer ignores it)
 
 
 def stall_seconds() -> tuple[float | None, float | None]:
@@ -125,6 +127,7 @@ class StallWatchdog:
         """
         start = time.perf_counter()
         next_check, next_report = start + min(_FIRST_CHECK_S, self.warn_seconds), start + self.warn_seconds
+        asked = False
         while not request.Test():
             now = time.perf_counter()
             if pause is not None:
@@ -136,6 +139,9 @@ class StallWatchdog:
             self._listen(waiting)
             if waited >= self.warn_seconds and waiting.kind == "collective":
                 self._announce(waiting)
+            elif waited >= self.warn_seconds and not asked and waiting.peer >= 0:
+                self._ask(waiting.peer)
+                asked = True
             if self.abort_seconds is not None and waited >= max(self.abort_seconds, self.warn_seconds + _GRACE_S):
                 raise StallError(self.describe(waiting, waited))
             if now >= next_report + (_GRACE_S if waiting.kind == "collective" else 0.0):
@@ -151,17 +157,26 @@ class StallWatchdog:
         status = MPI.Status()
         while self.comm.mpi.Iprobe(source=MPI.ANY_SOURCE, tag=WATCHDOG_TAG, status=status):
             self.comm.mpi.Recv(notice, source=status.Get_source(), tag=WATCHDOG_TAG)
-            seq, op = int(notice[0]), int(notice[1])
+            seq, op, source = int(notice[0]), int(notice[1]), status.Get_source()
+            if op == ASK:
+                continue  # this rank has not left
             if op == LEFT:
+                left = f"hpcpar: rank {self._who(source)} of communicator '{self.comm.name}' has ended its program"
                 if waiting.kind == "collective" and waiting.seq > seq:
-                    raise PeerLeft(f"hpcpar: rank {self._who(status.Get_source())} of communicator "
-                                   f"'{self.comm.name}' has ended its program after its collective #{seq} there, "
-                                   f"while rank {self._who(self.comm.rank)} waits in {waiting.op} #{waiting.seq}, "
-                                   f"which can never complete")
+                    raise PeerLeft(f"{left} after its collective #{seq} there, while rank {self._who(self.comm.rank)} "
+                                   f"waits in {waiting.op} #{waiting.seq}, which can never complete")
+                if waiting.kind != "collective" and waiting.peer == source:
+                    raise PeerLeft(f"{left}, while rank {self._who(self.comm.rank)} waits in {waiting.op} "
+                                   f"(tag {waiting.tag}) for it, which can never complete")
                 continue
             self.heard[status.Get_source()] = (seq, COLLECTIVES[op])
             if waiting.kind == "collective" and seq == waiting.seq:
                 self._announce(waiting)
+
+    def _ask(self, peer: int) -> None:
+        """Ask the peer of a point-to-point wait whether it has left (it answers only if so)."""
+        question = np.array([-1, ASK], dtype=np.int64)
+        self._sends.append((self.comm.mpi.Isend(question, dest=peer, tag=WATCHDOG_TAG), question))
 
     def answer_as_left(self) -> None:
         """At exit: answer each notice that has come with "left after collective #N" (N: the

@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import checkpoint, log
-from .checkpoint.cli import step_folder
-from .checkpoint.manifest import CheckpointError, read_manifest
+from .checkpoint.manifest import CheckpointError, read_manifest, resolve_step_dir
 from .dist.context import single_process
 from .dist.failfast import UsageError
 from .nn.gpt import GPT, GPTConfig
@@ -38,7 +37,7 @@ def run(args) -> int:
         raise UsageError("hpcpar generate: error: --prompt is empty; give the text the sample continues (at least "
                          "one character)")
     try:
-        step_dir = step_folder(args.checkpoint)
+        step_dir = resolve_step_dir(args.checkpoint)
         saved = read_manifest(step_dir)["extra"].get("model_config")
         if saved is None:
             raise CheckpointError(f"{step_dir}: no model_config in the checkpoint (was it written by hpcpar train?)")

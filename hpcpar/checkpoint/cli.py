@@ -153,16 +153,8 @@ def ls(args) -> int:
     return 0
 
 
-def step_folder(path: str) -> str:
-    """The step folder of a checkpoint root or a step folder; a file there is named as such (it was an
-    errno line about PATH/latest)."""
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise CheckpointError(f"{path}: a file, not a folder; give a checkpoint root (checkpoint.dir) or a step folder")
-    return resolve_step_dir(path)
-
-
 def inspect(args) -> int:
-    step_dir = step_folder(args.path)
+    step_dir = resolve_step_dir(args.path)
     manifest = read_manifest(step_dir)
     layout = manifest["layout"]
     data_bytes = sum(facts["bytes"] for name, facts in manifest["files"].items() if name != INDEX)
@@ -236,7 +228,7 @@ def provenance_lines(extra: dict) -> list[str]:
 
 
 def verify(args) -> int:
-    step_dir = step_folder(args.path)
+    step_dir = resolve_step_dir(args.path)
     problems = check(step_dir)
     for line in problems:
         print(line)
@@ -251,7 +243,7 @@ def verify(args) -> int:
 
 def export(args) -> int:
     """Copy every tensor, read at its global shape through index.h5, into one plain HDF5 file."""
-    step_dir = step_folder(args.path)
+    step_dir = resolve_step_dir(args.path)
     if problem := export_problem(args.out):
         raise CheckpointError(f"{args.out}: {problem}")
     problems = check(step_dir)

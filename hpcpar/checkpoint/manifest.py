@@ -187,7 +187,10 @@ def latest_step(root: str) -> int | None:
 
 
 def resolve_step_dir(path: str, step: int | None = None) -> str:
-    """A step folder from a checkpoint root (``latest`` or ``step``) or a step folder itself."""
+    """A step folder from a checkpoint root (``latest`` or ``step``) or a step folder itself; a file
+    there is named as such (it was an errno line about PATH/latest)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path}: a file, not a folder; give a checkpoint root (checkpoint.dir) or a step folder")
     if step is None and (os.path.exists(os.path.join(path, MANIFEST)) or
                          (STEP_PATTERN.match(os.path.basename(os.path.normpath(path))) and os.path.isdir(path))):
         return path  # a step folder (one without a manifest fails as damaged when it is read)

@@ -24,7 +24,8 @@ leaves ``latest`` as it was.
 same on every rank), NumPy Generators (random streams, saved per rank), or plain JSON values.
 With ``asynchronous=True`` the state is first copied to host memory, then written and
 committed by a background thread on its own communicator; call ``wait()`` before the next
-save (``save`` does) and before exit (registered with atexit). A thread may call MPI only
+save (``save`` does) and before exit (registered with atexit by the first such save; a save
+that fails there ends the process with status 1). A thread may call MPI only
 where MPI gives ``MPI.THREAD_MULTIPLE``: with less, asynchronous saves are made synchronous
 with one warning (the run stays correct, training just waits for the write). With
 ``collective=True``, where h5py is built against parallel HDF5, all ranks write one
@@ -42,6 +43,7 @@ import atexit
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 
@@ -277,6 +279,7 @@ class SaveJob:
 # ----------------------------------------------------------------------------------------
 _pending: list = []
 _async_comm = {}
+_exit_registered: list = []
 
 
 class AsyncSave:
@@ -301,7 +304,19 @@ def wait() -> None:
         handle.wait()
 
 
-atexit.register(wait)
+def wait_at_exit() -> None:
+    """``wait`` as the process ends (atexit, registered by the first asynchronous save, not on
+    import). Python prints an error raised here and still exits with status 0, so a job whose
+    last checkpoint failed looked like a success: the failure is one line on stderr and the
+    process ends with status 1 at once (the error reached every rank, so every rank does)."""
+    try:
+        wait()
+    except BaseException as error:  # noqa: BLE001 - reported, then the status says it
+        sys.stdout.flush()
+        sys.stderr.write(f"hpcpar: a checkpoint saved in the background failed while the process was ending; "
+                         f"that step is not committed ({type(error).__name__}: {error})\n")
+        sys.stderr.flush()
+        os._exit(1)
 
 
 _warned_threads = []
@@ -345,6 +360,8 @@ def save(root: str, step: int, model, optimizer, ctx, extra: dict | None = None,
 
     thread = threading.Thread(target=write, name=f"hpcpar-checkpoint-{step}", daemon=False)
     handle = AsyncSave(thread, job)
+    if not _exit_registered:
+        _exit_registered.append(atexit.register(wait_at_exit))
     _pending.append(handle)
     thread.start()
     return handle

@@ -397,6 +397,25 @@ def test_a_path_the_run_writes_may_not_replace_what_it_reads_or_another_output(t
         in problem('checkpoint.dir="ck/step-00000002"')
 
 
+def test_an_output_may_not_take_a_name_the_checkpoint_writes(tmp_path):
+    """A metrics file named checkpoint.dir/latest replaced the pointer as the run began (exit 0, and no
+    step of that root loaded again); a trace inside a step folder went with the step when it retired."""
+    def problem(*overrides):
+        return job_error(tmp_path, GOOD, 'data.path="tokens.h5"', "parallel.pp=1", 'checkpoint.dir="ck"', *overrides,
+                         world_size=1, machine=True)
+
+    token_file("tokens.h5", np.zeros(100, np.uint8))
+    assert ('train.metrics: "ck/latest" lies at \'latest\' in checkpoint.dir, a name its checkpoints write (the '
+            "pointer 'latest', the step folders), so a checkpoint there would be lost") in problem('train.metrics="ck/latest"')
+    assert "train.trace: \"ck/./step-00000003.tmp/t.json\" lies at 'step-00000003.tmp'" in \
+        problem('train.trace="ck/./step-00000003.tmp/t.json"')
+    assert 'train.metrics: "ck/" is checkpoint.dir itself' in problem('train.metrics="ck/"')
+    os.makedirs("ck")
+    check_machine(validate(load_job(write_job(tmp_path, GOOD), ['data.path="tokens.h5"', "parallel.pp=1",
+                                                                'checkpoint.dir="ck"', 'train.metrics="ck/m.jsonl"',
+                                                                'train.trace="ck/latest-trace.json"']), 1))
+
+
 def test_a_model_whose_weights_cannot_fit_in_memory_is_refused_before_it_is_built(tmp_path):
     """n_embd = 1e8 was a MemoryError traceback while the model was built; a job that fits is not refused."""
     job = validate(load_job(write_job(tmp_path, GOOD), ["model.n_embd=100000000", "model.n_head=1"]), 2)

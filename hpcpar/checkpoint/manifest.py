@@ -172,6 +172,18 @@ def list_steps(root: str) -> list[int]:
     return sorted(int(m.group(1)) for name in os.listdir(root) if (m := STEP_PATTERN.match(name)))
 
 
+def checkpoint_name_of(path: str, root: str) -> str | None:
+    """The name in the checkpoint root ``root`` that ``path`` is or lies inside, where it is one
+    the checkpoint writes: ``latest`` or ``latest.tmp`` (a file there is read as, or replaced by,
+    the pointer), a step folder or its ``.tmp`` (removed with a retired step); "." for the root
+    itself. None for any other path."""
+    relative = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
+    first = relative.split(os.sep)[0]
+    if relative == "." or first in (LATEST, LATEST + ".tmp") or STEP_PATTERN.match(first.removesuffix(".tmp")):
+        return first
+    return None
+
+
 def latest_step(root: str) -> int | None:
     """The step ``latest`` names (the source of truth); the highest committed step only when
     ``latest`` is absent or unreadable (a root written before it, or by hand)."""

@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from .. import defaults
-from ..checkpoint.manifest import MANIFEST
+from ..checkpoint.manifest import MANIFEST, checkpoint_name_of
 from ..paths import input_problem, output_problem
 from ..parallel.pipeline.schedules import interleaved_fit
 from .config import BYTE_VOCAB, Job, JobError
@@ -248,8 +248,9 @@ def _check_outputs(job: Job) -> list[tuple[str, str]]:
 
 def _check_overlaps(job: Job) -> list[tuple[str, str]]:
     """A metrics file or trace on the data file, the job file or each other (a fresh run renamed the token
-    file aside as an old metrics file; the trace replaced the file at the end, exit 0), and a checkpoint.dir
-    that is a step folder (a second root was written inside it)."""
+    file aside as an old metrics file; the trace replaced the file at the end, exit 0), an output at a name
+    the checkpoint writes (a metrics file named checkpoint.dir/latest replaced the pointer: no step loaded),
+    and a checkpoint.dir that is a step folder (a second root was written inside it)."""
     taken = [("data.path", job.data.path if job.data.kind == "text" else None), ("the job file", job.source)]
     problems = []
     for key in ("train.metrics", "train.trace"):
@@ -260,6 +261,11 @@ def _check_overlaps(job: Job) -> list[tuple[str, str]]:
                                   f"choose another path"))
         taken.append((key, path))
     folder = job.checkpoint.dir
+    for key in ("train.metrics", "train.trace", "train.tensorboard"):
+        if (path := job.get(key)) and (name := checkpoint_name_of(path, folder)):
+            where = "is checkpoint.dir itself" if name == "." else \
+                f"lies at {name!r} in checkpoint.dir, a name its checkpoints write (the pointer 'latest', the step folders)"
+            problems.append((key, f"{toml_value(path)} {where}, so a checkpoint there would be lost; choose another path"))
     if os.path.isfile(os.path.join(folder, MANIFEST)):
         problems.append(("checkpoint.dir", f"{toml_value(folder)} is a step folder of a checkpoint; give a checkpoint "
                                            f"root (such as {os.path.dirname(os.path.normpath(folder)) or '.'}) or a "

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..parallel.pipeline.schedules import make_schedule
 from .traffic import bucket_bytes, builds_ddp
 
 
@@ -58,6 +59,9 @@ GRAPH_OP_BYTES = 1024
 # The pipeline engine's own objects per micro-batch it holds on a stage (its saved input and output
 # Tensors, their graph nodes, the requests): about 1.9 KiB in the digits CNN's pipelines.
 PIPELINE_MICRO_BATCH_BYTES = 2048
+# The engine's record of each action of the step (its trace entry and the like), kept to the step's
+# end: 300-450 bytes an action in the digits CNN's pipelines (tracemalloc, rank 2 of 1x4x1).
+PIPELINE_ACTION_BYTES = 512
 
 
 def kept_bytes(plan, layer) -> float:
@@ -85,13 +89,16 @@ def stage_kept_bytes(plan, stage: int) -> float:
     return kept
 
 
-def _backward_peak(plan, layers, waiting: float, gradients: float, all_gradients: float) -> tuple:
+def _backward_peak(plan, layers, waiting: float, gradients: float, all_gradients: float,
+                   received: float = 0.0) -> tuple:
     """(kept, gradients, temporaries) alive at the fullest moment of one micro-batch's backward
     through ``layers`` (a stage). From the last layer down: what is still ``waiting`` for backward
     (this layer's kept bytes and those below it, from ``stage_kept_bytes``), the gradients made so
     far with this layer's (capped at the rank's: a tied weight has one), and this layer's
     temporaries with what recomputation rebuilds for it. A layer's kept bytes are freed when its
-    backward is done; the gradients stay to the step's end."""
+    backward is done; the gradients stay to the step's end. A stage that ``received`` its input
+    (bytes) ends with that input, its gradient as the first layer returns it, and the copy the
+    input keeps as its ``grad`` (autograd copies a leaf's first gradient), the one sent back."""
     worst = (0.0, 0.0, 0.0)
     for layer in reversed(layers):
         kept = kept_bytes(plan, layer)
@@ -102,7 +109,7 @@ def _backward_peak(plan, layers, waiting: float, gradients: float, all_gradients
             worst = max(worst, (waiting - freed, made, temporaries + rebuilt_bytes(plan, layer)), key=sum)
         gradients = made
         waiting -= kept
-    return worst
+    return max(worst, (received, gradients, 2 * received), key=sum) if received else worst
 
 
 def rank_memory(plan, rank: int, held: int) -> Memory:
@@ -122,11 +129,13 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
     # One micro-batch through one stage makes the gradients in its backward; otherwise earlier
     # backwards of the step (accumulating micro-batches, the rank's later stages) made them all.
     before = 0.0 if lay.micro_batches == 1 and len(stages) == 1 else elements * d
-    kept, gradients, workspace = max((_backward_peak(plan, plan.stage_layers[s], k, before, elements * d)
+    kept, gradients, workspace = max((_backward_peak(plan, plan.stage_layers[s], k, before, elements * d,
+                                                     plan.boundary_bytes(s - 1) if s > 0 else 0.0)
                                       for s, k in zip(stages, per_stage)), key=sum)
     kept += (held - 1) * max(per_stage)  # the other micro-batches in flight, each at most a stage's kept bytes
     if lay.pp > 1:
-        kept += held * PIPELINE_MICRO_BATCH_BYTES
+        actions = make_schedule(lay.schedule, lay.pp, lay.micro_batches, lay.chunks)[rank]
+        kept += held * PIPELINE_MICRO_BATCH_BYTES + len(actions) * PIPELINE_ACTION_BYTES
     # a weight gradient before it is summed in, and with several micro-batches the sum beside the old
     # total; under 16 bits NumPy's float32 product beside its cast
     per_element = max(d * (2 if lay.micro_batches > 1 else 1), 4 + d if d < 4 else 0)

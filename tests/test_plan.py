@@ -99,11 +99,14 @@ def test_activations_kept_match_tracemalloc_within_10_percent(n_layer, width, he
     assert abs(predicted - held) / held < 0.10
 
 
-@pytest.mark.parametrize("channels, rows", [((16, 32), 32), ((32, 64), 64)])
-def test_the_cnn_s_kept_bytes_match_tracemalloc_within_10_percent(channels, rows):
-    """Each array once: the columns each convolution keeps, the ReLUs' and the poolings' outputs."""
-    model = DigitsCNN(channels=channels)
-    images = Tensor(np.random.default_rng(0).standard_normal((rows, 1, 8, 8)).astype(np.float32))
+@pytest.mark.parametrize("channels, rows, precision", [((16, 32), 32, "fp32"), ((32, 64), 64, "fp32"),
+                                                      ((8, 16), 50, "fp64")])
+def test_the_cnn_s_kept_bytes_are_tracemalloc_s_or_at_most_10_percent_more(channels, rows, precision):
+    """Each array once: the columns each convolution keeps, the ReLUs' and the poolings' outputs; in
+    float64 also the float32 images' cast, which the first convolution keeps (uncounted, the
+    prediction was 0.7 % under)."""
+    model = DigitsCNN(channels=channels, dtype={"fp32": np.float32, "fp64": np.float64}[precision])
+    images = np.random.default_rng(0).standard_normal((rows, 1, 8, 8)).astype(np.float32)  # as the data gives them
     labels = np.arange(rows) % 10
     model.loss(images, labels).backward()
     tracemalloc.start()
@@ -111,8 +114,8 @@ def test_the_cnn_s_kept_bytes_match_tracemalloc_within_10_percent(channels, rows
     held = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     del loss
-    predicted = sum(layer.saved_bytes for layer in layers(Shape("cnn", rows, "fp32", channels=channels)))
-    assert abs(predicted - held) / held < 0.10
+    predicted = sum(layer.saved_bytes for layer in layers(Shape("cnn", rows, precision, channels=channels)))
+    assert held <= predicted < 1.10 * held  # never under: fp64 was 0.993 of it
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])

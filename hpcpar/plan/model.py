@@ -284,8 +284,10 @@ def cnn_layers(shape: Shape) -> list[Layer]:
         last = grads + (cols + pixels * cin) * c * (i > 0) + weight_gemm
         out.append(Layer(f"net.{3 * i}", [(f"net.{3 * i}.weight", cout * cin * 9, False), (f"net.{3 * i}.bias", cout, False)],
                          forward, backward, Work().add("conv", flops),
-                         # the columns; its input is the pooling's output (the images for the first)
-                         saved_bytes=cols * d, output_elements=pixels * cout, keeps_input=not_input, keeps_output=False,
+                         # the columns; its input is the pooling's output (the images for the first, which
+                         # are float32: in another precision the first op casts them, and keeps that copy)
+                         saved_bytes=cols * d + (n * 64 * d if i == 0 and d != 4 else 0),
+                         output_elements=pixels * cout, keeps_input=not_input, keeps_output=False,
                          workspace_bytes=max(grads + input_grad, last),
                          # the padded input to the end; the product (of float32 copies under 16 bits,
                          # rounded to a copy) and then the output's transposed copy

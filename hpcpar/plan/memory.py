@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..parallel.pipeline.schedules import make_schedule
+from .schedule import schedule_of
 from .traffic import bucket_bytes, builds_ddp
 
 
@@ -134,7 +134,7 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
                                       for s, k in zip(stages, per_stage)), key=sum)
     kept += (held - 1) * max(per_stage)  # the other micro-batches in flight, each at most a stage's kept bytes
     if lay.pp > 1:
-        actions = make_schedule(lay.schedule, lay.pp, lay.micro_batches, lay.chunks)[rank]
+        actions = schedule_of(lay.schedule, lay.pp, lay.micro_batches, lay.chunks)[rank]
         kept += held * PIPELINE_MICRO_BATCH_BYTES + len(actions) * PIPELINE_ACTION_BYTES
     # a weight gradient before it is summed in, and with several micro-batches the sum beside the old
     # total; under 16 bits NumPy's float32 product beside its cast

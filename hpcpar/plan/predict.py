@@ -23,16 +23,16 @@ Step time (docs/planner.md has the equations):
 """
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
 from ..dist.stats import ring_wire_bytes
 from ..parallel.pipeline.partition import counts_to_bounds, min_max_bounds, uniform_bounds
-from ..parallel.pipeline.schedules import make_schedule, peak_activations, simulate
+from ..parallel.pipeline.schedules import simulate
 from .machine import Machine
 from .memory import Memory, memory_per_rank
 from .model import FP_BYTES, Layer, Work, layers, shape_of
+from .schedule import peaks_of, schedule_of
 from .traffic import Traffic, bucket_bytes, builds_ddp, stage_parameters, step_traffic
 
 ELEMENTWISE_RATE = {"gemm": "gemm_flops", "attention": "attention_flops", "conv": "conv_flops"}
@@ -56,17 +56,6 @@ def unmodelled(job) -> str | None:
                 f'plan the job without it (--set parallel.compression=\'"none"\') and measure the compressed one '
                 f'with hpcpar compare')
     return None
-
-
-@functools.lru_cache(maxsize=256)
-def schedule_of(name: str, p: int, m: int, v: int) -> tuple:
-    """The schedule's action lists (built once per (name, p, m, v): planning tries many layouts)."""
-    return tuple(tuple(actions) for actions in make_schedule(name, p, m, v))
-
-
-@functools.lru_cache(maxsize=256)
-def _peaks(name: str, p: int, m: int, v: int) -> tuple:
-    return tuple(peak_activations([list(a) for a in schedule_of(name, p, m, v)], held_until="W"))
 
 
 @dataclass(frozen=True)
@@ -340,4 +329,4 @@ def in_flight(plan: StepPlan) -> list[int]:
     lay = plan.layout
     if lay.pp == 1:
         return [1]
-    return list(_peaks(lay.schedule, lay.pp, lay.micro_batches, lay.chunks))
+    return list(peaks_of(lay.schedule, lay.pp, lay.micro_batches, lay.chunks))

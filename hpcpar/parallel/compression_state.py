@@ -11,8 +11,12 @@ another layout, or with other buckets (another ``bucket_mb``, another partition)
 it, and its compressor starts afresh, which the load logs. With ``saved=False``
 (``checkpoint.compression_state = false``: the state is about one float32 copy of the gradients
 per dp replica) checkpoints leave it out, and every load starts it afresh and logs that.
+State in bfloat16 (top-k's residuals under bf16), which HDF5 cannot store, is saved as float32
+(exactly), with a scalar ``<key>/bfloat16`` that has it read back into bfloat16.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from .. import log
 from ..backend import to_device
@@ -20,6 +24,13 @@ from ..state import Checkpointable, LoadPlan, Piece, Read
 
 logger = log.get_logger(__name__)
 PREFIX = "compression"
+BFLOAT16 = "/bfloat16"  # a scalar under a state's key: the state was bfloat16, saved as float32
+
+
+def bfloat16():
+    import ml_dtypes  # only a run that saved bfloat16 state reads it back: ml_dtypes is there
+
+    return ml_dtypes.bfloat16
 
 
 class CompressionState(Checkpointable):
@@ -39,12 +50,14 @@ class CompressionState(Checkpointable):
         return ((rank, rank + 1),) + tuple((0, n) for n in shape)
 
     def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
-        pieces = []
+        pieces, widened = [], {}
         for name, values in sorted(self.compressor.state_arrays().items()) if self.saved else ():
             shape = tuple(values.shape)
-            pieces.append(Piece(self._key(name, shape), (self.ctx.dp_size,) + shape, self._slab(shape),
-                                values.reshape((1,) + shape)))
-        return pieces, {}
+            key = self._key(name, shape)
+            if values.dtype.name == "bfloat16":  # HDF5 has no such type: as float32 (exactly), marked
+                values, widened[key + BFLOAT16] = values.astype(np.float32), 1
+            pieces.append(Piece(key, (self.ctx.dp_size,) + shape, self._slab(shape), values.reshape((1,) + shape)))
+        return pieces, widened
 
     def load_plan(self, saved) -> LoadPlan:
         """Read this rank's rows when the checkpoint has exactly the state this rank's compressor
@@ -59,10 +72,12 @@ class CompressionState(Checkpointable):
                 found[name] = tuple(int(n) for n in shape_text.split("x"))
         staged, reads = {}, []
         for name, shape in sorted(found.items()) if self.saved and found == self.expected else ():
+            key = self._key(name, shape)
 
-            def assign(values, name=name, shape=shape):
-                staged[name] = to_device(values.reshape(shape), self.ctx.xp)
-            reads.append(Read(self._key(name, shape), (self.ctx.dp_size,) + shape, self._slab(shape), assign))
+            def assign(values, name=name, shape=shape, narrow=key + BFLOAT16 in saved.scalars):
+                values = values.reshape(shape)
+                staged[name] = to_device(values.astype(bfloat16()) if narrow else values, self.ctx.xp)
+            reads.append(Read(key, (self.ctx.dp_size,) + shape, self._slab(shape), assign))
         missing = None
         if not self.saved:
             missing = "is not kept in checkpoints (checkpoint.compression_state = false)"

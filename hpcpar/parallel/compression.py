@@ -207,7 +207,9 @@ class PowerSGDCompression(Compressor):
             self.qs[key] = xp.asarray(rng.standard_normal((m.shape[1], self.rank)).astype(m.dtype))
         p = m @ self.qs[key]
         comm.allreduce(p, "sum", out=p)
-        p, _ = xp.linalg.qr(p)  # orthonormal columns: a well-conditioned basis
+        # orthonormal columns, a well-conditioned basis; in float32 at least (LAPACK has no 16-bit QR:
+        # float16 failed here, where bfloat16's products were float32 already)
+        p, _ = xp.linalg.qr(p if p.dtype.itemsize >= 4 else p.astype(np.float32))
         q = m.T @ p
         comm.allreduce(q, "sum", out=q)
         self.qs[key] = q  # warm start for the next step

@@ -53,7 +53,7 @@ from .train.build import build
 from .train.config import JobError
 from .train.config_load import load_job
 from .train.identity import ranks_with_another_job
-from .train.loop import context_options
+from .train.loop import context_options, step_masks
 from .train.validate import check_machine, validate
 
 logger = log.get_logger(__name__)
@@ -124,8 +124,9 @@ def measure(job, comm, steps: int) -> dict:
         ctx.world.barrier()
         inside_before = sum(c.stats.total_seconds for c in inside)
         start = time.perf_counter()
-        loss = strategy.train_step(inputs, targets)
-        strategy.finish_step(job.optimizer.grad_clip, loss)
+        with step_masks(run, step):
+            loss = strategy.train_step(inputs, targets)
+            strategy.finish_step(job.optimizer.grad_clip, loss)
         elapsed = ctx.world.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX)
         if step >= 2:
             times.append(elapsed)
@@ -135,8 +136,9 @@ def measure(job, comm, steps: int) -> dict:
     traffic = sum(c.stats.total_wire_bytes for c in ctx.communicators().values())  # size 1 sends nothing
     inputs, targets = run.train_data.batch_at(0)
     losses = []
-    activation_peak = traced_peak(lambda: losses.append(strategy.train_step(inputs, targets)))
-    strategy.finish_step(0.0, losses[0])
+    with step_masks(run, 0):
+        activation_peak = traced_peak(lambda: losses.append(strategy.train_step(inputs, targets)))
+        strategy.finish_step(0.0, losses[0])
     state = strategy.optimizer_state_bytes()  # with the float32 masters under mixed precision
     params = sum(q.data.nbytes for _, q in strategy.named_parameters())
     step_s = statistics.median(times)

@@ -103,3 +103,23 @@ def test_each_layout_is_built_with_the_jobs_communication_keys(monkeypatch):
         kwargs, got_shm, got_node_size = made.pop()
         assert (got_shm, got_node_size) == (shm, node_size)
         assert kwargs["backend"] == "auto" and kwargs["device_nonblocking"] is None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_pipeline_with_dropout_is_measured_with_the_step_s_masks(tokens):
+    """compare (and the planner's counted step) trained steps outside the training loop, which alone
+    set the step's dropout key: a pipeline of a job with dropout (whose engine runs the stages'
+    layers, not the GPT's keyed forward) ended in 'Dropout in training mode draws the masks of a
+    dropout key'."""
+    from hpcpar.plan.measure import counted_step
+
+    world = MPI.COMM_WORLD
+    job = compare.layout_job(load_job(None, TINY + [f'data.path="{tokens}"', "model.dropout=0.1"]), (1, 2, 1), steps=1)
+    figures = compare.measure_on_first_ranks(job, world, steps=1)
+    assert (figures is not None) == (world.Get_rank() < 2)
+    Communicator(world, "world", wait_policy="yield").barrier()
+    pair = world.Split(0 if world.Get_rank() < 2 else MPI.UNDEFINED)
+    if pair != MPI.COMM_NULL:
+        counts = counted_step(job, pair)
+        assert (counts is not None) == (world.Get_rank() == 0)
+        pair.Free()

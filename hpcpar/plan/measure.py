@@ -11,7 +11,7 @@ from collections import defaultdict
 
 from ..dist.context import init
 from ..train.build import build
-from ..train.loop import context_options
+from ..train.loop import context_options, step_masks
 
 
 def _rank_counts(communicators) -> dict:
@@ -36,8 +36,9 @@ def counted_step(job, comm) -> dict | None:
             for _, c in communicators:
                 c.stats.reset()
         inputs, targets = run.train_data.batch_at(step)
-        loss = strategy.train_step(inputs, targets)
-        strategy.finish_step(job.optimizer.grad_clip, loss)
+        with step_masks(run, step):
+            loss = strategy.train_step(inputs, targets)
+            strategy.finish_step(job.optimizer.grad_clip, loss)
     mine = _rank_counts(communicators)
     everyone = ctx.world.mpi.gather(mine, root=0)
     ctx.close()  # and the pipeline's tied communicators with it: a caller measures layout after layout

@@ -85,13 +85,20 @@ def train(job: Job, resume: Request | str | None = None, stop: StopRequest | Non
         return {**last, **final_report(run, step, log)}
 
 
+def step_masks(run: Run, step: int):
+    """The dropout masks of step ``step`` for this replica's rows (a context): every forward of
+    that step draws them, here and in whatever else trains steps of a run (compare, the planner's
+    counted step); without it a model with dropout refuses to train."""
+    return dropout_key(DropoutKey(step, run.train_data.first_sample))
+
+
 def train_one_step(run: Run, step: int) -> tuple:
     """Step ``step`` (counted from 0): the strategy's step and finish, the LR schedule; (loss, lr),
     the loss a 0-d array on the device (``report_step`` reads it at log steps)."""
     inputs, targets = run.train_data.batch_at(step)
     run.train_data.step = step + 1
     trace = run.strategy.trace
-    with trace.step(step + 1), dropout_key(DropoutKey(step, run.train_data.first_sample)):  # masks by sample
+    with trace.step(step + 1), step_masks(run, step):
         loss = run.strategy.train_step(inputs, targets)
         with trace.span("optimizer", "optimizer"):  # clip and step; the exchange of ps and local SGD
             run.strategy.finish_step(run.job.optimizer.grad_clip, loss)

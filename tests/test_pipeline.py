@@ -332,6 +332,27 @@ def test_partition_methods():
     assert partition(layers, 4, "balanced", sample_input=ids)[-1] == 8
 
 
+@pytest.mark.mpi(min_size=2)
+def test_balanced_partition_is_the_same_on_every_rank(world, monkeypatch):
+    """Each rank measured its own layer times and cut by them: ranks that measured differently held
+    different layers (some trained by none, missing from the checkpoint: a resume failed with 'the
+    checkpoint has no tensor model/blocks.2...'). Every rank now cuts by world rank 0's costs."""
+    import importlib
+
+    partition_module = importlib.import_module("hpcpar.parallel.pipeline.partition")  # the module, not the function
+    rank = world.Get_rank()
+    costs = [1.0] * 8
+    costs[rank % 8] = 50.0  # each rank finds another layer slow
+    monkeypatch.setattr(partition_module, "measure_layer_costs", lambda layers, sample_input: list(costs))
+    ctx = hpcpar.init(device="cpu", pp=world.Get_size())
+    ids, _ = batch()
+    pipe = PipelineParallel(GPT(CONFIG, dtype=np.float64), ctx, schedule="1f1b", micro_batches=2, partition="balanced",
+                            sample_input=ids[:4])
+    everyone = world.allgather(list(pipe.bounds))
+    assert all(bounds == everyone[0] for bounds in everyone), everyone
+    assert everyone[0] == min_max_bounds([50.0] + [1.0] * 7, world.Get_size())  # rank 0's measurement
+
+
 @pytest.mark.parametrize("args, message", [
     ((9, "uniform"), "cannot cut 8 layers into 9 stages"),
     ((2, [3, 4]), r"add up to 7, but there are 8 layers"),

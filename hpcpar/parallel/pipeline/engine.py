@@ -84,7 +84,8 @@ class PipelineParallel(ParameterHolder):
         self.schedule_name = schedule
         self.actions = make_schedule(schedule, self.p, micro_batches, chunks)[ctx.pp_rank]
         self.split_backward = any(a.kind == "W" for a in self.actions)  # zero bubble: B and W apart
-        self.bounds = partition_layers(layers, self.num_virtual, partition, sample_input)
+        self.bounds = partition_layers(layers, self.num_virtual, partition, sample_input,
+                                       agree=lambda costs: ctx.world.bcast_object(costs, root=0))
         self.stage_layers = {s: layers[self.bounds[s]: self.bounds[s + 1]]
                              for s in range(self.num_virtual) if s % self.p == ctx.pp_rank}
 

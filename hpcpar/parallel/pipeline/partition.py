@@ -5,7 +5,8 @@ Every method returns stage boundaries ``[0, b1, ..., n]``: stage ``s`` holds lay
 
 - ``uniform``: layer counts as equal as possible (earlier stages get the extra layer);
 - ``parameters``: balance parameter counts;
-- ``balanced``: balance measured forward+backward time per layer (``measure_layer_costs``);
+- ``balanced``: balance measured forward+backward time per layer (``measure_layer_costs``;
+  in a job of several ranks, world rank 0's measurement, which every rank cuts by);
 - an explicit list of per-stage layer counts.
 
 ``parameters`` and ``balanced`` solve the same problem: split a sequence of costs into k
@@ -92,8 +93,13 @@ def measure_layer_costs(layers, sample_input, repeats: int = 3) -> list[float]:
     return costs
 
 
-def partition(layers, num_stages: int, method="uniform", sample_input=None) -> list[int]:
-    """Stage boundaries for ``layers`` by ``method`` (a name or a list of per-stage counts)."""
+def partition(layers, num_stages: int, method="uniform", sample_input=None, agree=None) -> list[int]:
+    """Stage boundaries for ``layers`` by ``method`` (a name or a list of per-stage counts).
+
+    ``agree(costs)``, for ``balanced`` in a job of several ranks, turns this rank's measured
+    costs into the ones every rank cuts by (the engine: world rank 0's). Measured times differ
+    from rank to rank, and ranks that cut differently hold different layers: some trained by
+    no rank, missing from checkpoints."""
     n = len(layers)
     if not isinstance(method, str):
         _check(n, num_stages)
@@ -107,7 +113,8 @@ def partition(layers, num_stages: int, method="uniform", sample_input=None) -> l
     if method == "balanced":
         if sample_input is None:
             raise PartitionError("partition 'balanced' measures each layer: pass sample_input (one micro-batch)")
-        return min_max_bounds(measure_layer_costs(layers, sample_input), num_stages)
+        costs = measure_layer_costs(layers, sample_input)
+        return min_max_bounds(agree(costs) if agree is not None else costs, num_stages)
     raise PartitionError(f"partition method must be one of {PARTITION_METHODS} or a list of per-stage counts, "
                          f"got {method!r}")
 

@@ -189,6 +189,17 @@ def run_hpcpar(*args):
                           cwd=REPO)
 
 
+def test_a_balanced_pipeline_is_cut_by_the_predicted_layer_times(job_file):
+    """``hpcpar train --dry-run`` (and plan) of a pipeline with partition = "balanced" ended in
+    AttributeError: the cut asked for the layer times before the plan knew its slowdown."""
+    from hpcpar.parallel.pipeline.partition import min_max_bounds
+
+    job = validate(load_job(job_file, ["parallel.pp=2", "parallel.micro_batches=2", 'parallel.partition="balanced"']), 2)
+    plan = StepPlan(job, machines.load_machine("dgx-a100"))
+    assert plan.bounds == min_max_bounds([sum(plan.layer_seconds(layer)) for layer in plan.layers], 2)
+    assert plan.predict().step_s > 0
+
+
 def test_planning_builds_each_pipeline_schedule_once(job_file, monkeypatch):
     """Memory per rank built its rank's schedule anew for every layout: planning a 20B GPT on 256
     ranks took 70 s instead of 3.7 s (counted here, not timed)."""

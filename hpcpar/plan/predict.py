@@ -132,12 +132,12 @@ class StepPlan:
         self.recompute = recompute or getattr(job.model, "recompute", "none")
         self.rows = job.data.batch_size // (lay.dp * lay.micro_batches)
         self.layers = layers(shape_of(job, self.rows, lay.tp))
-        self.bounds = self._bounds(job.parallel.partition)
-        self.stage_layers = [self.layers[self.bounds[s]: self.bounds[s + 1]] for s in range(lay.pp * lay.chunks)]
         self.node_ranks = min(lay.world, machine.ranks_per_node)
-        self.slowdown = machine.slowdown(self.node_ranks)
+        self.slowdown = machine.slowdown(self.node_ranks)  # before the cut: "balanced" cuts by predicted times
         self._collective_cache: dict = {}
         self._holders, self._parameters = None, {}
+        self.bounds = self._bounds(job.parallel.partition)
+        self.stage_layers = [self.layers[self.bounds[s]: self.bounds[s + 1]] for s in range(lay.pp * lay.chunks)]
 
     def _bounds(self, method) -> list[int]:
         stages = self.layout.pp * self.layout.chunks

@@ -88,7 +88,8 @@ def train(job: Job, resume: Request | str | None = None, stop: StopRequest | Non
 def step_masks(run: Run, step: int):
     """The dropout masks of step ``step`` for this replica's rows (a context): every forward of
     that step draws them, here and in whatever else trains steps of a run (compare, the planner's
-    counted step); without it a model with dropout refuses to train."""
+    counted step). Without it a pipeline's stages, whose layers draw by the key in force, refuse
+    to run dropout."""
     return dropout_key(DropoutKey(step, run.train_data.first_sample))
 
 

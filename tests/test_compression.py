@@ -151,3 +151,34 @@ def measure_spread(seeds: int = 10) -> None:
 
 if __name__ == "__main__":
     measure_spread()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("sequence_parallel", ["false", "true"])
+def test_topk_keeps_the_parameters_every_tp_rank_holds_equal(sequence_parallel):
+    """dp 2 x tp 2 with top-k: a bucket mixed the parameters every tp rank holds whole (LayerNorms,
+    row-parallel biases) with the shards, which differ from rank to rank, so each tp rank sent other
+    entries of them and its copies drifted apart (1e-5 after 4 steps without sequence parallelism;
+    a resume, which loads one copy, was then not the run it continued). Now they bucket apart."""
+    from conftest import world_token_file
+
+    from hpcpar.train.build import build
+    from hpcpar.train.config_load import load_job
+    from hpcpar.train.loop import step_masks
+    from hpcpar.train.validate import validate
+
+    overrides = ["model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.block_size=16", "data.batch_size=8",
+                 f'data.path="{world_token_file("topk-tp-")}"', "parallel.dp=2", "parallel.tp=2",
+                 'parallel.compression="topk"', f"parallel.sequence_parallel={sequence_parallel}", 'train.device="cpu"']
+    job = validate(load_job(None, overrides), 4)
+    ctx = hpcpar.init(dp=2, tp=2, device="cpu")
+    run = build(job, ctx)
+    for step in range(4):
+        with step_masks(run, step):
+            loss = run.strategy.train_step(*run.train_data.batch_at(step))
+            run.strategy.finish_step(0.0, loss)
+    whole = [(name, p.data) for name, p in run.strategy.named_parameters() if getattr(p, "global_shape", None) is None]
+    assert any("ln_" in name for name, _ in whole) and any("proj.bias" in name for name, _ in whole)
+    for name, values in whole:
+        copies = ctx.tp.mpi.allgather(np.ascontiguousarray(values))
+        assert all(np.array_equal(c, copies[0]) for c in copies), name

@@ -158,16 +158,18 @@ def test_bfloat16_trains_with_pipelines_and_zero_and_resumes_exactly(tmp_path, t
                                     ["parallel.dp=2", "parallel.pp=2", 'parallel.compression="powersgd"',
                                      'train.precision="bf16"'],
                                     ["parallel.dp=4", "parallel.pp=1", 'parallel.compression="powersgd"',
-                                     'train.precision="fp16"']],
+                                     'train.precision="fp16"'],
+                                    ["parallel.dp=2", "parallel.pp=1", "parallel.tp=2", 'parallel.compression="topk"']],
                          ids=["topk-dp4", "powersgd-dp2-pp2", "powersgd-dp4", "topk-dp2-pp2", "topk-dp4-bf16",
-                              "powersgd-dp2-pp2-bf16", "powersgd-dp4-fp16"])
+                              "powersgd-dp2-pp2-bf16", "powersgd-dp4-fp16", "topk-dp2-tp2"])
 def test_compressed_training_resumes_exactly(tmp_path, token_file, layout):
     """Top-k's residuals and PowerSGD's errors and Q factors are in the checkpoint
     (parallel.compression_state): a run stopped at step 4 and resumed in its layout ends with the
     masters of the uninterrupted run, bit for bit (it did not before). Resumed in another layout,
     the error feedback starts afresh, and the run says so. Under bf16, top-k's residuals are
     bfloat16, which HDF5 cannot store: the checkpoint failed; they are saved as float32 now. Under
-    fp16, PowerSGD's QR failed (no 16-bit QR); it runs in float32."""
+    fp16, PowerSGD's QR failed (no 16-bit QR); it runs in float32. At dp 2 x tp 2, top-k let the
+    copies of the parameters every tp rank holds drift apart, and the resume loaded one of them."""
     job = os.path.join(REPO, "jobs", "gpt-pp.toml")
     common = [*layout, "model.n_layer=2", "model.n_embd=32", "parallel.micro_batches=2", "parallel.bucket_mb=0.02",
               "train.log_interval=1", "train.eval_interval=0", "train.sample_tokens=0", "checkpoint.interval=4"]

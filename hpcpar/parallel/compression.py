@@ -57,6 +57,9 @@ class Compressor(ABC):
     name = "none"
     sums_prescaled = False  # True: bucket.flat holds gradient / ranks, and start() sums it
     carries_state = False  # True: what a step leaves behind changes the next (state_arrays)
+    # True: what it sends of an entry depends on the bucket's other entries (top-k ranks them all).
+    # Then ranks holding the same parameters (tensor-parallel replicas) must bucket them alike.
+    whole_bucket = False
 
     def __init__(self):
         self.bytes_sent = 0
@@ -117,6 +120,7 @@ class TopKCompression(Compressor):
     """Send the ``ratio`` fraction of largest-magnitude entries; remember the rest if ``error_feedback``."""
 
     name = "topk"
+    whole_bucket = True
 
     def __init__(self, ratio: float = 0.01, error_feedback: bool = True):
         super().__init__()

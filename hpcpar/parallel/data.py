@@ -51,17 +51,19 @@ class Bucket:
         return self.flat[self.offsets[i]: self.offsets[i] + p.size].reshape(p.shape)
 
 
-def plan_buckets(params: list, bucket_bytes: float, alone=frozenset()) -> list[list[int]]:
+def plan_buckets(params: list, bucket_bytes: float, alone=frozenset(), apart=frozenset()) -> list[list[int]]:
     """Indices of ``params`` per bucket: reverse order, split by dtype and by ``bucket_bytes``;
-    a parameter whose id is in ``alone`` gets a bucket of its own.
+    a parameter whose id is in ``alone`` gets a bucket of its own, and those in ``apart`` share
+    buckets only with each other.
 
     ``bucket_bytes=0`` gives one parameter per bucket, ``math.inf`` one bucket per dtype.
     """
     plan, current, current_bytes = [], [], 0
     for i in reversed(range(len(params))):
         p = params[i]
+        previous = id(params[current[-1]]) if current else None
         if current and (current_bytes >= bucket_bytes or params[current[-1]].dtype != p.dtype or id(p) in alone
-                        or id(params[current[-1]]) in alone):
+                        or previous in alone or (id(p) in apart) != (previous in apart)):
             plan.append(current)
             current, current_bytes = [], 0
         current.append(i)
@@ -90,8 +92,13 @@ class DistributedDataParallel(ParameterHolder):
         self.buckets: list[Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, slot)
         # ``alone``: parameters another rank holds too (a pipeline's tied embedding), whose
-        # gradient a compressor must treat the same there: in a bucket of their own.
-        for b, indices in enumerate(plan_buckets(self.params, bucket_bytes, frozenset(map(id, alone)))):
+        # gradient a compressor must treat the same there: in a bucket of their own. Likewise
+        # the parameters every tensor-parallel rank holds whole (LayerNorms, row-parallel biases)
+        # under a compressor that ranks a whole bucket: in buckets without the shards, which
+        # differ from rank to rank, or each tp rank sends other entries of them and they drift apart.
+        whole = (frozenset(id(p) for p in self.params if getattr(p, "global_shape", None) is None)
+                 if self.compression.whole_bucket and ctx.tp_size > 1 else frozenset())
+        for b, indices in enumerate(plan_buckets(self.params, bucket_bytes, frozenset(map(id, alone)), whole)):
             members = [self.params[i] for i in indices]
             offsets, total = [], 0
             for p in members:

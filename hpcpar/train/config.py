@@ -137,7 +137,9 @@ class ParallelSection:
     local_steps: int = _key(4, INTEGER, "local SGD: steps between parameter averages (H)", check=at_least(1),
                             applies=("parallel.mode", ("local_sgd",)))
     average_optimizer_state: bool = _key(False, BOOLEAN, "local SGD: average the optimizer state with the "
-                                                         "parameters (then checkpoints resume exactly)",
+                                                         "parameters (then checkpoints resume exactly, except one "
+                                                         "a stop signal takes between averages: the stop averages "
+                                                         "early)",
                                          applies=("parallel.mode", ("local_sgd",)))
     servers: int = _key(1, INTEGER, "parameter-server ranks (taken from the world; dp = world - servers)",
                         check=at_least(1), applies=("parallel.mode", ("ps",)))

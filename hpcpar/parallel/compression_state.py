@@ -20,17 +20,12 @@ import numpy as np
 
 from .. import log
 from ..backend import to_device
+from ..optim.amp import precision_dtype
 from ..state import Checkpointable, LoadPlan, Piece, Read
 
 logger = log.get_logger(__name__)
 PREFIX = "compression"
 BFLOAT16 = "/bfloat16"  # a scalar under a state's key: the state was bfloat16, saved as float32
-
-
-def bfloat16():
-    import ml_dtypes  # only a run that saved bfloat16 state reads it back: ml_dtypes is there
-
-    return ml_dtypes.bfloat16
 
 
 class CompressionState(Checkpointable):
@@ -76,7 +71,7 @@ class CompressionState(Checkpointable):
 
             def assign(values, name=name, shape=shape, narrow=key + BFLOAT16 in saved.scalars):
                 values = values.reshape(shape)
-                staged[name] = to_device(values.astype(bfloat16()) if narrow else values, self.ctx.xp)
+                staged[name] = to_device(values.astype(precision_dtype("bf16")) if narrow else values, self.ctx.xp)
             reads.append(Read(key, (self.ctx.dp_size,) + shape, self._slab(shape), assign))
         missing = None
         if not self.saved:

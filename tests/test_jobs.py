@@ -122,9 +122,7 @@ def test_parameter_server_checkpoints_resume_exactly_and_load_into_all_reduce(tm
                          ids=["dp2-pp2", "dp2-pp2-zero", "dp2-tp2-zero", "local-sgd"])
 def test_bfloat16_trains_with_pipelines_and_zero_and_resumes_exactly(tmp_path, token_file, layout):
     """Mixed precision under pipelines, ZeRO-1 and local SGD: the loss falls, and a run stopped at step 4
-    and resumed ends with the float32 masters of an uninterrupted run, bit for bit. (Local SGD
-    averages its optimizer state here: otherwise each replica has its own moments between
-    averages, and a checkpoint keeps one replica's.)"""
+    and resumed ends with the float32 masters of an uninterrupted run, bit for bit."""
     pytest.importorskip("ml_dtypes")
     job = os.path.join(REPO, "jobs", "gpt-pp.toml")
     common = [*layout, "train.precision=\"bf16\"", "model.n_layer=2", "model.n_embd=32", "parallel.micro_batches=2",
@@ -281,6 +279,39 @@ def test_bad_job_files_fail_before_any_rank_waits(tmp_path, token_file, override
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcpar train: error")]
     assert len(errors) == 1 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_local_sgd_resumes_exactly_between_averages_and_without_averaged_state(tmp_path, token_file, precision):
+    """Each local SGD replica's own values are saved as its rows: a run stopped between averages
+    (``train.max_seconds = 1e-9``: after step 1 of H = 4), and one resumed from a periodic checkpoint
+    whose replicas each had their own optimizer state (``average_optimizer_state = false``), end
+    where the uninterrupted run does, bit for bit. Without the rows the first averaged early and
+    the second resumed every replica with one replica's moments. (fp16: each replica's loss scaler
+    is saved too.)"""
+    job = os.path.join(REPO, "jobs", "gpt-local-sgd.toml")
+    common = ["parallel.local_steps=4", "parallel.average_optimizer_state=false", "model.n_layer=1",
+              "model.n_embd=32", "model.block_size=16", "train.log_interval=1", "train.eval_interval=0",
+              "train.sample_tokens=0", "checkpoint.interval=4", f"train.precision=\"{precision}\""]
+    straight = train(job, tmp_path / "straight", token_file, *common, "train.steps=8", ranks=2)
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+
+    stopped = train(job, tmp_path / "stopped", token_file, *common, "train.steps=8", "train.max_seconds=1e-9", ranks=2)
+    assert stopped.returncode == 0 and "stopped at step 1 " in stopped.stdout, stopped.stdout + stopped.stderr
+    shutil.copytree(tmp_path / "straight" / "ckpt" / "step-00000004", tmp_path / "periodic" / "ckpt" / "step-00000004")
+    (tmp_path / "periodic" / "ckpt" / "latest").write_text("step-00000004\n")
+    for run in ("stopped", "periodic"):
+        resumed = train(job, tmp_path / run, token_file, *common, "train.steps=8", ranks=2)
+        assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
+        a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / run / "ckpt")
+        assert a.keys() == b.keys()
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=f"{run}: {name}")
+
+    # with another number of replicas the rows do not apply: the run starts from their average, and says so
+    other = train(job, tmp_path / "periodic", token_file, *common, "train.steps=10", ranks=1)
+    assert other.returncode == 0, other.stdout + other.stderr
+    assert "replicas were saved at dp = 2, this run has dp = 1" in other.stdout + other.stderr
 
 
 def test_stop_signal_checkpoints_and_the_resumed_run_matches(tmp_path, token_file):

@@ -88,7 +88,7 @@ class LocalSGD:
             self.optimizer.step()
         self.optimizer.zero_grad()
         self.steps_since_average += 1
-        if self.steps_since_average == self.local_steps:
+        if self.steps_since_average >= self.local_steps:  # more only after a resume with a smaller H
             self.average()
         return taken
 

@@ -137,9 +137,8 @@ class ParallelSection:
     local_steps: int = _key(4, INTEGER, "local SGD: steps between parameter averages (H)", check=at_least(1),
                             applies=("parallel.mode", ("local_sgd",)))
     average_optimizer_state: bool = _key(False, BOOLEAN, "local SGD: average the optimizer state with the "
-                                                         "parameters (then checkpoints resume exactly, except one "
-                                                         "a stop signal takes between averages: the stop averages "
-                                                         "early)",
+                                                         "parameters (either way a resume is exact: checkpoints "
+                                                         "keep each replica's own state as its row)",
                                          applies=("parallel.mode", ("local_sgd",)))
     servers: int = _key(1, INTEGER, "parameter-server ranks (taken from the world; dp = world - servers)",
                         check=at_least(1), applies=("parallel.mode", ("ps",)))

@@ -1,14 +1,18 @@
 """Local SGD (``parallel.mode = "local_sgd"``): each replica steps on its own gradients and the
 parameters are averaged every ``local_steps`` steps (``hpcpar.parallel.local_sgd``).
 
-Only a step right after an average is one the replicas agree on, so only those are saved;
-training ends with one more average.
+Only a step right after an average is one the replicas agree on, so only those are saved
+periodically; training ends with one more average. Each replica's own values (its optimizer
+state, and at a stop between averages its parameters) are saved beside as its rows
+(``hpcpar.parallel.local_sgd_state``), so that a resume wherever the run stopped is exact.
 """
 from __future__ import annotations
 
 import time
 
 from ...parallel.local_sgd import LocalSGD
+from ...parallel.local_sgd_state import LocalSGDReplicas
+from ...state import Together
 from .base import Strategy
 from .ingredients import make_precision, optimizer_class, state_bytes
 
@@ -25,6 +29,7 @@ class LocalSGDStrategy(Strategy):
         self.local = LocalSGD(model, ctx, self._optimizer, local_steps=p.local_steps,
                               average_optimizer_state=p.average_optimizer_state,
                               max_grad_norm=job.optimizer.grad_clip, amp=self.precision)
+        self.replicas = LocalSGDReplicas(self.local, ctx, self.precision.scaler)
 
     @property
     def optimizer(self):
@@ -56,7 +61,7 @@ class LocalSGDStrategy(Strategy):
         return f"local SGD: {self.ctx.dp_size} replicas average parameters every {self.local.local_steps} steps{state}"
 
     def checkpoint_target(self) -> tuple:
-        return self.precision.named_master_parameters(), self._optimizer, self.ctx
+        return self.precision.named_master_parameters(), Together(self._optimizer, self.replicas), self.ctx
 
     def checkpoint_extra(self) -> dict:
         return {} if self.precision.scaler is None else {"scaler": self.precision.scaler}
@@ -66,6 +71,16 @@ class LocalSGDStrategy(Strategy):
 
     def after_load(self) -> None:
         self.precision.copy_to_model()
+
+    def finish_training(self, save_final) -> None:
+        """The last average, then the checkpoint; one taken between averages also keeps each
+        replica's values from before that average, which a resume continues from."""
+        if save_final is not None and self.local.steps_since_average:
+            self.replicas.hold()
+        try:
+            super().finish_training(save_final)
+        finally:
+            self.replicas.release()
 
     def shutdown(self) -> None:
         self.local.shutdown()  # the last average: every replica ends with the same model

@@ -202,6 +202,8 @@ def _train(args) -> int:
         train(job, resume=request, stop=stop, progress=args.progress)
     except (JobError, DeviceError) as error:  # DeviceError: the device, CuPy or a dtype on it (one line, the fix)
         raise _usage("hpcpar train", str(error)) from None
+    finally:
+        stop.ignore_later_signals()
     return 0
 
 

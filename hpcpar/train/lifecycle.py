@@ -39,6 +39,14 @@ class StopRequest:
     def _handle(self, signum, frame):
         self.signal = signum
 
+    def ignore_later_signals(self) -> None:
+        """The run is over: a stop signal from now on has nothing to stop, and is ignored until the
+        process ends. For a process that ends with its run (``hpcpar train``): Python's shutdown
+        puts back the default action of every signal it handles, so a SIGUSR1 that SLURM sends just
+        as the run ends would kill the finished rank, and the job would end with the signal's status."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
     def agreed(self, world) -> bool:
         self.everyone = bool(world.allreduce(np.array([1.0 if self.signal else 0.0]), "max")[0])
         return self.everyone

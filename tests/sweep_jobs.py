@@ -55,8 +55,10 @@ def is_gpt(keys: dict) -> bool:
 def layout(rng: random.Random, world: int, gpt: bool, layers: int | None = None) -> dict:
     """A random dp x pp x tp of ``world`` ranks (tp only for the GPT) and how it runs. With
     ``layers``, an interleaved schedule is drawn only where its pp x 2 chunks fit that many layers."""
-    dp, pp, tp = rng.choice([(world // (pp * tp), pp, tp) for pp in (1, 2, 4) for tp in ((1, 2, 4) if gpt else (1,))
-                             if world % (pp * tp) == 0])
+    grid = [(world // (pp * tp), pp, tp) for pp in (1, 2, 4) for tp in ((1, 2, 4) if gpt else (1,)) if world % (pp * tp) == 0]
+    replicated = [shape for shape in grid if shape[0] > 1]
+    # dp > 1 half the time where the world allows it: ZeRO-1, compression, shm and the modes need it
+    dp, pp, tp = rng.choice(replicated if replicated and rng.random() < 0.5 else grid)
     keys = {"parallel.dp": dp, "parallel.pp": pp, "parallel.tp": tp, "checkpoint.async": flag(rng)}
     if pp > 1:
         schedule = rng.choice([s for s in SCHEDULES if s != "interleaved" or layers is None or 2 * pp <= layers])

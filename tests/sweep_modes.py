@@ -71,7 +71,7 @@ class Case:
         if why:
             raise Ended("defect", f"{what}: {why}", outcome)
         if outcome.rc == 2:
-            raise Ended(refused, f"{what}: refused", outcome)
+            raise Ended(refused, f"{what} refused: {outcome.error_line()}", outcome)
         return outcome
 
     def check(self, outcome, what: str, refusal: bool = True):
@@ -142,14 +142,15 @@ def equal(case: Case) -> None:
         raise Ended("defect", "resume in another layout: started afresh", outcome)
     x, y = _final_tensors(case, straight, resumed, 6)
     worst, where = 0.0, None
-    for name in (n for n in x if n.startswith(("model/", "optim/")) and x[n].dtype.kind == "f"):
+    names = [n for n in x if n.startswith(("model/", "optim/")) and x[n].dtype.kind == "f"]
+    for name in names:
         scale = float(np.max(np.abs(x[name]))) if x[name].size else 0.0
         if name not in y or y[name].shape != x[name].shape:
             raise Ended("defect", f"{name}: missing or reshaped after the resume", outcome)
         difference = float(np.max(np.abs(x[name] - y[name]))) / (scale or 1.0) if x[name].size else 0.0
         if not difference <= worst:  # NaN counts as the worst
             worst, where = (difference if difference == difference else float("inf")), name
-    case.record |= {"worst": worst, "where": where}
+    case.record |= {"compared": len(names), "worst": worst, "where": where}
     if worst > TOLERANCE:
         raise Ended("defect", f"{where} differs by {worst:.3g} (relative) from the uninterrupted run", outcome)
 

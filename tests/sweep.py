@@ -6,7 +6,8 @@ runs each mode once so that this tool keeps working).
 
 MODE is crash, equal, resume or replicas (tests/sweep_modes.py says what each checks). Combination
 I of seed S draws from its own random generator, so `--seed S --first I --count 1` reruns it
-alone. Each combination is one JSON line in DIR/sweep-MODE-S.jsonl (its keys, its outcome and,
+alone. A combination's first run takes a world size above 1 from --ranks (when there is one), a
+resume any of them. Each combination is one JSON line in DIR/sweep-MODE-S.jsonl (its keys, its outcome and,
 when it did not pass, the command and the tail of its output); a table of the outcomes ends the
 run, whose exit status is 1 if any combination found a defect. A combination's folder (under
 DIR/work-MODE-*/, beside the sweep's token file) is removed unless --keep is given or it found a

@@ -153,11 +153,12 @@ def relaid(rng: random.Random, keys: dict, world: int, gpt: bool) -> dict:
     return new
 
 
-def equal_jobs(rng: random.Random, ranks: list[int]) -> tuple[int, dict, int, dict]:
+def equal_jobs(rng: random.Random, world: int, ranks: list[int]) -> tuple[int, dict, int, dict]:
     """(world, keys, world, keys) of an equality combination: fp64, all-reduce, two layouts of the
-    same computation (dropout masks are keyed by step and row, so they are the same in both)."""
+    same computation (dropout masks are keyed by step and row, so they are the same in both), the
+    second in a world size of ``ranks``."""
     common = options(rng, True, precisions=("fp64",))
-    worlds = rng.choice(ranks), rng.choice(ranks)
+    worlds = world, rng.choice(ranks)
     a, b = ({**layout(rng, world, True, layers=GPT_BASE["model.n_layer"]), **common} for world in worlds)
     return worlds[0], a, worlds[1], b
 

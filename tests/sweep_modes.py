@@ -55,6 +55,10 @@ class Case:
         self.rng, self.folder, self.ranks, self.tokens = rng, folder, ranks, tokens
         self.record: dict = {"refused": []}
 
+    def parallel_world(self) -> int:
+        """A world size of more than one rank where the sweep's --ranks has one: a first run's."""
+        return self.rng.choice([r for r in self.ranks if r > 1] or self.ranks)
+
     def job_folder(self, name: str, base: dict) -> str:
         """A subfolder holding job.toml: ``base`` (with the sweep's token file for a GPT)."""
         folder = os.path.join(self.folder, name)
@@ -87,7 +91,7 @@ class Case:
 
 def crash(case: Case) -> None:
     rng = case.rng
-    world = rng.choice(case.ranks)
+    world = case.parallel_world()
     base, keys = crash_job(rng, world)
     case.record |= {"world": world, "keys": keys}
     folder = case.job_folder("run", base)
@@ -131,7 +135,7 @@ def copy_step(source: str, target: str, step: int) -> None:
 
 
 def equal(case: Case) -> None:
-    world_a, a, world_b, b = equal_jobs(case.rng, case.ranks)
+    world_a, a, world_b, b = equal_jobs(case.rng, case.parallel_world(), case.ranks)
     case.record |= {"world": world_a, "keys": a, "resume_world": world_b, "resume_keys": b}
     straight = case.job_folder("straight", GPT_BASE)
     case.require(train(straight, world_a, a, 6), "uninterrupted run")
@@ -164,7 +168,7 @@ def _final_tensors(case: Case, first: str, second: str, step: int) -> tuple[dict
 
 def resume(case: Case) -> None:
     rng = case.rng
-    world = rng.choice(case.ranks)
+    world = case.parallel_world()
     keys = resume_job(rng, world)
     after = rng.randint(1, RESUME_STEPS - 2)  # SIGUSR1 comes after this step's line, by a share of a step
     share = rng.random()
@@ -187,9 +191,8 @@ def resume(case: Case) -> None:
 
 
 def replicas(case: Case) -> None:
-    rng = case.rng
-    world = rng.choice([r for r in case.ranks if r > 1])
-    keys = replicas_job(rng, world)
+    world = case.parallel_world()
+    keys = replicas_job(case.rng, world)
     case.record |= {"world": world, "keys": keys}
     folder = case.job_folder("run", GPT_BASE)
     command = mpiexec(world, sys.executable, REPLICAS_WORKER, "job.toml", json.dumps(keys))

@@ -49,6 +49,7 @@ def parse(argv) -> argparse.Namespace:
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "sweep"), help="folder of the JSONL files")
     parser.add_argument("--keep", action="store_true", help="keep every combination's folder")
     args = parser.parse_args(argv)
+    args.out = os.path.abspath(args.out)  # the runs start in folders of their own
     if args.mode == "replicas" and max(args.ranks) < 2:
         parser.error("replicas needs a world size of at least 2 in --ranks")
     return args

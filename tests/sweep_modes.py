@@ -197,7 +197,10 @@ def replicas(case: Case) -> None:
     folder = case.job_folder("run", GPT_BASE)
     command = mpiexec(world, sys.executable, REPLICAS_WORKER, "job.toml", json.dumps(keys))
     outcome = case.require(run(command, folder, TRAIN_TIMEOUT), "replicas")
-    differ = json.loads(outcome.stdout.strip().splitlines()[-1])["differ"]
+    verdicts = [line for line in outcome.stdout.splitlines() if line.startswith('{"differ"')]
+    if not verdicts:
+        raise Ended("defect", "replicas: no verdict line on stdout", outcome)
+    differ = json.loads(verdicts[-1])["differ"]
     if differ:
         raise Ended("defect", f"{len(differ)} parameters differ between copies: {differ[:4]}", outcome)
 

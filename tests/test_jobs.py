@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import h5py
 import numpy as np
 import pytest
 
@@ -282,25 +283,28 @@ def test_bad_job_files_fail_before_any_rank_waits(tmp_path, token_file, override
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_local_sgd_resumes_exactly_between_averages_and_without_averaged_state(tmp_path, token_file, precision):
-    """Each local SGD replica's own values are saved as its rows: a run stopped between averages
-    (``train.max_seconds = 1e-9``: after step 1 of H = 4), and one resumed from a periodic checkpoint
-    whose replicas each had their own optimizer state (``average_optimizer_state = false``), end
-    where the uninterrupted run does, bit for bit. Without the rows the first averaged early and
-    the second resumed every replica with one replica's moments. (fp16: each replica's loss scaler
-    is saved too.)"""
+def test_local_sgd_resumes_exactly_from_any_step(tmp_path, token_file, precision):
+    """Each local SGD replica's own values are saved as its rows beside the averaged model, so a
+    run resumes bit for bit wherever it stopped (H = 4, ``average_optimizer_state = false``):
+    from a run stopped between averages (``train.max_seconds = 1e-9``: after step 1), from a
+    periodic checkpoint between averages (step 3) and from one right after an average (step 4,
+    where the replicas' optimizer states still differ). Before the rows the first averaged early,
+    the second was refused, and the third resumed every replica with one replica's moments.
+    (fp16: each replica's loss scaler is saved too.)"""
     job = os.path.join(REPO, "jobs", "gpt-local-sgd.toml")
     common = ["parallel.local_steps=4", "parallel.average_optimizer_state=false", "model.n_layer=1",
               "model.n_embd=32", "model.block_size=16", "train.log_interval=1", "train.eval_interval=0",
-              "train.sample_tokens=0", "checkpoint.interval=4", f"train.precision=\"{precision}\""]
-    straight = train(job, tmp_path / "straight", token_file, *common, "train.steps=8", ranks=2)
+              "train.sample_tokens=0", "checkpoint.keep=8", f"train.precision=\"{precision}\""]
+    straight = train(job, tmp_path / "straight", token_file, *common, "train.steps=8", "checkpoint.interval=1",
+                     ranks=2)
     assert straight.returncode == 0, straight.stdout + straight.stderr
-
     stopped = train(job, tmp_path / "stopped", token_file, *common, "train.steps=8", "train.max_seconds=1e-9", ranks=2)
     assert stopped.returncode == 0 and "stopped at step 1 " in stopped.stdout, stopped.stdout + stopped.stderr
-    shutil.copytree(tmp_path / "straight" / "ckpt" / "step-00000004", tmp_path / "periodic" / "ckpt" / "step-00000004")
-    (tmp_path / "periodic" / "ckpt" / "latest").write_text("step-00000004\n")
-    for run in ("stopped", "periodic"):
+    for step in (3, 4):  # a periodic checkpoint alone, as if the run had been killed after it
+        folder = tmp_path / f"periodic-{step}" / "ckpt"
+        shutil.copytree(tmp_path / "straight" / "ckpt" / f"step-{step:08d}", folder / f"step-{step:08d}")
+        (folder / "latest").write_text(f"step-{step:08d}\n")
+    for run in ("stopped", "periodic-3", "periodic-4"):
         resumed = train(job, tmp_path / run, token_file, *common, "train.steps=8", ranks=2)
         assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
         a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / run / "ckpt")
@@ -308,8 +312,15 @@ def test_local_sgd_resumes_exactly_between_averages_and_without_averaged_state(t
         for name in a:
             np.testing.assert_array_equal(a[name], b[name], err_msg=f"{run}: {name}")
 
+    # the model of a checkpoint between averages is the replicas' mean (what another dp, export, generate use)
+    with h5py.File(tmp_path / "straight" / "ckpt" / "step-00000003" / "index.h5", "r") as f:
+        rows = {name: f["local_sgd/2/param"][name][...] for name in f["model"]}
+        assert any(not np.array_equal(*replicas) for replicas in rows.values())  # the replicas differ there
+        for name, replicas in rows.items():
+            np.testing.assert_allclose(f["model"][name][...], replicas.mean(axis=0), rtol=1e-6, err_msg=name)
+
     # with another number of replicas the rows do not apply: the run starts from their average, and says so
-    other = train(job, tmp_path / "periodic", token_file, *common, "train.steps=10", ranks=1)
+    other = train(job, tmp_path / "periodic-3", token_file, *common, "train.steps=10", ranks=1)
     assert other.returncode == 0, other.stdout + other.stderr
     assert "replicas were saved at dp = 2, this run has dp = 1" in other.stdout + other.stderr
 

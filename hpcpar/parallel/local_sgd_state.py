@@ -3,13 +3,15 @@
 Between averages every dp replica holds parameters of its own; without
 ``average_optimizer_state`` its optimizer state is its own at every step, and under a dynamic
 loss scaler (fp16) so is its scale, since each replica skips its own overflowing steps. A
-checkpoint's ``model/`` and ``optim/`` tensors hold one model, the average (a run that ends
-between averages averages first), and one replica's optimizer state. So each replica also saves
-what is its own as its row of a tensor of global shape (D, ...), D the number of replicas:
+checkpoint's ``model/`` and ``optim/`` tensors hold one model, the average (a periodic
+checkpoint between averages saves the replicas' mean and leaves them as they are; a run that
+ends between averages averages first), and one replica's optimizer state. So each replica also
+saves what is its own as its row of a tensor of global shape (D, ...), D the number of replicas:
 
-- ``local_sgd/<D>/param/<name>``: its parameters (the masters under mixed precision) as they
-  were before that last average, when the checkpoint is taken between averages (a stop signal,
-  ``train.max_seconds``, a last step that is not a multiple of H);
+- ``local_sgd/<D>/param/<name>``: its parameters (the masters under mixed precision), when the
+  checkpoint is taken between averages (periodic, or at the end of a run that stops there: a
+  signal, ``train.max_seconds``, a last step that is not a multiple of H, whose rows are its
+  values from before that last average);
 - ``local_sgd/<D>/optim/<name>/<key>``: its optimizer state, when that is its own (not
   averaged, or taken between averages); an integer count is a row of one;
 - ``local_sgd/<D>/scaler``: its loss scale and clean-step count, under a dynamic loss scaler;
@@ -71,7 +73,8 @@ class LocalSGDReplicas(Checkpointable):
         return Piece(self.prefix + what, (self.ctx.dp_size,) + shape, self._slab(shape), values.reshape((1,) + shape))
 
     def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
-        count, params, state = self.held or (self.local.steps_since_average, None, self._state())
+        count = self.local.steps_since_average
+        count, params, state = self.held or (count, [p.data for p in self._params()] if count else None, self._state())
         pieces = []
         if self.ctx.dp_size > 1:
             names = self.local.optimizer.names

@@ -193,8 +193,7 @@ class TrainSection:
 class CheckpointSection:
     dir: str = _key("runs/{job}/checkpoints", STRING, "checkpoint root folder",
                     check=Check("a folder name", lambda v: bool(v.strip())))
-    interval: int = _key(0, INTEGER, "steps between checkpoints; 0 = none during training (local SGD: a multiple of "
-                                    "parallel.local_steps, since it saves right after an average)", check=at_least(0))
+    interval: int = _key(0, INTEGER, "steps between checkpoints; 0 = none during training", check=at_least(0))
     keep: int = _key(2, INTEGER, "checkpoints kept (older ones are removed)", check=at_least(1))
     async_: bool = _key(False, BOOLEAN, "write the periodic checkpoints (checkpoint.interval) in a background "
                           "thread; the last one, at the end or a stop, is written before the run ends. It calls MPI: "

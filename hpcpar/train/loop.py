@@ -138,7 +138,7 @@ def between_steps(run: Run, log: Logger, step: int) -> None:
         log.record({"step": step, **metrics})
         log.line(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     interval = job.checkpoint.interval
-    if interval and step % interval == 0 and step < job.train.steps and run.strategy.checkpoint_allowed(step):
+    if interval and step % interval == 0 and step < job.train.steps:
         log.line(f"checkpoint {save_checkpoint(run, step)}")
 
 

@@ -12,7 +12,6 @@ environment, the memory): plans and dry runs are for other machines.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from dataclasses import replace
 
@@ -80,12 +79,6 @@ def _check_modes(job: Job) -> list:
     if p.zero and p.compression != "none":
         problems.append(("parallel.zero", f"ZeRO reduce-scatters gradients itself and cannot use "
                                           f"compression = {toml_value(p.compression)}; set one of them off"))
-    interval = job.checkpoint.interval
-    if p.mode == "local_sgd" and interval % p.local_steps:  # only a step right after an average is saved
-        problems.append(("checkpoint.interval", f"{interval} is not a multiple of parallel.local_steps = "
-                                                f"{p.local_steps}: local SGD can save only right after a parameter "
-                                                f"average, so it would save every {math.lcm(interval, p.local_steps)} "
-                                                f"steps; use {-(-interval // p.local_steps) * p.local_steps}"))
     if p.compression != "none" and p.mode != "allreduce":
         problems.append(("parallel.compression", f"compression hooks into the gradient all-reduce; mode = "
                                                  f"{toml_value(p.mode)} needs compression = \"none\""))

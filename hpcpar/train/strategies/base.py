@@ -10,9 +10,8 @@ A strategy owns, for one way of agreeing:
   skipped everywhere when the loss or a gradient is not finite on any rank), clearing the
   gradients;
 - what it contributes to a checkpoint (``save``, ``load``: through the checkpoint protocol of
-  ``hpcpar.state``, so ``hpcpar.checkpoint`` knows nothing of strategies) and which steps may
-  be saved (``checkpoint_allowed``); a resume keeps the weight decay of each parameter the job
-  asks for (``weight_decays``), or fails on every rank;
+  ``hpcpar.state``, so ``hpcpar.checkpoint`` knows nothing of strategies); a resume keeps the
+  weight decay of each parameter the job asks for (``weight_decays``), or fails on every rank;
 - the extra processes it serves (``trains`` is False on a parameter server's server ranks,
   which run ``serve`` instead of the loop), and the end of training (``finish_training``).
 
@@ -140,10 +139,6 @@ class Strategy(ABC):
     def checkpoint_extra(self) -> dict:
         """State an exact resume needs besides the target's (a loss scaler)."""
         return {}
-
-    def checkpoint_allowed(self, step: int) -> bool:
-        """Whether the replicas agree after ``step``, so it can be saved."""
-        return True
 
     def after_load(self) -> None:
         """Derived state to refresh once a checkpoint is in (low-precision copies of the masters)."""

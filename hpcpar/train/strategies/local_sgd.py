@@ -1,15 +1,16 @@
 """Local SGD (``parallel.mode = "local_sgd"``): each replica steps on its own gradients and the
 parameters are averaged every ``local_steps`` steps (``hpcpar.parallel.local_sgd``).
 
-Only a step right after an average is one the replicas agree on, so only those are saved
-periodically; training ends with one more average. Each replica's own values (its optimizer
-state, and at a stop between averages its parameters) are saved beside as its rows
-(``hpcpar.parallel.local_sgd_state``), so that a resume wherever the run stopped is exact.
+Training ends with one more average. A checkpoint holds one model, the replicas' average (a
+checkpoint between averages saves their mean and leaves the replicas as they are), and beside
+it each replica's own values as its rows (``hpcpar.parallel.local_sgd_state``): its optimizer
+state, and between averages its parameters, so that a resume from any step is exact.
 """
 from __future__ import annotations
 
 import time
 
+from ... import checkpoint
 from ...parallel.local_sgd import LocalSGD
 from ...parallel.local_sgd_state import LocalSGDReplicas
 from ...state import Together
@@ -66,8 +67,11 @@ class LocalSGDStrategy(Strategy):
     def checkpoint_extra(self) -> dict:
         return {} if self.precision.scaler is None else {"scaler": self.precision.scaler}
 
-    def checkpoint_allowed(self, step: int) -> bool:
-        return step % self.local.local_steps == 0  # right after an average
+    def save(self, root: str, step: int, extra: dict, keep: int, asynchronous: bool):
+        model, optimizer, ctx = self.checkpoint_target()
+        if self.local.steps_since_average:  # between averages: the model saved is the replicas' mean
+            model = self.local.averaged(model)
+        return checkpoint.save(root, step, model, optimizer, ctx, extra=extra, keep=keep, asynchronous=asynchronous)
 
     def after_load(self) -> None:
         self.precision.copy_to_model()

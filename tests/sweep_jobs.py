@@ -98,9 +98,10 @@ def compression(rng: random.Random, keys: dict) -> dict:
     return keys
 
 
-def other_mode(rng: random.Random, keys: dict, world: int, local_steps: int, staleness=(0, 1)) -> dict:
+def other_mode(rng: random.Random, keys: dict, world: int, local_steps=(2, 3), staleness=(0, 1)) -> dict:
     """A pp = tp = 1 job of ``world`` >= 2 ranks made a parameter-server or local-SGD one (the parameter
-    server takes one rank: dp = world - 1)."""
+    server takes one rank: dp = world - 1); local SGD averages every H steps, H one of ``local_steps``,
+    so that checkpoints and stops fall at averages and between them."""
     if world < 2 or keys.get("parallel.pp", 1) != 1 or keys.get("parallel.tp", 1) != 1:
         return keys
     keys = {k: v for k, v in keys.items() if k not in ALLREDUCE_KEYS}
@@ -110,7 +111,7 @@ def other_mode(rng: random.Random, keys: dict, world: int, local_steps: int, sta
         keys.pop("checkpoint.async", None)
         keys["parallel.staleness"] = rng.choice(staleness)
     else:
-        keys["parallel.local_steps"] = local_steps
+        keys["parallel.local_steps"] = rng.choice(local_steps)
         keys["parallel.average_optimizer_state"] = flag(rng)
     return keys
 
@@ -128,7 +129,7 @@ def crash_job(rng: random.Random, world: int) -> tuple[dict, dict]:
     keys = {**(gpt_shape(rng) if gpt else {}), **layout(rng, world, gpt), **options(rng, gpt)}
     keys = compression(rng, keys)
     if rng.random() < 0.3:
-        keys = other_mode(rng, keys, world, local_steps=2)
+        keys = other_mode(rng, keys, world)
     keys["train.eval_interval"] = rng.choice([0, 2])
     if gpt:
         keys["train.sample_tokens"] = rng.choice([0, 4])
@@ -169,7 +170,7 @@ def resume_job(rng: random.Random, world: int) -> dict:
     keys = {**layout(rng, world, True, layers=GPT_BASE["model.n_layer"]), **options(rng, True)}
     keys = compression(rng, keys)
     if rng.random() < 0.4:
-        keys = other_mode(rng, keys, world, local_steps=5, staleness=(0,))
+        keys = other_mode(rng, keys, world, local_steps=(3, 4, 5), staleness=(0,))
     return keys
 
 

@@ -160,7 +160,7 @@ def equal_jobs(rng: random.Random, world: int, ranks: list[int]) -> tuple[int, d
     second in a world size of ``ranks``."""
     common = options(rng, True, precisions=("fp64",))
     worlds = world, rng.choice(ranks)
-    a, b = ({**layout(rng, world, True, layers=GPT_BASE["model.n_layer"]), **common} for world in worlds)
+    a, b = ({**layout(rng, size, True, layers=GPT_BASE["model.n_layer"]), **common} for size in worlds)
     return worlds[0], a, worlds[1], b
 
 

@@ -28,7 +28,7 @@ OMPI_ENV  := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_
 # and test_compression (five trainings that check convergence, not the MPI library; 2-3 minutes).
 OMPI_SKIP := --ignore=tests/test_native.py --ignore=tests/test_bench.py --ignore=tests/test_compression.py
 
-.PHONY: setup native demo test test-serial test-mpi test-openmpi bench docs clean gpu-check
+.PHONY: setup native demo test test-serial test-mpi test-openmpi bench docs clean gpu-check sweep
 
 setup: $(VENV)/.installed
 
@@ -73,6 +73,15 @@ test-openmpi: $(OMPI_VENV)/.installed
 
 bench: setup native
 	$(TIMEOUT) 600 $(MPIEXEC) -n 4 $(VENV)/bin/hpcpar bench allreduce
+
+# Random job combinations through hpcpar train and the checkpoint commands (tests/sweep.py; not part
+# of make test): MODE = crash, equal, resume or replicas; one JSON line per combination in runs/sweep/.
+MODE  ?= crash
+COUNT ?= 10
+SEED  ?= 1
+RANKS ?= 1,2,4
+sweep: setup
+	$(PY) tests/sweep.py $(MODE) --count $(COUNT) --seed $(SEED) --ranks $(RANKS)
 
 docs: setup
 	$(PY) -m hpcpar train --list-keys > docs/jobs.md

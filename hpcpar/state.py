@@ -170,6 +170,12 @@ def global_slab(param) -> tuple[tuple, Slab]:
     return tuple(shape), tuple([(s, s + n) for s, n in zip(start, local)])
 
 
+def row_of(rows: int, row: int, shape: tuple) -> tuple[tuple, Slab]:
+    """(global shape, slab) of row ``row`` of a tensor of ``rows`` rows shaped ``shape``: how a rank
+    saves a value that is its own, one row per dp replica (a compressor's or local SGD's state)."""
+    return (rows,) + tuple(shape), ((row, row + 1),) + tuple((0, n) for n in shape)
+
+
 def slab_slices(slab: Slab) -> tuple:
     return tuple(slice(start, stop) for start, stop in slab)
 

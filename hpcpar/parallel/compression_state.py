@@ -21,7 +21,7 @@ import numpy as np
 from .. import log
 from ..backend import to_device
 from ..optim.amp import precision_dtype
-from ..state import Checkpointable, LoadPlan, Piece, Read
+from ..state import Checkpointable, LoadPlan, Piece, Read, row_of
 
 logger = log.get_logger(__name__)
 PREFIX = "compression"
@@ -40,9 +40,8 @@ class CompressionState(Checkpointable):
     def _key(self, name: str, shape: tuple) -> str:
         return f"{PREFIX}/{self.compressor.name}/{name}/{self.place}/{'x'.join(map(str, shape))}"
 
-    def _slab(self, shape: tuple) -> tuple:
-        rank = self.ctx.dp_rank
-        return ((rank, rank + 1),) + tuple((0, n) for n in shape)
+    def _row(self, shape: tuple) -> tuple:
+        return row_of(self.ctx.dp_size, self.ctx.dp_rank, shape)
 
     def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
         pieces, widened = [], {}
@@ -51,7 +50,7 @@ class CompressionState(Checkpointable):
             key = self._key(name, shape)
             if values.dtype.name == "bfloat16":  # HDF5 has no such type: as float32 (exactly), marked
                 values, widened[key + BFLOAT16] = values.astype(np.float32), 1
-            pieces.append(Piece(key, (self.ctx.dp_size,) + shape, self._slab(shape), values.reshape((1,) + shape)))
+            pieces.append(Piece(key, *self._row(shape), values.reshape((1,) + shape)))
         return pieces, widened
 
     def load_plan(self, saved) -> LoadPlan:
@@ -72,7 +71,7 @@ class CompressionState(Checkpointable):
             def assign(values, name=name, shape=shape, narrow=key + BFLOAT16 in saved.scalars):
                 values = values.reshape(shape)
                 staged[name] = to_device(values.astype(precision_dtype("bf16")) if narrow else values, self.ctx.xp)
-            reads.append(Read(key, (self.ctx.dp_size,) + shape, self._slab(shape), assign))
+            reads.append(Read(key, *self._row(shape), assign))
         missing = None
         if not self.saved:
             missing = "is not kept in checkpoints (checkpoint.compression_state = false)"

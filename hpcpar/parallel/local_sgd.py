@@ -99,9 +99,7 @@ class LocalSGD:
         if self.average_optimizer_state:
             arrays += self._state_arrays()
         if self.comm.size > 1:
-            flat = self._pack(arrays)
-            self.comm.allreduce(flat, "mean", out=flat)
-            self._unpack(flat, arrays)
+            self._mean(arrays, arrays)
             if self.amp is not None:
                 self.amp.copy_to_model()
         self.steps_since_average = 0
@@ -112,11 +110,8 @@ class LocalSGD:
         holding their dp mean, this replica's own left as they are: the model a checkpoint taken
         between averages saves. One all-reduce, as ``average``'s."""
         arrays = [p.data for p in self.params]
-        flat = self._pack(arrays)  # a new array
-        if self.comm.size > 1:
-            self.comm.allreduce(flat, "mean", out=flat)
         means = [get_array_module(a).empty_like(a) for a in arrays]
-        self._unpack(flat, means)
+        self._mean(arrays, means)
         mean_of = {id(p): mean for p, mean in zip(self.params, means)}
         return [(name, Parameter(mean_of[id(p)], name=name) if id(p) in mean_of else p) for name, p in named]
 
@@ -142,6 +137,14 @@ class LocalSGD:
                                    f"state (arrays per rank: {counts}); every rank must have stepped every parameter")
             self._checked_state_layout = layout
         return arrays
+
+    def _mean(self, arrays: list, out: list) -> None:
+        """The dp mean of ``arrays`` into ``out`` (the same arrays, or new ones like them): one
+        all-reduce of them all, flattened."""
+        flat = self._pack(arrays)  # a new array
+        if self.comm.size > 1:
+            self.comm.allreduce(flat, "mean", out=flat)
+        self._unpack(flat, out)
 
     @staticmethod
     def _pack(arrays):

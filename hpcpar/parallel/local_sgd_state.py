@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import log
 from ..backend import to_device
-from ..state import Checkpointable, LoadPlan, Piece, Read
+from ..state import Checkpointable, LoadPlan, Piece, Read, row_of
 
 logger = log.get_logger(__name__)
 PREFIX = "local_sgd"
@@ -63,14 +63,10 @@ class LocalSGDReplicas(Checkpointable):
         return [(name, key, value.copy() if copy and np.ndim(value) else value)
                 for name in self.local.optimizer.names for key, value in sorted(state.get(name, {}).items())]
 
-    def _slab(self, shape: tuple) -> tuple:
-        rank = self.ctx.dp_rank
-        return ((rank, rank + 1),) + tuple((0, n) for n in shape)
-
     def _row(self, what: str, values) -> Piece:
         values = values if np.ndim(values) else np.array([int(values)], dtype=np.int64)  # a count: a row of one
         shape = tuple(values.shape)
-        return Piece(self.prefix + what, (self.ctx.dp_size,) + shape, self._slab(shape), values.reshape((1,) + shape))
+        return Piece(self.prefix + what, *row_of(self.ctx.dp_size, self.ctx.dp_rank, shape), values.reshape((1,) + shape))
 
     def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
         count = self.local.steps_since_average
@@ -99,7 +95,7 @@ class LocalSGDReplicas(Checkpointable):
             """A read of this replica's row of ``what`` when the checkpoint has it; ``put(values)`` at finish."""
             key = self.prefix + what
             if key in saved.tensor_keys:
-                reads.append(Read(key, (self.ctx.dp_size,) + shape, self._slab(shape),
+                reads.append(Read(key, *row_of(self.ctx.dp_size, self.ctx.dp_rank, shape),
                                   lambda values: staged.append((put, values.reshape(shape)))))
         optimizer = self.local.optimizer
         for name, param in zip(optimizer.names, self._params()):

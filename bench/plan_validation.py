@@ -37,7 +37,7 @@ from mpi4py import MPI  # noqa: E402
 
 from hpcpar import host  # noqa: E402
 from hpcpar.compare import factorisations, layout_job, measure_on_first_ranks  # noqa: E402
-from hpcpar.dist.waiting import wait_idle  # noqa: E402
+from hpcpar.runtime.waiting import wait_idle  # noqa: E402
 from hpcpar.plan.calibrate import calibrate, write_machine  # noqa: E402
 from hpcpar.plan.predict import StepPlan  # noqa: E402
 from hpcpar.tables import format_table  # noqa: E402

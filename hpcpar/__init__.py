@@ -5,13 +5,13 @@
 
 Importing hpcpar changes nothing in the process; ``init`` applies the process-wide settings
 (glibc's allocator, BLAS threads: see hpcpar.host; with several ranks, an uncaught exception
-aborts the job: hpcpar.dist.failfast) and reports them in ``ctx.host``.
+aborts the job: hpcpar.runtime.failfast) and reports them in ``ctx.host``.
 """
 __version__ = "0.1.0"
 
 
 def init(dp=None, pp=1, tp=1, device="auto", **kwargs):
-    """Build the ParallelContext (see hpcpar.dist.context.init). MPI starts on first use."""
-    from .dist.context import init as _init
+    """Build the ParallelContext (see hpcpar.runtime.context.init). MPI starts on first use."""
+    from .runtime.context import init as _init
 
     return _init(dp=dp, pp=pp, tp=tp, device=device, **kwargs)

@@ -178,7 +178,7 @@ def synchronize(a=None) -> None:
 
     MPI reads device memory directly, outside CuPy's stream order, so every MPI call on a
     CuPy buffer must come after this or it may send stale data. The whole device, not the
-    current stream: why, in ``hpcpar.dist.device_transport._Staged``.
+    current stream: why, in ``hpcpar.runtime.device_transport._Staged``.
     """
     if isinstance(a, guard.ndarray):
         guard.synchronize_device()

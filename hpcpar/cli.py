@@ -180,7 +180,7 @@ def _train(args) -> int:
     from mpi4py import MPI
 
     from .backend import DeviceError
-    from .dist.failfast import agreed_verdict
+    from .runtime.failfast import agreed_verdict
     from .train.config import JobError
     from .train.config_load import load_job
     from .train.loop import StopRequest, train
@@ -208,7 +208,7 @@ def _train(args) -> int:
 
 
 def _run(args) -> None:
-    from .dist.failfast import run_script
+    from .runtime.failfast import run_script
 
     run_script(args.script, args.script_args)
 
@@ -253,7 +253,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _usage(prog: str, message: str):
-    from .dist.failfast import UsageError
+    from .runtime.failfast import UsageError
 
     return UsageError(f"{prog}: error: {message}")
 
@@ -283,8 +283,8 @@ def _command_of(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .dist.failfast import ExitStatus, UsageError, abort_grace_seconds, fail_fast, install
-    from .dist.watchdog import stall_seconds
+    from .runtime.failfast import ExitStatus, UsageError, abort_grace_seconds, fail_fast, install
+    from .runtime.watchdog import stall_seconds
 
     argv = sys.argv[1:] if argv is None else list(argv)
     install()

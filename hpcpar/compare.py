@@ -17,7 +17,7 @@ steps after two warm-up steps (the slowest rank decides a step):
 - parameter + optimizer-state memory per rank, and the peak of NumPy allocations during a
   step (activations and workspace, from tracemalloc on one extra step);
 - bytes sent per step on the network (all ranks, all communicators), as ring algorithms
-  would send them (``hpcpar.dist.stats.ring_wire_bytes``).
+  would send them (``hpcpar.runtime.stats.ring_wire_bytes``).
 
 The header states the CPUs the ranks may use (their affinity masks, capped by the cgroup's
 CPU quota) and the BLAS threads per rank; when ranks x threads on a node exceed its usable
@@ -28,7 +28,7 @@ ranks of their own) is refused with one line before anything runs.
 
 The layouts run one after another in one MPI job: the first dp x pp x tp ranks split a group off
 the world, build the layout from the same job on every rank, train and free the group
-(``measure_on_first_ranks``), while the others wait in a barrier that sleeps (``dist.waiting.wait_idle``).
+(``measure_on_first_ranks``), while the others wait in a barrier that sleeps (``runtime.waiting.wait_idle``).
 """
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ from mpi4py import MPI
 from . import host, log
 from .backend import DeviceError, check_precision
 from .bench.step import traced_peak
-from .dist.context import agreed_device, init
-from .dist.failfast import UsageError, agreed_verdict
+from .runtime.context import agreed_device, init
+from .runtime.failfast import UsageError, agreed_verdict
 from .paths import output_problem
-from .dist.waiting import wait_idle
+from .runtime.waiting import wait_idle
 from .parallel.pipeline.schedules import interleaved_fit
 from .tables import format_table
 from .train.build import build

@@ -12,8 +12,8 @@ import numpy as np
 
 from . import checkpoint, log
 from .checkpoint.manifest import CheckpointError, read_manifest, resolve_step_dir
-from .dist.context import single_process
-from .dist.failfast import UsageError
+from .runtime.context import single_process
+from .runtime.failfast import UsageError
 from .nn.gpt import GPT, GPTConfig
 
 

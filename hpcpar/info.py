@@ -7,13 +7,13 @@ import warnings
 from mpi4py import MPI
 
 from . import backend
-from .dist.device_transport import device_nonblocking_supported, library_version, query_cuda_aware
-from .dist.context import LayoutError, agreed_backend, agreed_device, init, resolve_layout
-from .dist.nccl import BACKENDS, describe_backend, nccl_available
-from .dist.nodes import node_size_setting
-from .dist.shm import shm_setting
-from .dist.failfast import agreed_verdict
-from .dist.topology import PlacementWarning
+from .runtime.device_transport import device_nonblocking_supported, library_version, query_cuda_aware
+from .runtime.context import LayoutError, agreed_backend, agreed_device, init, resolve_layout
+from .runtime.nccl import BACKENDS, describe_backend, nccl_available
+from .runtime.nodes import node_size_setting
+from .runtime.shm import shm_setting
+from .runtime.failfast import agreed_verdict
+from .runtime.topology import PlacementWarning
 
 
 def add_arguments(parser) -> None:

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import log
-from .dist.failfast import UsageError
+from .runtime.failfast import UsageError
 from .paths import input_problem, output_problem
 
 logger = log.get_logger(__name__)

@@ -47,7 +47,7 @@ static int mpi_is_running(void)
 
 /*
  * Between two MPI_Test polls: give the core away the way hpcpar's Python waits do
- * (hpcpar/dist/comm.py polite_pause): sched_yield for the first 2 ms of a wait, then
+ * (hpcpar/runtime/comm.py polite_pause): sched_yield for the first 2 ms of a wait, then
  * 50 us sleeps.  The same schedule on both sides is what makes the polled rows comparable.
  */
 static void polite_pause(double waited)

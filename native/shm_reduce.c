@@ -1,8 +1,8 @@
-/* The chunk loop of the shared-memory all-reduce (hpcpar/dist/shm.py) in C: one rank's slice of
+/* The chunk loop of the shared-memory all-reduce (hpcpar/runtime/shm.py) in C: one rank's slice of
  * the node's buffers summed in MPICH's order, divided for a mean, and written into every buffer,
  * block by block while the block is in L1, with no Python between blocks and no GIL (ctypes lets
- * it go). hpcpar/dist/shm_kernel.py loads it and checks it against NumPy before using it; where
- * it is not built the same loop runs in NumPy (hpcpar/dist/shm_reduce.py).
+ * it go). hpcpar/runtime/shm_kernel.py loads it and checks it against NumPy before using it; where
+ * it is not built the same loop runs in NumPy (hpcpar/runtime/shm_reduce.py).
  *
  * The order of the sum is the one documented in shm_reduce.py: with n operands and p the largest
  * power of two <= n, the first 2(n - p) are added in neighbour pairs, the rest are taken as they

@@ -35,7 +35,7 @@ def close_contexts_made_by_the_test(request):
     if request.node.get_closest_marker("mpi") is None or not request.config.getoption("with_mpi", False):
         yield
         return
-    from hpcpar.dist.context import open_contexts
+    from hpcpar.runtime.context import open_contexts
 
     newest = max((ctx.serial for ctx in open_contexts()), default=-1)
     yield
@@ -74,7 +74,7 @@ def world_token_file(prefix: str, max_mb: float = 0.2) -> str:
     from mpi4py import MPI
 
     from hpcpar.data.prepare import ensure_prepared
-    from hpcpar.dist.comm import Communicator
+    from hpcpar.runtime.comm import Communicator
 
     world = MPI.COMM_WORLD
     folder = world.bcast(tempfile.mkdtemp(prefix=prefix) if world.Get_rank() == 0 else None, root=0)

@@ -1,6 +1,6 @@
 """A double of ``cupy.cuda.nccl`` for CPUs: NCCL's calls over MPI, on the transfer guard's device arrays.
 
-``runtime()`` gives the ``DeviceRuntime`` that ``hpcpar.dist.nccl.NcclCommunicator`` (and
+``runtime()`` gives the ``DeviceRuntime`` that ``hpcpar.runtime.nccl.NcclCommunicator`` (and
 ``init(backend="nccl", runtime=...)``) runs on. Buffers and streams are passed as the guard's
 arrays and streams themselves (CuPy passes pointers). What the double checks on every call,
 where a GPU would silently race or hang:
@@ -29,7 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpar import guard
-from hpcpar.dist.nccl import DeviceRuntime
+from hpcpar.runtime.nccl import DeviceRuntime
 from hpcpar.guard.array import mark_written
 
 available = True

@@ -120,7 +120,7 @@ def test_every_part_of_the_package_has_a_layer():
 
 
 @pytest.mark.parametrize("planted, expected", [
-    ("dist/comm.py", "dist (layer 1) imports train (layer 6)"),  # a reverse import
+    ("runtime/comm.py", "runtime (layer 1) imports train (layer 6)"),  # a reverse import
     ("autograd/function.py", "autograd (layer 2) imports train (layer 6)"),
 ])
 def test_a_planted_reverse_import_is_caught(tmp_path, planted, expected):

@@ -21,7 +21,7 @@ from hpcpar.optim import SGD, AdamW
 from hpcpar.parallel import DistributedDataParallel
 from hpcpar.parallel.local_sgd import LocalSGD
 from hpcpar.parallel.ps import ParameterServer
-from hpcpar.parallel.ps_protocol import shard_ranges
+from hpcpar.parallel.ps.protocol import shard_ranges
 from hpcpar.train.config import ParallelSection
 from hpcpar.train.config_load import load_job
 from hpcpar.train.strategies import STRATEGIES, make_strategy
@@ -94,7 +94,7 @@ def test_shard_ranges_are_contiguous_and_balanced(numel, parts):
 
 
 def test_parameter_server_needs_a_worker():
-    ctx = hpcpar.dist.single_process()
+    ctx = hpcpar.runtime.single_process()
     with pytest.raises(ValueError, match="servers must be an integer in 1..0"):
         ParameterServer(make_model().named_parameters(), ctx, AdamW, servers=1)
 
@@ -109,7 +109,7 @@ def test_every_mode_of_the_job_schema_has_a_strategy():
 PS_SCRIPT = """
 import os, sys, time
 import numpy as np
-from hpcpar.dist import failfast
+from hpcpar.runtime import failfast
 failfast.install()
 import hpcpar
 from hpcpar.nn.gpt import GPT, GPTConfig
@@ -447,7 +447,7 @@ def test_mixed_ps_nan_loss_is_not_applied_whatever_the_gradients():
 
 
 def test_a_loss_scaler_needs_masters():
-    ctx = hpcpar.dist.single_process()
+    ctx = hpcpar.runtime.single_process()
     from hpcpar.optim import DynamicLossScaler
 
     with pytest.raises(ValueError, match="a loss scaler needs master_dtype"):

@@ -193,7 +193,7 @@ def test_a_bad_waiting_time_variable_is_a_usage_line(variable, value):
                                                      ("HPCPAR_SHM", "maybe", "HPCPAR_SHM must be 0 or 1"),
                                                      ("HPCPAR_NODE_SIZE", "x", "HPCPAR_NODE_SIZE must be a positive")])
 def test_hpcpar_info_names_a_bad_environment_variable(monkeypatch, variable, value, message):  # was a traceback
-    from hpcpar.dist.failfast import UsageError
+    from hpcpar.runtime.failfast import UsageError
 
     monkeypatch.setenv(variable, value)
     parsed = cli.build_parser("info").parse_args(["info"])
@@ -267,7 +267,7 @@ def test_a_bad_metrics_file_is_named(tmp_path, text, problem):
 def test_plot_checks_its_input_and_its_png_before_drawing(tmp_path, monkeypatch):
     """A folder as input was a traceback; --out odir wrote odir.png and said 'wrote odir'; --out into a missing
     folder or under a file was a traceback after drawing; a compare.json that is not an object a traceback."""
-    from hpcpar.dist.failfast import UsageError
+    from hpcpar.runtime.failfast import UsageError
 
     monkeypatch.chdir(tmp_path)
     pathlib.Path("m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(1, 3)))
@@ -297,7 +297,7 @@ def test_plot_checks_its_input_and_its_png_before_drawing(tmp_path, monkeypatch)
     ({"checkpoint": "FILE"}, "FILE: a file, not a folder; give a checkpoint root")])  # was an errno line about FILE/latest
 def test_generate_refuses_bad_flags_and_a_file_as_checkpoint(tmp_path, change, message):
     from hpcpar import generate
-    from hpcpar.dist.failfast import UsageError
+    from hpcpar.runtime.failfast import UsageError
 
     (tmp_path / "FILE").write_text("x")
     args = argparse.Namespace(**{"checkpoint": "/nope", "tokens": 5, "prompt": "def ", "temperature": 0.8, "top_k": 40,
@@ -310,7 +310,7 @@ def test_generate_refuses_bad_flags_and_a_file_as_checkpoint(tmp_path, change, m
 
 
 def test_compare_names_a_bad_environment_variable_before_measuring(tmp_path, monkeypatch):  # was a traceback
-    from hpcpar.dist.failfast import UsageError
+    from hpcpar.runtime.failfast import UsageError
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HPCPAR_SHM", "maybe")
@@ -321,7 +321,7 @@ def test_compare_names_a_bad_environment_variable_before_measuring(tmp_path, mon
 
 def test_compare_checks_its_out_folder_before_measuring(tmp_path, monkeypatch):
     """--out under a file was a traceback once every layout had been measured."""
-    from hpcpar.dist.failfast import UsageError
+    from hpcpar.runtime.failfast import UsageError
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("x")
@@ -355,7 +355,7 @@ def test_bench_counts_out_of_range_are_usage_errors(words, message, capsys):
 @pytest.mark.parametrize("words, message", [(["--n-head", "3"], "must be divisible by n_head (3)"),
                                             (["--dropout", "1.5"], "GPTConfig.dropout must be in [0, 1), got 1.5")])
 def test_bench_recompute_refuses_a_model_that_cannot_be_built(words, message):  # each was a traceback
-    from hpcpar.dist.failfast import UsageError
+    from hpcpar.runtime.failfast import UsageError
 
     parsed = cli.build_parser("bench").parse_args(["bench", "recompute", *words])
     with pytest.raises(UsageError, match=re.escape(message)):
@@ -363,7 +363,7 @@ def test_bench_recompute_refuses_a_model_that_cannot_be_built(words, message):  
 
 
 def test_bench_ckpt_needs_an_existing_dir(tmp_path):
-    from hpcpar.dist.failfast import UsageError
+    from hpcpar.runtime.failfast import UsageError
 
     (tmp_path / "afile").write_text("x")
     parsed = cli.build_parser("bench").parse_args(["bench", "ckpt", "--dir", str(tmp_path / "afile")])

@@ -4,7 +4,7 @@ import pickle
 import numpy as np
 import pytest
 
-from hpcpar.dist import Communicator, wait_all
+from hpcpar.runtime import Communicator, wait_all
 
 pytestmark = pytest.mark.mpi(min_size=1)
 

@@ -16,7 +16,7 @@ from conftest import REPO, world_token_file
 from mpi4py import MPI
 
 from hpcpar import compare
-from hpcpar.dist.comm import Communicator
+from hpcpar.runtime.comm import Communicator
 from hpcpar.train.config import JobError
 from hpcpar.train.config_load import load_job
 

@@ -5,8 +5,8 @@ import itertools
 import pytest
 
 import hpcpar
-from hpcpar.dist import LayoutError, format_grid, resolve_layout
-from hpcpar.dist.context import coordinates
+from hpcpar.runtime import LayoutError, format_grid, resolve_layout
+from hpcpar.runtime.context import coordinates
 
 
 def factorisations(n):
@@ -89,8 +89,8 @@ def test_closing_contexts_returns_their_communicator_ids(world):
     import numpy as np
     from mpi4py import MPI
 
-    from hpcpar.dist.context import open_contexts
-    from hpcpar.dist.shm import shared_zeros
+    from hpcpar.runtime.context import open_contexts
+    from hpcpar.runtime.shm import shared_zeros
 
     for _ in range(400):
         ctx = hpcpar.init(dp=world.Get_size(), shm=True)
@@ -118,7 +118,7 @@ def test_closing_a_context_frees_what_its_strategies_derived(world):
     import numpy as np
     from mpi4py import MPI
 
-    from hpcpar.dist.context import open_contexts
+    from hpcpar.runtime.context import open_contexts
     from hpcpar.nn.gpt import GPT, GPTConfig
     from hpcpar.optim import SGD
     from hpcpar.parallel.pipeline import PipelineParallel

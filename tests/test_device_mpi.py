@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from hpcpar import guard
-from hpcpar.dist import Communicator, device_transport
-from hpcpar.dist.device_transport import DEVICE_NONBLOCKING, device_nonblocking_supported, library_version
+from hpcpar.runtime import Communicator, device_transport
+from hpcpar.runtime.device_transport import DEVICE_NONBLOCKING, device_nonblocking_supported, library_version
 
 xp = guard.xp
 mpi = pytest.mark.mpi(min_size=1)

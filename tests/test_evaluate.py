@@ -2,7 +2,7 @@
 import pytest
 
 import hpcpar
-from hpcpar.dist.context import single_process
+from hpcpar.runtime.context import single_process
 from hpcpar.train.build import build
 from hpcpar.train.config_load import load_job
 from hpcpar.train.evaluate import evaluate

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import venv_bin
-from hpcpar.dist import CollectiveMismatchError, Communicator
-from hpcpar.dist import debug
+from hpcpar.runtime import CollectiveMismatchError, Communicator
+from hpcpar.runtime import debug
 
 RAISING_SCRIPT = """
 import time
@@ -40,7 +40,7 @@ def test_hpcpar_run_aborts_the_job_when_rank_1_raises(tmp_path):
 
 def test_fail_fast_helper_in_a_users_script(tmp_path):
     script = tmp_path / "helper.py"
-    script.write_text("from hpcpar.dist import fail_fast\nwith fail_fast():\n" +
+    script.write_text("from hpcpar.runtime import fail_fast\nwith fail_fast():\n" +
                       "".join("    " + line + "\n" for line in RAISING_SCRIPT.strip().splitlines()))
     proc = run_mpi([sys.executable, str(script)], n=2, timeout=30)
     assert proc.returncode != 0
@@ -129,7 +129,7 @@ MISMATCH_SCRIPT = """
 import time
 import numpy as np
 from mpi4py import MPI
-from hpcpar.dist import Communicator, debug
+from hpcpar.runtime import Communicator, debug
 debug.set_enabled(True)
 world = MPI.COMM_WORLD
 pairs = Communicator(world.Split(int(world.Get_rank() >= 1), world.Get_rank()), "pairs")

@@ -12,7 +12,7 @@ from mpi4py import MPI
 import nccl_double
 from hpcpar.bench import gpu_check
 from hpcpar.bench.gpu_report import format_report
-from hpcpar.dist.context import init
+from hpcpar.runtime.context import init
 from hpcpar.nn.gpt import GPTConfig
 
 from conftest import REPO

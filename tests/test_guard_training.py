@@ -38,7 +38,7 @@ from conftest import REPO
 from hpcpar import guard
 from hpcpar.autograd.ops import elementwise
 from hpcpar.backend import is_gpu_array, to_host
-from hpcpar.dist.comm import Communicator
+from hpcpar.runtime.comm import Communicator
 from hpcpar.train import lifecycle
 from hpcpar.train.build import build
 from hpcpar.train.config_load import load_job
@@ -75,7 +75,7 @@ STAGING = {"allreduce": (1, 1), "iallreduce": (1, 1), "reduce_scatter": (1, 1), 
 # Where each documented copy is made: (file, function) asking for it; the staging anywhere in device_transport.py.
 SITES = {("autograd/ops/_common.py", "integer_array"): "batch", ("autograd/tensor.py", "constant"): "batch",
          ("optim/clip.py", "clip_arrays"): "norm", ("parallel/zero.py", "_counted_squares"): "norm",
-         ("train/loop.py", "report_step"): "loss", ("dist/device_transport.py", None): "staging",
+         ("train/loop.py", "report_step"): "loss", ("runtime/device_transport.py", None): "staging",
          ("parallel/compression.py", "_compress_matrix"): "powersgd start", ("optim/amp.py", "all_finite"): "finite"}
 
 

@@ -25,7 +25,7 @@ def kept_after_free():
 facts = {"before import": kept_after_free()}
 import atexit, logging, h5py, mpi4py.MPI  # what these register at exit on import is theirs
 exit_handlers = atexit._ncallbacks()
-import hpcpar, hpcpar.dist, hpcpar.nn, hpcpar.optim, hpcpar.parallel, hpcpar.checkpoint, hpcpar.train, hpcpar.cli
+import hpcpar, hpcpar.runtime, hpcpar.nn, hpcpar.optim, hpcpar.parallel, hpcpar.checkpoint, hpcpar.train, hpcpar.cli
 facts["after import"] = kept_after_free()
 facts["exit handlers added by import"] = atexit._ncallbacks() - exit_handlers
 ctx = hpcpar.init(**json.loads(sys.argv[1]))
@@ -95,7 +95,7 @@ def test_a_container_sees_its_own_cgroup_at_the_mount_root(tmp_path):
 
 
 def test_usable_cpus_and_the_wait_policy(monkeypatch):
-    from hpcpar.dist.comm import default_wait_policy
+    from hpcpar.runtime.comm import default_wait_policy
 
     assert host.usable_cpus({0, 1, 2, 3}, None) == 4
     assert host.usable_cpus({0, 1, 2, 3}, 0.5) == 1

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 import hpcpar
-from hpcpar.dist.topology import crossing_axes
+from hpcpar.runtime.topology import crossing_axes
 
 import test_3d
 
@@ -116,7 +116,7 @@ def test_hierarchical_allreduce_across_nodes_equals_the_flat_one(ctx):
     """The shared-memory all-reduce on real nodes: each node reduces in its own memory, the
     nodes' ranks all-reduce their slices over the network, the node reads back; equal to MPI's
     flat all-reduce (integer-valued float64: exact in any order)."""
-    from hpcpar.dist.shm import shared_zeros
+    from hpcpar.runtime.shm import shared_zeros
 
     comm = ctx.world
     assert comm.shm is not None

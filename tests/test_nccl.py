@@ -9,8 +9,8 @@ import pytest
 
 import nccl_double
 from hpcpar import guard
-from hpcpar.dist import Communicator
-from hpcpar.dist.nccl import NcclCommunicator, choose_backend, describe_backend
+from hpcpar.runtime import Communicator
+from hpcpar.runtime.nccl import NcclCommunicator, choose_backend, describe_backend
 from hpcpar.parallel.pipeline.schedules import RECVS, SENDS, SCHEDULES, interleaved_fit, make_schedule
 
 xp = guard.xp
@@ -194,7 +194,7 @@ def test_closing_a_context_destroys_its_nccl_communicators(world):
     """Each context (a layout of hpcpar compare) destroys the NCCL communicators it built when it
     closes, after their queued calls went out: 300 rounds leave nothing behind (the double's
     communicators hold an MPI duplicate each, which MPICH runs out of in about 250 rounds)."""
-    from hpcpar.dist.context import init
+    from hpcpar.runtime.context import init
 
     destroyed = nccl_double.calls["destroy"]
     for _ in range(300):
@@ -212,7 +212,7 @@ def test_closing_a_context_destroys_its_nccl_communicators(world):
 
 @mpi
 def test_init_builds_nccl_communicators_for_the_axes(world):
-    from hpcpar.dist.context import init
+    from hpcpar.runtime.context import init
 
     ctx = init(dp=world.Get_size(), device="guard", backend="nccl", runtime=nccl_double.runtime(), shm=False)
     assert ctx.backend == "nccl"

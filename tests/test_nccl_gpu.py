@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 import nccl_double
 from hpcpar import backend
-from hpcpar.dist.context import init
+from hpcpar.runtime.context import init
 
 pytestmark = pytest.mark.mpi(min_size=1)
 ON_GPU = backend.gpu_count() > 0

@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import nccl_double
-from hpcpar.dist import nccl
+from hpcpar.runtime import nccl
 from hpcpar.train.config_load import load_job
 from hpcpar.train.loop import train
 from hpcpar.train.validate import validate

@@ -238,7 +238,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import nccl_double
 from mpi4py import MPI
-from hpcpar.dist.context import init
+from hpcpar.runtime.context import init
 
 rank = MPI.COMM_WORLD.Get_rank()  # rank 0's node has NCCL (the tests' double), rank 1's has none
 ctx = init(device="guard", backend="auto", runtime=nccl_double.runtime() if rank == 0 else None, shm=False)

@@ -278,7 +278,7 @@ def test_a_checkpoint_sets_weight_decays_only_when_the_whole_load_succeeds(tmp_p
     finish: a load that fails (here: a parameter the checkpoint lacks) leaves the decays as they were."""
     from hpcpar import checkpoint
     from hpcpar.checkpoint import CheckpointError
-    from hpcpar.dist import single_process
+    from hpcpar.runtime import single_process
     from hpcpar.parallel.zero import ZeroRedundancyOptimizer
 
     ctx = single_process()

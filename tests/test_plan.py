@@ -251,7 +251,7 @@ def test_flags_the_plan_would_not_read_are_usage_errors(job_file, args, message)
 ])
 def test_bad_plan_flags_are_refused_before_planning_or_measuring(job_file, tmp_path, monkeypatch, args, message):
     from hpcpar import cli
-    from hpcpar.dist.failfast import UsageError
+    from hpcpar.runtime.failfast import UsageError
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("x")

@@ -1,4 +1,4 @@
-"""The shared-memory, hierarchical collectives (hpcpar.dist.shm) give MPI's answer, bit for bit.
+"""The shared-memory, hierarchical collectives (hpcpar.runtime.shm) give MPI's answer, bit for bit.
 
 MPI tests run at the launcher's size (2 and 4 in `make test`), on real nodes and on pretend
 nodes of 2 ranks (HPCPAR_NODE_SIZE; 2 nodes x 2 at 4 ranks: the inter-node step). Test
@@ -18,9 +18,9 @@ from mpi4py import MPI
 import hpcpar
 from conftest import REPO, venv_bin
 from dp_reference import GLOBAL_BATCH, global_batch, max_difference, train_single_process
-from hpcpar.dist import nodes, shm as shm_module, shm_kernel
-from hpcpar.dist.shm import MIN_BYTES, shared_zeros
-from hpcpar.dist.shm_reduce import combine, reduce_into, reference, slices, temporaries
+from hpcpar.runtime import nodes, shm as shm_module, shm_kernel
+from hpcpar.runtime.shm import MIN_BYTES, shared_zeros
+from hpcpar.runtime.shm_reduce import combine, reduce_into, reference, slices, temporaries
 from hpcpar.native import library_path
 from hpcpar.nn.gpt import GPT, GPTConfig
 from test_data_parallel import STEPS, train_data_parallel
@@ -339,8 +339,8 @@ STALL_SCRIPT = """
 import time
 import numpy as np
 import hpcpar
-from hpcpar.dist import fail_fast
-from hpcpar.dist.shm import shared_zeros
+from hpcpar.runtime import fail_fast
+from hpcpar.runtime.shm import shared_zeros
 
 with fail_fast():
     ctx = hpcpar.init(shm=True, wait_policy="yield")
@@ -371,8 +371,8 @@ UNBUILT_SCRIPT = """
 import numpy as np
 from mpi4py import MPI
 import hpcpar
-from hpcpar.dist import fail_fast, shm_kernel
-from hpcpar.dist.shm import shared_zeros
+from hpcpar.runtime import fail_fast, shm_kernel
+from hpcpar.runtime.shm import shared_zeros
 
 with fail_fast():
     assert not shm_kernel.available()

@@ -3,8 +3,8 @@
 import pytest
 from mpi4py import MPI
 
-from hpcpar.dist import topology
-from hpcpar.dist.topology import PlacementWarning, Topology, crossing_axes, groups, report
+from hpcpar.runtime import topology
+from hpcpar.runtime.topology import PlacementWarning, Topology, crossing_axes, groups, report
 
 BLOCK = Topology(node_of=(0, 0, 1, 1), hosts=("node1", "node2"))        # mpiexec -ppn 2
 ROUND_ROBIN = Topology(node_of=(0, 1, 0, 1), hosts=("node1", "node2"))  # mpiexec -ppn 1

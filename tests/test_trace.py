@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, venv_bin
-from hpcpar.dist import Communicator
-from hpcpar.dist.trace import Tracer, measure_offset
+from hpcpar.runtime import Communicator
+from hpcpar.runtime.trace import Tracer, measure_offset
 
 
 @pytest.mark.mpi(min_size=1)

@@ -8,14 +8,14 @@ import pytest
 from mpi4py import MPI
 
 from conftest import REPO, venv_bin
-from hpcpar.dist import Communicator
-from hpcpar.dist.watchdog import StallWatchdog
+from hpcpar.runtime import Communicator
+from hpcpar.runtime.watchdog import StallWatchdog
 
 STALLING_SCRIPT = """
 import sys, time
 import numpy as np
 from mpi4py import MPI
-from hpcpar.dist import Communicator, fail_fast
+from hpcpar.runtime import Communicator, fail_fast
 
 case, late = sys.argv[1], float(sys.argv[2])
 world = Communicator(MPI.COMM_WORLD, "world", wait_policy="yield")

@@ -25,7 +25,7 @@ loop pauses between polls as hpcpar's yield policy does (sched_yield for 2 ms, t
 sleeps, written out in C too); under ``spin`` everything spins. The mpi4py columns are
 what a user without hpcpar gets.
 
-**Shared memory** (the second table, hpcpar.dist.shm): hpcpar's all-reduce with the
+**Shared memory** (the second table, hpcpar.runtime.shm): hpcpar's all-reduce with the
 shared-memory path on (the world communicator of ``init``, its wait policy and watchdog),
 next to MPICH's in-place call (C) and to hpcpar's own in-place call with the path off (the
 same settings):
@@ -54,10 +54,10 @@ from mpi4py import MPI
 
 from ..cli import above, at_least
 from .. import native
-from ..dist.comm import Communicator
-from ..dist.waiting import polite_pause
-from ..dist.context import init
-from ..dist.shm import MIN_BYTES, shared_zeros
+from ..runtime.comm import Communicator
+from ..runtime.waiting import polite_pause
+from ..runtime.context import init
+from ..runtime.shm import MIN_BYTES, shared_zeros
 from ..tables import format_table, human_bytes
 
 CALLS = ("in place", "out of place", "polled in place")
@@ -223,6 +223,6 @@ def run(args) -> None:
     print()
     print(format_table(
         SHM_HEADERS, shared,
-        f"shared-memory all-reduce (hpcpar.dist.shm; MPI under {human_bytes(MIN_BYTES)}), in place: shm = the "
+        f"shared-memory all-reduce (hpcpar.runtime.shm; MPI under {human_bytes(MIN_BYTES)}), in place: shm = the "
         f"buffer in the window (as DDP's buckets), copy-in = a plain array copied into the window and back; "
         f"against MPICH's and hpcpar's in-place MPI call and numpy.copyto of the same bytes: {setting}"), flush=True)

@@ -39,9 +39,9 @@ import numpy as np
 
 from ..cli import above, at_least
 from ..autograd import no_grad
-from ..dist.failfast import UsageError
+from ..runtime.failfast import UsageError
 from ..data.corpus import batch_windows, stdlib_corpus
-from ..dist.context import init
+from ..runtime.context import init
 from ..nn.gpt import GPT, GPTConfig
 from ..tables import format_table
 from ..train.config_load import load_job

@@ -42,8 +42,8 @@ from mpi4py import MPI
 from ..cli import at_least
 from .. import checkpoint
 from ..checkpoint.manifest import shard_filename, step_dirname
-from ..dist.context import init
-from ..dist.failfast import UsageError
+from ..runtime.context import init
+from ..runtime.failfast import UsageError
 from ..nn.gpt import GPT
 from ..optim import AdamW
 from ..parallel.zero import ZeroRedundancyOptimizer

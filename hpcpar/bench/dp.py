@@ -5,7 +5,7 @@
 For groups of 1, 2, 4 ... ranks (sub-communicators of the world; ranks outside the group
 wait at a barrier) each rank trains the GPT of ``hpcpar bench step`` on its own batch
 (weak scaling: the global batch grows with the ranks), once with the buckets all-reduced
-by MPI and once with them in the node's shared-memory window (hpcpar.dist.shm; path
+by MPI and once with them in the node's shared-memory window (hpcpar.runtime.shm; path
 "shm"), and the run reports, as medians:
 
 - **sync**: the gradient synchronisation without overlap (all buckets all-reduced after
@@ -29,8 +29,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..cli import above, at_least
-from ..dist.comm import Communicator
-from ..dist.context import init
+from ..runtime.comm import Communicator
+from ..runtime.context import init
 from ..nn.gpt import GPT, GPTConfig
 from ..optim import AdamW
 from ..parallel import DistributedDataParallel

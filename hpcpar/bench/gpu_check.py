@@ -66,7 +66,7 @@ def probe() -> dict:
         facts["gpus"] = backend.gpu_count()
         facts["why"] = None if facts["gpus"] else "CuPy sees no CUDA device"
     if facts["gpus"]:
-        from ..dist.nccl import nccl_available
+        from ..runtime.nccl import nccl_available
 
         facts["nccl"] = nccl_available()
         facts["gpu_name"] = _gpu_name(backend.cupy_module())
@@ -90,7 +90,7 @@ def _gpu_name(cupy) -> str:
 def mpi_facts() -> dict:
     from mpi4py import MPI
 
-    from ..dist.device_transport import device_nonblocking_supported, library_version, query_cuda_aware
+    from ..runtime.device_transport import device_nonblocking_supported, library_version, query_cuda_aware
 
     name, version = library_version()
     return {"library": MPI.Get_library_version().splitlines()[0].strip(), "name": name,
@@ -218,7 +218,7 @@ def worker(kind: str, comm_backend: str, out: str, budget_s: float, device: str 
            max_bytes: int = SIZES[-1]) -> None:
     from mpi4py import MPI
 
-    from ..dist.context import init
+    from ..runtime.context import init
 
     ctx = init(device=device, backend="nccl" if comm_backend == "nccl" else "mpi", shm=False)
     if kind == "bandwidth":

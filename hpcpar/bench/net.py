@@ -20,9 +20,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..cli import above, at_least
-from ..dist.comm import wait_politely
-from ..dist.context import init
-from ..dist.failfast import UsageError
+from ..runtime.comm import wait_politely
+from ..runtime.context import init
+from ..runtime.failfast import UsageError
 from .allreduce import bus_bandwidth, iterations, sizes
 from ..tables import format_table, human_bytes
 

@@ -20,8 +20,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..cli import at_least
-from ..dist.comm import Communicator
-from ..dist.context import init
+from ..runtime.comm import Communicator
+from ..runtime.context import init
 from ..nn.gpt import GPT
 from ..parallel.pipeline import PipelineParallel
 from .dp import BENCH_CONFIG

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..cli import at_least
 from ..autograd.memory import kept_for_backward
-from ..dist.failfast import UsageError
+from ..runtime.failfast import UsageError
 from ..nn.activation_memory import block_kept_bytes
 from ..nn.gpt import GPT, RECOMPUTE, GPTConfig
 from ..optim import precision_dtype

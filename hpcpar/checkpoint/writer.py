@@ -52,7 +52,7 @@ import numpy as np
 
 from .. import log
 from ..backend import to_host
-from ..dist.waiting import wait_politely
+from ..runtime.waiting import wait_politely
 from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, SHARED_FILE, VERSION, CheckpointError, chunk_checksums,
                        fsync_path, fsync_together, list_steps, shard_filename, step_dirname, sync_and_checksum)
 from .save_files import (DurableFile, allocate_flat_dataset, free_space, retired_steps, space_shortfalls,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from .. import defaults
 from ..autograd import Parameter
 from ..backend import get_array_module
-from ..dist.shm import shared_zeros
+from ..runtime.shm import shared_zeros
 from ..state import ParameterHolder
 from .compression import NoCompression
 
@@ -104,7 +104,7 @@ class DistributedDataParallel(ParameterHolder):
             for p in members:
                 offsets.append(total)
                 total += p.size
-            # In the node's shared window when the shared-memory path is on (hpcpar.dist.shm): the
+            # In the node's shared window when the shared-memory path is on (hpcpar.runtime.shm): the
             # bucket is then all-reduced where it lies, with no copy in or out.
             flat = shared_zeros(self.comm, total, members[0].dtype, get_array_module(members[0].data))
             self.buckets.append(Bucket(b, members, offsets, flat))

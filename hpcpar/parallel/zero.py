@@ -26,7 +26,7 @@ import numpy as np
 
 from ..autograd import Parameter, precision
 from ..backend import get_array_module, to_host
-from ..dist.shm import shared_zeros
+from ..runtime.shm import shared_zeros
 from ..optim.clip import scale_to_norm
 from ..optim.groups import flat_range_decays, flatten_groups, set_flat_range_decay
 from ..optim.optimizer import named_parameter_list
@@ -52,7 +52,7 @@ class ZeroRedundancyOptimizer(Checkpointable):
         dtype = self.params[0].dtype if self.params else np.dtype(np.float32)
         xp = get_array_module(self.params[0].data) if self.params else np
         # Both flat buffers in the node's shared window when the shared-memory path is on
-        # (hpcpar.dist.shm): reduce-scatter and all-gather then read and write them in place.
+        # (hpcpar.runtime.shm): reduce-scatter and all-gather then read and write them in place.
         self.flat = shared_zeros(comm, self.shard_size * comm.size, dtype, xp)
         self.offsets = []
         offset = 0

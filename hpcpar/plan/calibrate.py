@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from ..dist.waiting import wait_idle
+from ..runtime.waiting import wait_idle
 from .machine import Compute, Link, Machine, format_machine, load_machine
 from .model import conv_runs, passes, pool_rows
 
@@ -177,7 +177,7 @@ SIZES = (8, 64 << 10, 1 << 20, 4 << 20)  # bytes per call
 
 def _collective_calls(ctx, nbytes: int) -> dict:
     """op -> a function making one call of ``nbytes`` on ``ctx.dp``, on the engines' own paths."""
-    from ..dist.shm import shared_zeros
+    from ..runtime.shm import shared_zeros
 
     comm = ctx.dp
     n = max(comm.size, nbytes // 4 // comm.size * comm.size)
@@ -201,8 +201,8 @@ def measure_collectives(world, sizes=SIZES, repeats: int = 5) -> dict:
     """{(op, ranks): Link} for every group size 2..world size (collective over ``world``)."""
     from mpi4py import MPI
 
-    from ..dist.stats import ring_wire_bytes
-    from ..dist.context import init
+    from ..runtime.stats import ring_wire_bytes
+    from ..runtime.context import init
 
     lines = {}
     for ranks in range(2, world.Get_size() + 1):
@@ -250,8 +250,8 @@ def measure_inter(world, repeats: int = 5) -> Link | None:
     """The link between the first two nodes (ranks 0 and the lowest rank of node 1), or None on one node."""
     from mpi4py import MPI
 
-    from ..dist.comm import Communicator
-    from ..dist.topology import discover
+    from ..runtime.comm import Communicator
+    from ..runtime.topology import discover
 
     node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
     topology = discover(world, node)
@@ -374,7 +374,7 @@ def step_runner(job):
     random ids, its context: close it when done)."""
     from mpi4py import MPI
 
-    from ..dist.context import init
+    from ..runtime.context import init
     from ..train.build import build_model, compute_dtype
     from ..train.loop import context_options
     from ..train.strategies import make_strategy

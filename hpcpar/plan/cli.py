@@ -38,7 +38,7 @@ def shipped() -> list[str]:
 
 
 def _usage(message: str):
-    from ..dist.failfast import UsageError
+    from ..runtime.failfast import UsageError
 
     return UsageError(f"hpcpar plan: error: {message}")
 
@@ -110,7 +110,7 @@ def run(args) -> int:
 def run_calibrate(args) -> int:
     from mpi4py import MPI
 
-    from ..dist.failfast import agreed_verdict
+    from ..runtime.failfast import agreed_verdict
     from .calibrate import calibrate, write_machine
 
     world = MPI.COMM_WORLD
@@ -194,7 +194,7 @@ def dry_run(job_path: str, overrides: list, mpi_world: int, machine_path: str | 
 
     The world is the launch's (``mpiexec -n N``); launched alone, the job's own dp x pp x tp."""
     from .. import log
-    from ..dist.failfast import agreed_verdict
+    from ..runtime.failfast import agreed_verdict
     from ..train.config import JobError
     from ..train.config_load import load_job
     from ..train.validate import validate

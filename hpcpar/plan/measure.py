@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..dist.context import init
+from ..runtime.context import init
 from ..train.build import build
 from ..train.loop import context_options, step_masks
 

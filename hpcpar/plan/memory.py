@@ -163,7 +163,7 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
 
 def _float32_bucket_copies(plan, params) -> list:
     """Bytes of the float32 copy of each DDP bucket in flight: MPI has no bfloat16, so
-    ``dist.comm`` all-reduces a bfloat16 bucket as a float32 copy (NCCL takes it as it is)."""
+    ``runtime.comm`` all-reduces a bfloat16 bucket as a float32 copy (NCCL takes it as it is)."""
     job, d = plan.job, plan.dtype_bytes
     if not builds_ddp(job, plan.layout) or job.train.precision != "bf16" or job.parallel.backend == "nccl":
         return []

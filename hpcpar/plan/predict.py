@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..dist.stats import ring_wire_bytes
+from ..runtime.stats import ring_wire_bytes
 from ..parallel.pipeline.partition import counts_to_bounds, min_max_bounds, uniform_bounds
 from ..parallel.pipeline.schedules import simulate
 from .machine import Machine

@@ -4,7 +4,7 @@ For a job and a layout, every call one training step makes (``train_step`` and `
 what ``hpcpar compare`` times), summed over the ranks of the world: per communicator (``dp``,
 ``pp``, ``tp``, ``world``, and ``pp-tied``: the pair of pipeline ranks holding the tied
 embedding) and operation, the calls, the bytes the calls were given and the wire bytes under
-ring algorithms (``dist.stats.ring_wire_bytes``, integer per call as the counters round).
+ring algorithms (``runtime.stats.ring_wire_bytes``, integer per call as the counters round).
 ``tests/test_plan_traffic.py`` checks them against the counters of real runs.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..dist.stats import ring_wire_bytes
+from ..runtime.stats import ring_wire_bytes
 from ..parallel.data import plan_buckets
 from .model import Layer
 

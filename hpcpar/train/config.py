@@ -130,7 +130,7 @@ class ParallelSection:
     device_nonblocking: bool | None = _key(None, BOOLEAN, "a CUDA-aware MPI takes device buffers in non-blocking "
                                                           "collectives (else they run blocking); unset: "
                                                           "HPCPAR_DEVICE_NONBLOCKING, else the table of MPI "
-                                                          "libraries in hpcpar/dist/device_transport.py (docs/gpu.md)")
+                                                          "libraries in hpcpar/runtime/device_transport.py (docs/gpu.md)")
     mode: str = _key("allreduce", STRING, "how dp replicas agree", choices=("allreduce", "ps", "local_sgd"))
     staleness: int = _key(0, INTEGER, "steps a worker may run ahead of the servers", check=at_least(0),
                           applies=("parallel.mode", ("ps",)))

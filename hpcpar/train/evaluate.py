@@ -41,7 +41,7 @@ def sample_text(run, tokens: int) -> str:
     else:
         ids = None
         if ctx.rank == 0:
-            from ..dist.context import single_process
+            from ..runtime.context import single_process
             from ..nn.gpt import GPT
 
             whole = GPT(run.job.gpt_config(), dtype=np.float32)

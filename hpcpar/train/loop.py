@@ -20,9 +20,9 @@ import numpy as np
 
 from .. import checkpoint, log as logs
 from ..backend import check_precision, to_host
-from ..dist.context import agreed, init
-from ..dist.topology import PlacementWarning
-from ..dist.trace import Tracer
+from ..runtime.context import agreed, init
+from ..runtime.topology import PlacementWarning
+from ..runtime.trace import Tracer
 from ..nn.dropout_keys import DropoutKey, dropout_key
 from .build import Run, build
 from . import identity

@@ -50,7 +50,7 @@ def validate(job: Job, world_size: int) -> Job:
 
 def _check_layout(job: Job, world_size: int) -> tuple[int | None, list]:
     """(dp, problems): dp stays None when the layout does not fit (the batch checks need it)."""
-    from ..dist.context import LayoutError, resolve_layout
+    from ..runtime.context import LayoutError, resolve_layout
 
     p = job.parallel
     workers = world_size - p.servers if p.mode == "ps" else world_size
@@ -169,9 +169,9 @@ def _check_environment(job: Job) -> list[tuple[str, str]]:
     """A variable that decides an unset key holds a value it takes (a bad one was a ValueError traceback
     while the run's context was built)."""
     from ..backend import DEVICES
-    from ..dist.device_transport import device_nonblocking_supported
-    from ..dist.nodes import node_size_setting
-    from ..dist.shm import shm_setting
+    from ..runtime.device_transport import device_nonblocking_supported
+    from ..runtime.nodes import node_size_setting
+    from ..runtime.shm import shm_setting
 
     p, problems = job.parallel, []
     device = os.environ.get("HPCPAR_DEVICE") if job.train.device == "auto" else None

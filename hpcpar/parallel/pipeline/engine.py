@@ -35,7 +35,7 @@ from ... import defaults
 from ...autograd import Tensor, no_grad
 from ...autograd.deferred import deferred_weight_grads
 from ...backend import get_array_module
-from ...dist.trace import Tracer
+from ...runtime.trace import Tracer
 from ...nn.dropout_keys import offset_dropout_key
 from ...state import ParameterHolder
 from ..data import DistributedDataParallel
@@ -364,7 +364,7 @@ class PipelineParallel(ParameterHolder):
     # ----- observability --------------------------------------------------------------
     def write_trace(self, path: str) -> None:
         """The last step of every rank as one Chrome trace (opens in Perfetto), on rank 0's clock;
-        collective. ``hpcpar.dist.trace.Tracer`` records whole runs (``train.trace``)."""
+        collective. ``hpcpar.runtime.trace.Tracer`` records whole runs (``train.trace``)."""
         tracer = Tracer(self.ctx.world, steps=1)
         end = self.trace[-1][2] if self.trace else self.stats.get("step_start", 0.0)
         tracer.add_recorded_step(0, self.stats.get("step_start", end), end, self.trace)

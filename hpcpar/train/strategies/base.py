@@ -29,7 +29,7 @@ import numpy as np
 from ... import checkpoint
 from ...nn.dropout_keys import offset_dropout_key
 from ..config import JobError
-from ...dist.trace import NO_TRACE
+from ...runtime.trace import NO_TRACE
 
 
 def split_rows(batch, parts: int) -> list:

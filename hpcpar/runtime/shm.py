@@ -2,14 +2,14 @@
 
 MPI libraries move a one-node all-reduce through their own buffers (MPICH here: 64 MiB at
 2 ranks in ~8-10 ms, where a memory copy takes ~3.5-6.5 ms). Here the ranks of a node keep
-their buffers in an MPI shared-memory window (hpcpar.dist.shm_windows) and reduce them in
+their buffers in an MPI shared-memory window (hpcpar.runtime.shm_windows) and reduce them in
 place, in parallel, with no message at all:
 
 1. each rank announces that its buffer is ready (a counter in a small shared control window);
 2. when every rank of the node has, rank r sums slice r (1/n of the elements) of all n
-   buffers in MPICH's order (hpcpar.dist.shm_reduce) and writes the sum into slice r of
+   buffers in MPICH's order (hpcpar.runtime.shm_reduce) and writes the sum into slice r of
    every buffer, block by block while the block is in the cache: one C call per slice
-   (``native/shm_reduce.c`` through hpcpar.dist.shm_kernel; at 2 ranks one pass, each
+   (``native/shm_reduce.c`` through hpcpar.runtime.shm_kernel; at 2 ranks one pass, each
    element read once and written into both buffers), or NumPy ``add(out=)`` in chunks of
    ``CHUNK_BYTES`` where the library is not built or for max and min;
 3. across nodes, rank r all-reduces its slice with rank r of every other node over MPI

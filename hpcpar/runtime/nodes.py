@@ -3,7 +3,7 @@
 A node is the set of ranks ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` puts together.
 ``HPCPAR_NODE_SIZE=k`` (or ``init(node_size=k)``, job key ``parallel.node_size``) cuts each
 real node into pretend nodes of ``k`` consecutive ranks, so that code which treats ranks on
-one node differently from ranks on others (the shared-memory all-reduce, hpcpar.dist.shm)
+one node differently from ranks on others (the shared-memory all-reduce, hpcpar.runtime.shm)
 runs its inter-node step on a single machine: with 4 ranks and k = 2, ranks {0, 1} and
 {2, 3} act as two nodes. Only that code sees pretend nodes; BLAS threads, the wait policy
 and GPU selection go by the real node.

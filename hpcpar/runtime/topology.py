@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-AXES = ("tp", "dp", "pp")  # grid axes, fastest first (see hpcpar.dist.context)
+AXES = ("tp", "dp", "pp")  # grid axes, fastest first (see hpcpar.runtime.context)
 
 
 class PlacementWarning(UserWarning):

@@ -5,7 +5,7 @@ CuPy buffers go straight to MPI when the MPI library is CUDA-aware (after a devi
 synchronize, since MPI reads device memory outside CuPy's stream order; in blocking
 collectives unless the library is known to take device buffers in non-blocking ones:
 ``DEVICE_NONBLOCKING``) and are staged through reused host buffers otherwise
-(``HostStaging``; both in ``device_transport.py``); ``hpcpar.dist.nccl`` has the same API
+(``HostStaging``; both in ``device_transport.py``); ``hpcpar.runtime.nccl`` has the same API
 over NCCL. Calls that move pickled Python objects have their own names (``*_object``) so they
 are never mistaken for the array path.
 
@@ -115,7 +115,7 @@ class Communicator:
         self.wait_policy = wait_policy
         self.stats = CommStats(size=self.size, name=name)
         self.watchdog = StallWatchdog.for_communicator(self)  # None: HPCPAR_STALL_S=0
-        self.shm = None  # the shared-memory path (hpcpar.dist.shm), attached by hpcpar.init when on
+        self.shm = None  # the shared-memory path (hpcpar.runtime.shm), attached by hpcpar.init when on
 
     def __repr__(self) -> str:
         return f"Communicator({self.name}, rank {self.rank} of {self.size})"

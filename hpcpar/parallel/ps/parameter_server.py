@@ -29,12 +29,12 @@ travels with each push, so a schedule on the workers drives ``ps.lr`` (``WarmupC
 works on a worker: it only reads and sets ``lr``).
 
 Consistency, per server (``staleness``: 0 synchronous, s >= 1 asynchronous with a bound on how
-far a worker may run ahead, each update logged in ``update_log``): ``ps_server``, which serves it.
+far a worker may run ahead, each update logged in ``update_log``): ``server``, which serves it.
 
 Shutdown. ``shutdown()`` on a worker sends every server a stop header and receives the final
 parameters (sent once *all* workers have stopped), so every worker ends with the same, final
 model, also after asynchronous training. A server's loop ends when every worker has stopped.
-A worker that raises ends the job through hpcpar's fail-fast (``hpcpar.dist.failfast``): the
+A worker that raises ends the job through hpcpar's fail-fast (``hpcpar.runtime.failfast``): the
 abort kills the servers too, wherever they are waiting. Servers wait by polling with the
 communicator's wait policy (``yield`` sleeps between polls), so an oversubscribed node keeps
 its cores for the workers.
@@ -68,20 +68,20 @@ import math
 
 import numpy as np
 
-from ..autograd import Parameter
-from ..backend import get_array_module, to_device
-from ..dist.comm import Communicator, wait_all
-from ..dist.context import init
-from ..dist.trace import NO_TRACE
-from ..optim.amp import all_finite, scaled_backward
-from ..optim.clip import clip_arrays
-from ..optim.groups import flat_range_decays, flatten_groups, set_flat_range_decay
-from ..optim.optimizer import named_parameter_list
-from ..state import (Checkpointable, LoadPlan, Piece, Read, Saved, flat_state_load_plan, flat_state_pieces,
+from ...autograd import Parameter
+from ...backend import get_array_module, to_device
+from ...runtime.comm import Communicator, wait_all
+from ...runtime.context import init
+from ...runtime.trace import NO_TRACE
+from ...optim.amp import all_finite, scaled_backward
+from ...optim.clip import clip_arrays
+from ...optim.groups import flat_range_decays, flatten_groups, set_flat_range_decay
+from ...optim.optimizer import named_parameter_list
+from ...state import (Checkpointable, LoadPlan, Piece, Read, Saved, flat_state_load_plan, flat_state_pieces,
                      parameter_load_plan, range_param_slabs, weight_decay_scalars)
-from .ps_protocol import (KIND_PUSH, KIND_PUSH_NONFINITE, KIND_SAVE, KIND_STOP, TAG_PUSH_GRAD, TAG_PUSH_HEADER,
+from .protocol import (KIND_PUSH, KIND_PUSH_NONFINITE, KIND_SAVE, KIND_STOP, TAG_PUSH_GRAD, TAG_PUSH_HEADER,
                           TAG_REPLY_HEADER, TAG_REPLY_PARAMS, UpdateRecord, shard_ranges)
-from .ps_server import ServerSide
+from .server import ServerSide
 
 
 def _check_arguments(named, ctx, servers, staleness) -> None:

@@ -42,7 +42,7 @@ class Segment:
     views: list  # per node rank: a uint8 array over its segment (index: node rank)
     address: int = 0  # where this rank's segment starts (to recognise it in an array)
     arrays: dict = field(default_factory=dict)  # dtype -> per-rank typed views, made on first use
-    plans: dict = field(default_factory=dict)  # what the collectives prepared for this buffer (hpcpar.dist.shm)
+    plans: dict = field(default_factory=dict)  # what the collectives prepared for this buffer (hpcpar.runtime.shm)
 
     def typed(self, dtype, count: int) -> list[np.ndarray]:
         """Every rank's segment as ``count`` elements of ``dtype``."""

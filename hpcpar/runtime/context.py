@@ -92,9 +92,9 @@ class ParallelContext:
     topology: _topology.Topology  # the node of every world rank
     node_cpus: int = 1  # CPUs the node's ranks may run on (affinity and cgroup quota)
     host: dict = field(default_factory=dict)  # what init changed in the process (hpcpar.host.apply)
-    shm: bool = False  # the shared-memory collectives are attached (hpcpar.dist.shm)
+    shm: bool = False  # the shared-memory collectives are attached (hpcpar.runtime.shm)
     shm_node_size: int | None = None  # pretend nodes of this many ranks for them (None: real nodes)
-    backend: str = "mpi"  # what moves device buffers on dp, pp and tp: "mpi" or "nccl" (hpcpar.dist.nccl)
+    backend: str = "mpi"  # what moves device buffers on dp, pp and tp: "mpi" or "nccl" (hpcpar.runtime.nccl)
     runtime: object = None  # the NCCL runtime when backend is "nccl" (contexts made from this one reuse it)
     grid: MPI.Comm | None = None  # the cartesian communicator dp, pp and tp are slices of
     closed: bool = False
@@ -146,7 +146,7 @@ class ParallelContext:
             comm.stats.reset()
 
     def shm_description(self) -> str:
-        """Whether the shared-memory collectives are on, and with which nodes (hpcpar.dist.shm)."""
+        """Whether the shared-memory collectives are on, and with which nodes (hpcpar.runtime.shm)."""
         if not self.shm:
             return f"off (HPCPAR_SHM=0, parallel.shm = false or init(shm=False); CPUs only, device {self.device})"
         nodes = f"pretend nodes of {self.shm_node_size} ranks" if self.shm_node_size else "real nodes"
@@ -276,13 +276,13 @@ def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
     tuned unless ``tune_allocator=False`` or HPCPAR_MALLOC_TUNING=0; on CPUs each rank's BLAS gets
     its share of the node's cores; with several ranks an uncaught exception aborts the job
     (failfast.install_for_init) unless ``fail_fast=False`` or HPCPAR_FAIL_FAST=0. ``shm`` (default
-    HPCPAR_SHM) attaches the shared-memory collectives (hpcpar.dist.shm) on CPUs; ``node_size``
-    (default HPCPAR_NODE_SIZE) cuts nodes into pretend nodes for them (hpcpar.dist.nodes).
+    HPCPAR_SHM) attaches the shared-memory collectives (hpcpar.runtime.shm) on CPUs; ``node_size``
+    (default HPCPAR_NODE_SIZE) cuts nodes into pretend nodes for them (hpcpar.runtime.nodes).
     Rank 0 warns (PlacementWarning) when tensor parallelism crosses nodes but would fit inside them.
-    ``backend`` ("auto", "mpi", "nccl": ``hpcpar.dist.nccl.choose_backend``) picks what moves
+    ``backend`` ("auto", "mpi", "nccl": ``hpcpar.runtime.nccl.choose_backend``) picks what moves
     device buffers on the dp, pp and tp communicators (world and node stay on MPI);
     ``device_nonblocking`` overrides the table of MPI libraries that take device buffers in
-    non-blocking collectives (``hpcpar.dist.device_transport.DEVICE_NONBLOCKING``); ``runtime``: the
+    non-blocking collectives (``hpcpar.runtime.device_transport.DEVICE_NONBLOCKING``); ``runtime``: the
     NCCL runtime (default CuPy's; tests pass a double). Rank 0 logs which device it uses and why.
     """
     world_mpi = comm if comm is not None else MPI.COMM_WORLD

@@ -82,7 +82,7 @@ class CommStats:
     size: int = 1
     name: str = ""
     ops: dict = field(default_factory=dict)
-    listener: Callable[[CallRecord], None] | None = None  # hears every call: a trace (hpcpar.dist.trace)
+    listener: Callable[[CallRecord], None] | None = None  # hears every call: a trace (hpcpar.runtime.trace)
 
     def add(self, op: str, nbytes: int, seconds: float, wire: int | None = None, peer: int = -1,
             tag: int = -1, start: float | None = None) -> None:

@@ -32,11 +32,11 @@ import time
 
 import numpy as np
 
-from ..backend import get_array_module
-from ..dist.comm import wait_all
-from ..dist.waiting import YIELD_SLEEP_S
-from ..optim.clip import clip_arrays
-from .ps_protocol import (HEADER_LENGTH, KIND_PUSH, KIND_SAVE, KIND_STOP, TAG_PUSH_GRAD, TAG_PUSH_HEADER,
+from ...backend import get_array_module
+from ...runtime.comm import wait_all
+from ...runtime.waiting import YIELD_SLEEP_S
+from ...optim.clip import clip_arrays
+from .protocol import (HEADER_LENGTH, KIND_PUSH, KIND_SAVE, KIND_STOP, TAG_PUSH_GRAD, TAG_PUSH_HEADER,
                           TAG_REPLY_HEADER, TAG_REPLY_PARAMS, UpdateRecord)
 
 

@@ -1,29 +1,17 @@
 """The raw-MPI baseline: C's MPI_Allreduce timed inside this very process.
 
-``build/libhpcpar_native.so`` (sources in ``native/``, built by ``CMakeLists.txt``)
-holds the timing loop of ``build/allreduce_bench``. Loaded here with ctypes, it
-runs in the mpi4py process on the same MPI library, so a benchmark can set
-mpi4py's and hpcpar's all-reduce against raw C MPI measured in the same run::
+``build/libhpcpar_native.so`` (sources in ``native/``, built by ``CMakeLists.txt``: once with
+``build_native(repo_root)``) holds the timing loop of ``build/allreduce_bench``. Loaded here with
+ctypes, it runs in the mpi4py process on the same MPI library, so a benchmark can set mpi4py's
+and hpcpar's all-reduce against raw C MPI measured in the same run::
 
     from mpi4py import MPI
     from hpcpar import native
 
     seconds = native.time_raw_allreduce(MPI.COMM_WORLD, 1 << 20, warmup=5, iters=50)
-
     lib = native.load_native()               # None (and a warning saying why) when unusable
     lib, why = native.try_load_native()      # the same, with the reason as a value
     lib.set_wait_policy(1)                   # sleep, not spin, in MPI waits (ranks > cores)
-
-The C loop inherits the process's MPI state: mpi4py initializes MPI_THREAD_MULTIPLE
-by default, and MPICH's locking then adds about 1.5-3 us to each small all-reduce
-(8 B: ~2 us here against 0.25 us in the standalone ``allreduce_bench``, and against
-0.25 us in-process too with ``MPI4PY_RC_THREAD_LEVEL=single``).
-
-Build it once with ``build_native(repo_root)``, or by hand::
-
-    cmake -S . -B build -DMPI_C_COMPILER=$PWD/.venv/bin/mpicc && cmake --build build
-
-Under MPI, build on one rank and barrier before the others load it.
 """
 
 from __future__ import annotations
@@ -206,6 +194,11 @@ def time_raw_allreduce(comm, nbytes: int, warmup: int, iters: int) -> float:
 
     Collective. The ranks first agree that all of them loaded the library, so
     a rank without it raises on every rank instead of leaving the others waiting.
+
+    The C loop inherits the process's MPI state: mpi4py initializes MPI_THREAD_MULTIPLE
+    by default, and MPICH's locking then adds about 1.5-3 us to each small all-reduce
+    (8 B: ~2 us here against 0.25 us in the standalone ``allreduce_bench``, and against
+    0.25 us in-process too with ``MPI4PY_RC_THREAD_LEVEL=single``).
     """
     return load_everywhere(comm).time_allreduce(comm, nbytes, warmup, iters)
 
@@ -237,7 +230,8 @@ def build_native(
     Uses the mpicc of this Python's environment (the MPI mpi4py came with, e.g.
     PyPI's mpich) when there is one, else whatever MPI CMake finds. Raises
     RuntimeError with CMake's output when a step fails. Not collective: under
-    MPI, call it on one rank and barrier.
+    MPI, call it on one rank and barrier before the others load it. By hand:
+    ``cmake -S . -B build -DMPI_C_COMPILER=$PWD/.venv/bin/mpicc && cmake --build build``.
     """
     repo_root = Path(repo_root).resolve()
     build_dir = Path(build_dir) if build_dir is not None else repo_root / "build"

@@ -5,17 +5,13 @@
     for step in range(steps):
         ids, targets = next(batches)            # (32 / dp, 128) each: this replica's rows only
 
-Step k's global batch is a pure function of (seed, k): ``global_batch`` window starts
-drawn from ``np.random.default_rng([seed, k])``. Replica r takes rows
-``r * b : (r + 1) * b`` (b = global_batch / dp), so the replicas' batches stacked in rank
-order are the global batch — a run at dp=1 and one at dp=4 see the same data at every
-step, which is what lets equivalence tests compare layouts, and a checkpoint resumes at
-another dp with the same data stream. (``DistributedSampler`` deals samples out strided,
-so its per-rank order depends on the number of replicas.) The position is the step count:
-``state_dict()`` / ``load_state_dict()`` resume exactly.
-
-Each replica reads only its own windows from the file: overlapping or nearby windows are
-merged into one contiguous read, distant ones are read separately.
+Step k's global batch is a pure function of (seed, k): ``global_batch`` window starts drawn
+from ``np.random.default_rng([seed, k])``. Replica r takes rows ``r * b : (r + 1) * b``
+(b = global_batch / dp), so the replicas' batches stacked in rank order are the global batch — a
+run at dp=1 and one at dp=4 see the same data at every step, which is what lets equivalence tests
+compare layouts, and a checkpoint resumes at another dp with the same data stream. The position
+is the step count: ``state_dict()`` / ``load_state_dict()`` resume exactly. Each replica reads
+only its own windows from the file (``TokenDataset.batch``).
 """
 from __future__ import annotations
 
@@ -118,7 +114,10 @@ class TokenDataset:
         return max(0, len(self) - block_size)
 
     def batch(self, starts, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Inputs (B, T) and next-token targets (B, T), int64, of the windows at ``starts``."""
+        """Inputs (B, T) and next-token targets (B, T), int64, of the windows at ``starts``.
+
+        Overlapping or nearby windows are merged into one contiguous read, distant ones are read
+        separately."""
         starts = np.asarray(starts, dtype=np.int64).reshape(-1)
         limit = self.num_windows(block_size)
         if starts.size and (starts.min() < 0 or starts.max() >= limit):
@@ -153,7 +152,10 @@ class TokenDataset:
 
 
 class GlobalBatches(ABC):
-    """Step k's global batch is ``global_selection(k)``; this dp replica yields its contiguous share of it."""
+    """Step k's global batch is ``global_selection(k)``; this dp replica yields its contiguous share of it.
+
+    Contiguous, not strided: ``DistributedSampler`` deals samples out strided, so its per-rank order
+    depends on the number of replicas."""
 
     def __init__(self, global_batch: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0):
         if global_batch < 1 or dp_size < 1 or global_batch % dp_size:

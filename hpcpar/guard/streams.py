@@ -1,19 +1,17 @@
 """CUDA streams and events as the transfer guard models them: ordering, not time.
 
-Work on the guard's device runs at once (it is NumPy underneath), so what the model keeps is
-what CUDA guarantees about order. Every operation on a stream advances that stream's sequence
-number; an array remembers the stream that last wrote it and the number of that write. A
-reader on another stream is ordered after the write only if
+Work on the guard's device runs at once (it is NumPy underneath), so the model keeps what CUDA
+guarantees about order: every operation on a stream advances that stream's sequence number, and
+an array remembers the stream that last wrote it and the number of that write. A reader on
+another stream is ordered after the write only if
 
 - it waited (``Stream.wait_event``) on an event recorded on the producer at or after the
   write (waits are transitive: an event carries what its stream had waited for), or
 - the host synchronized the producer (``Stream.synchronize``, ``Event.synchronize``,
   ``synchronize_device``) after the write; host work issued after that is ordered after it.
 
-``check_ready`` raises ``StreamOrderError`` otherwise, where a GPU would race. A reader
-outside every stream (MPI reading device memory, the host) needs the host synchronization:
-``check_synchronized``. Write-after-read hazards (a stream overwriting what another still
-reads) are not modelled.
+``check_ready`` raises ``StreamOrderError`` otherwise, where a GPU would race. A reader outside
+every stream (MPI reading device memory, the host) needs that host synchronization: ``check_synchronized``.
 """
 from __future__ import annotations
 
@@ -159,7 +157,10 @@ def _producer_ordered(producer: Stream, seq: int, reader: Stream | None) -> bool
 
 def check_ready(array, stream: Stream | None = None) -> None:
     """Raise ``StreamOrderError`` if ``stream`` (default: the current one) may read ``array``
-    before the work that last wrote it. Host arrays and never-written arrays always pass."""
+    before the work that last wrote it. Host arrays and never-written arrays always pass.
+
+    Only read-after-write is checked: write-after-read hazards (a stream overwriting what
+    another still reads) are not modelled."""
     written = getattr(array, "_written", None)
     if written is None or written.stream is None:
         return

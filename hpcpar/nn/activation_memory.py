@@ -1,50 +1,14 @@
-"""Bytes one GPT block keeps alive for backward, per micro-batch and rank: a formula, exact for NumPy.
+"""Bytes a GPT keeps alive for backward, per micro-batch and rank: formulas, exact for NumPy.
 
 What a graph keeps is what ``hpcpar.autograd.memory.kept_for_backward`` counts: the arrays the ops
 saved for their backward and the arrays of leaf inputs, each buffer once (an intermediate no
 backward reads is not kept: the graph links it by a node without its array).
-``tests/test_recompute.py`` checks this formula against that count, byte for byte, for each
+``tests/test_recompute.py`` checks these formulas against that count, byte for byte, for each
 recomputation mode, float64, float32 and bfloat16, with and without dropout, with tensor and
-sequence parallelism.
-
-With b rows of s tokens (N = b s), width h, a heads, t tensor-parallel ranks, e the bytes of the
-compute dtype, f those of its accumulation dtype (4 for 16-bit, else e), and sigma = 1/t under
-sequence parallelism (else 1), a block keeps, by recomputation mode:
-
-- ``full``: its input only, ``sigma N h e``.
-- ``none``:
-  - 2 N h e: the inputs of qkv and fc that their products save (the LayerNorm outputs; under
-    sequence parallelism their all-gathers, the LayerNorm outputs themselves are not kept);
-  - 2 sigma N h e: the LayerNorms' normalised inputs (32/64-bit), or at 16 bits their inputs,
-    the block input and the residual sum (16-bit LayerNorm recomputes the normalised input);
-  - LayerNorm statistics: 2 sigma N e (1/std twice), 16-bit: 4 sigma N f (mean and 1/std);
-  - (12 + [a > t] + 4 [32/64-bit]) N h e / t: qkv's output (3, which k and v view), attention's
-    output and its copy with the heads side by side (the proj input; a view with one head per
-    rank), fc's output (GELU's input), GELU's output (4 each), GELU's tanh (4, 32/64-bit only);
-    plus q scaled by 1/sqrt(hs), N h / t in e (NumPy 16-bit: float32, f);
-  - b (a / t) s^2 (e + [attention dropout] f): the probabilities and the dropout scales;
-  - with residual dropout: 2 sigma N h f, its two scales (float32 under 16 bits).
-  Not kept: the products of the two row-parallel projections (before and after their
-  all-reduce or reduce-scatter, and after the bias add), the dropout outputs, and (32/64-bit)
-  the block input and the residual sum: no backward reads them.
-- ``selective``: ``none`` less the scaled q, the b (a/t) s^2 terms and attention's output (the
-  recomputed region's output, which the region's op does not keep; with one head per rank
-  the proj input is a view of it, so it is kept as that).
-
-Outside the blocks (``embedding_kept_bytes``, ``head_kept_bytes``): the embedding keeps its integer
-ids (and under tensor parallelism the mask of rows outside this rank's vocabulary) and its
-dropout's scales; the head keeps the final LayerNorm's normalised input (16-bit: its input, the
-last block's output) and statistics, its output (gathered under sequence parallelism), which
-the logits' product saves, the loss's float32-or-wider softmax of the logits (N V / t f; the
-logits themselves are not kept), and integer targets. Each block counts the input it keeps
-itself, so embedding + n_layer blocks + head is the whole graph.
-
-Against Korthikanti et al. (2022), ``s b h (34 + 5 a s / h)`` bytes at 16 bits (t = 1), this
-graph keeps 46 s b h + 6 a s^2 b bytes in bfloat16 with dropout, plus 16 s b: the extra s b h
-terms are attention's output (2, kept for the softmax backward's row sums), q scaled in float32
-(4) and the residual dropouts' scales, float32 where a GPU keeps a 1-byte mask (8 against 2); the
-attention dropout keeps 4 a s^2 b bytes of scales where Korthikanti counts a 1-byte mask and the
-2-byte dropout output (3), which this graph does not keep.
+sequence parallelism. ``block_kept_bytes`` is one block (by recomputation mode),
+``embedding_kept_bytes`` and ``head_kept_bytes`` what lies outside the blocks; each block counts
+the input it keeps itself, so embedding + n_layer blocks + head is the whole graph (the planner's
+activation term). docs/architecture.md ("Activation memory") compares it with Korthikanti et al.
 """
 from __future__ import annotations
 
@@ -57,7 +21,32 @@ from .gpt import RECOMPUTE
 def block_kept_bytes(batch: int, seq: int, n_embd: int, n_head: int, *, dtype=np.float32, tp: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none", dropout: float = 0.0,
                      attn_dropout: float | None = None) -> float:
-    """Bytes one block keeps for backward on one tp rank for one micro-batch of ``batch`` x ``seq`` tokens."""
+    """Bytes one block keeps for backward on one tp rank for one micro-batch of ``batch`` x ``seq`` tokens.
+
+    With b rows of s tokens (N = b s), width h, a heads, t tensor-parallel ranks, e the bytes of the
+    compute dtype, f those of its accumulation dtype (4 for 16-bit, else e), and sigma = 1/t under
+    sequence parallelism (else 1), a block keeps, by recomputation mode:
+
+    - ``full``: its input only, ``sigma N h e``.
+    - ``none``:
+      - 2 N h e: the inputs of qkv and fc that their products save (the LayerNorm outputs; under
+        sequence parallelism their all-gathers, the LayerNorm outputs themselves are not kept);
+      - 2 sigma N h e: the LayerNorms' normalised inputs (32/64-bit), or at 16 bits their inputs,
+        the block input and the residual sum (16-bit LayerNorm recomputes the normalised input);
+      - LayerNorm statistics: 2 sigma N e (1/std twice), 16-bit: 4 sigma N f (mean and 1/std);
+      - (12 + [a > t] + 4 [32/64-bit]) N h e / t: qkv's output (3, which k and v view), attention's
+        output and its copy with the heads side by side (the proj input; a view with one head per
+        rank), fc's output (GELU's input), GELU's output (4 each), GELU's tanh (4, 32/64-bit only);
+        plus q scaled by 1/sqrt(hs), N h / t in e (NumPy 16-bit: float32, f);
+      - b (a / t) s^2 (e + [attention dropout] f): the probabilities and the dropout scales;
+      - with residual dropout: 2 sigma N h f, its two scales (float32 under 16 bits).
+      Not kept: the products of the two row-parallel projections (before and after their
+      all-reduce or reduce-scatter, and after the bias add), the dropout outputs, and (32/64-bit)
+      the block input and the residual sum: no backward reads them.
+    - ``selective``: ``none`` less the scaled q, the b (a/t) s^2 terms and attention's output (the
+      recomputed region's output, which the region's op does not keep; with one head per rank
+      the proj input is a view of it, so it is kept as that).
+    """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     dtype = np.dtype(dtype)
@@ -100,7 +89,11 @@ def _shares(dtype, tp: int, sequence_parallel: bool):
 
 def embedding_kept_bytes(batch: int, seq: int, n_embd: int, *, dtype=np.float32, tp: int = 1,
                          sequence_parallel: bool = False, dropout: float = 0.0) -> float:
-    """Bytes the embedding stage keeps for backward per micro-batch and tp rank (int64 ids, one array)."""
+    """Bytes the embedding stage keeps for backward per micro-batch and tp rank (int64 ids, one array).
+
+    Its integer ids (and under tensor parallelism the mask of rows outside this rank's vocabulary)
+    and its dropout's scales.
+    """
     e, f, _, sigma, _ = _shares(dtype, tp, sequence_parallel)
     n, h = batch * seq, n_embd
     kept = n * 8 + sigma * seq * 8  # token ids (tp: their local rows) and position ids
@@ -113,7 +106,13 @@ def embedding_kept_bytes(batch: int, seq: int, n_embd: int, *, dtype=np.float32,
 
 def head_kept_bytes(batch: int, seq: int, n_embd: int, vocab_size: int, *, dtype=np.float32, tp: int = 1,
                     sequence_parallel: bool = False) -> float:
-    """Bytes the head (final LayerNorm, logits, cross entropy) keeps per micro-batch and tp rank, its input included."""
+    """Bytes the head (final LayerNorm, logits, cross entropy) keeps per micro-batch and tp rank, its input included.
+
+    The final LayerNorm's normalised input (16-bit: its input, the last block's output) and
+    statistics, its output (gathered under sequence parallelism), which the logits' product saves,
+    the loss's float32-or-wider softmax of the logits (N V / t f; the logits themselves are not
+    kept), and integer targets.
+    """
     e, f, low, sigma, sp = _shares(dtype, tp, sequence_parallel)
     n, h = batch * seq, n_embd
     kept = sigma * n * h * e  # LayerNorm's normalised input (16-bit: its input)

@@ -7,16 +7,11 @@ A mask element is a pure function of (model seed, step, global sample index, dro
 attention head, position in the sample): never of the rank that draws it or of how many
 masks were drawn before. Every dp x pp x tp layout and every pipeline schedule therefore drops
 exactly what one process drops, and a checkpoint needs no random state to resume: the step
-and the rows' place in the global batch are the data position it restores anyway.
-
-The stream of (seed, step, site[, head]) holds the samples one after the other, each row-major
-(sample ``s``, element ``e`` of its ``N`` is draw ``s * N + e``); a rank jumps to the draws of
-its samples and of its rows (sequence parallelism) without drawing the others
-(``PCG64.advance`` on the host; on a device, Philox computes any draw from its index:
-``philox``). The key in force is a context variable: the training loop sets it per
-step, engines that cut a batch into micro-batches move it on by their offset
-(``offset_dropout_key``), and a recomputation that replays a forward later re-enters the key
-the forward ran under (``replay_dropout_key``, made at the forward, entered around the replay).
+and the rows' place in the global batch are the data position it restores anyway. The key in
+force is a context variable: the training loop sets it per step, engines that cut a batch into
+micro-batches move it on by their offset (``offset_dropout_key``), and a recomputation that
+replays a forward later re-enters the key the forward ran under (``replay_dropout_key``, made
+at the forward, entered around the replay). The draws themselves: ``keyed_uniform``.
 """
 from __future__ import annotations
 
@@ -79,6 +74,11 @@ def draw_dtype(dtype) -> np.dtype:
 
 def keyed_uniform(words: tuple, per_sample: tuple, samples: range, rows: range | None, dtype, xp=np):
     """Uniform [0, 1) draws of shape (len(samples), len(rows), *per_sample[1:]) from the stream keyed by ``words``.
+
+    The stream of (seed, step, site[, head]) holds the samples one after the other, each
+    row-major (sample ``s``, element ``e`` of its ``N`` is draw ``s * N + e``); a rank jumps to
+    the draws of its samples and of its rows (sequence parallelism) without drawing the others
+    (``PCG64.advance`` on the host; on a device, Philox computes any draw from its index).
 
     ``per_sample``: the whole shape of one sample's mask; ``samples``: global sample indices
     (consecutive); ``rows``: the rows of axis 0 of each sample wanted (None: all). ``dtype``:

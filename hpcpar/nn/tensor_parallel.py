@@ -7,13 +7,11 @@
 
 A transformer block is then column -> row twice (attention with its heads split, MLP with its
 hidden units split): two all-reduces forward (after each row-parallel layer) and two backward
-(at each copy_to_tp), as in Megatron-LM. With sequence parallelism (``sequence_parallel`` set
+(at each copy_to_tp), as in Megatron-LM; with sequence parallelism (``sequence_parallel``, set
 by the model) the layers gather their input or reduce-scatter their output along the sequence
-instead (``hpcpar.autograd.ops.mappings``).
-
-Sharded parameters carry ``global_shape`` and ``global_start``: initialisation generates the
-full tensor from the layout-independent stream and keeps this rank's slice (so every layout
-starts from the same model), and checkpoints store them as slabs of the global tensor.
+instead (``hpcpar.autograd.ops.mappings``). Sharded parameters carry ``global_shape`` and
+``global_start``: initialisation generates the full tensor from the layout-independent stream and
+keeps this rank's slice (every layout starts from the same model); checkpoints store slabs of it.
 """
 from __future__ import annotations
 

@@ -2,37 +2,11 @@
 
 ``NcclCommunicator`` is a ``Communicator`` (same calls, same ``CommStats`` counters, same
 watchdog and wait policy, same fail-fast) whose array calls on device buffers go to NCCL;
-host (NumPy) buffers, barriers and the pickled ``*_object`` calls stay on MPI.
-
-Bootstrap: rank 0 of the MPI communicator makes NCCL's unique id and MPI broadcasts it; every
-rank then joins the NCCL communicator of the same ranks (one per dp, pp and tp group).
-
-Streams: every NCCL call runs on the communicator's own stream, so compute on the caller's
-stream overlaps communication. The order is kept by events, never by a device-wide sync:
-
-1. an event recorded on the producing stream (the current stream at the call) is waited on by
-   the communication stream before NCCL reads the buffer;
-2. after the NCCL call an event is recorded on the communication stream, and the consumer
-   (the current stream when the result is handed back) waits on it before it touches the
-   result.
-
-A blocking call (``allreduce``, ``reduce_scatter``, ``allgather``, ``broadcast``, ``send``,
-``recv``) also waits on the host for that event, polled like an MPI request: the watchdog's
-stall reports and the wait policy work as with MPI, and the seconds counted are the
-call's. The non-blocking ``iallreduce``, ``isend`` and ``irecv`` return a ``Handle`` at once;
-its ``wait()`` does the host wait (DDP's buckets overlap backward this way).
-
-Point-to-point: NCCL matches sends and receives between two ranks by order (it has no tags),
-and a send blocks its stream until the peer's receive runs, so a pipeline stage that sends to
-the next stage while the next stage sends back would deadlock with one call per message.
-``isend`` and ``irecv`` are therefore queued and issued together as one NCCL group
-(``groupStart`` ... ``groupEnd``) at the first wait, or before any other call of this
-communicator; NCCL progresses the calls of a group together. hpcpar's pipeline schedules post a
-rank pair's messages in the same order on both sides (``tests/test_nccl.py`` checks every
-schedule), which is what order-matching needs.
-
-16-bit floats move natively (``NCCL_FLOAT16``, and ``NCCL_BFLOAT16`` where CuPy's NCCL has it);
-sums are NCCL's in the buffer's dtype (MPI's path reduces bfloat16 in float32).
+host (NumPy) buffers, barriers and the pickled ``*_object`` calls stay on MPI. Every NCCL call
+runs on the communicator's own stream, ordered against the caller's stream by events, never by
+a device-wide sync; ``isend`` and ``irecv`` are queued and issued together as one NCCL group.
+docs/gpu.md ("The NCCL communicator") gives the bootstrap, the streams and events, blocking and
+non-blocking calls, point-to-point matching by order, and the dtypes.
 
 What CuPy provides is reached through a ``DeviceRuntime``; ``cupy_runtime()`` builds the real
 one and the tests pass a double (an NCCL over MPI on the transfer guard's device arrays that

@@ -1,57 +1,16 @@
-"""Shared-memory, hierarchical collectives: the node's memory bandwidth instead of MPI's copies.
+"""Shared-memory, hierarchical all-reduce: the node's memory bandwidth instead of MPI's copies.
 
-MPI libraries move a one-node all-reduce through their own buffers (MPICH here: 64 MiB at
-2 ranks in ~8-10 ms, where a memory copy takes ~3.5-6.5 ms). Here the ranks of a node keep
-their buffers in an MPI shared-memory window (hpcpar.runtime.shm_windows) and reduce them in
-place, in parallel, with no message at all:
+MPI libraries move a one-node all-reduce through their own buffers (MPICH here: 64 MiB at 2
+ranks in ~8-10 ms, where a memory copy takes ~3.5-6.5 ms). Here the ranks of a node keep their
+buffers in an MPI shared-memory window (``shm_windows``) and reduce them in place, in parallel,
+with no message: rank r sums slice r of the node's buffers in MPICH's order (``shm_reduce``; in C
+through ``shm_kernel``, or NumPy), all-reduces it with rank r of every other node over MPI and
+writes it into every buffer; counters in a small shared control window order the ranks.
 
-1. each rank announces that its buffer is ready (a counter in a small shared control window);
-2. when every rank of the node has, rank r sums slice r (1/n of the elements) of all n
-   buffers in MPICH's order (hpcpar.runtime.shm_reduce) and writes the sum into slice r of
-   every buffer, block by block while the block is in the cache: one C call per slice
-   (``native/shm_reduce.c`` through hpcpar.runtime.shm_kernel; at 2 ranks one pass, each
-   element read once and written into both buffers), or NumPy ``add(out=)`` in chunks of
-   ``CHUNK_BYTES`` where the library is not built or for max and min;
-3. across nodes, rank r all-reduces its slice with rank r of every other node over MPI
-   (every rank by slice, all at once) before writing it out;
-4. each rank announces it is done; a rank returns when all have, so no buffer is written
-   again while a peer still reads it.
-
-Each rank reads the node's n slices once and writes its slice n times: the traffic of one
-memory copy of the buffer per rank, the least an in-place all-reduce can move. What a
-buffer's slices are, and the loop over them, is worked out at its first all-reduce and kept
-with the buffer (``Segment.plans``), so a call costs ~11 us of Python and flags at 2 ranks.
-
-**Where it applies.** A ``Communicator`` gets a ``ShmCollectives`` as ``comm.shm`` from
-``hpcpar.init`` when the path is on (the default on CPUs; off with ``init(shm=False)``,
-``HPCPAR_SHM=0`` or the job key ``parallel.shm = false``). Collectives then take it when they can:
-
-- ``allreduce`` / ``iallreduce`` of a buffer made by ``shared_zeros`` (DDP's buckets,
-  ZeRO's flat buffers) with ``out`` the buffer itself: no copy in or out, non-blocking
-  (progress happens in ``test()`` / ``wait()``, as MPI's does without a progress thread);
-- blocking ``allreduce`` of any other array up to ``MAX_COPY_BYTES`` (tensor-parallel
-  activations): copied into a shared scratch buffer and back, which still beats MPI's own
-  copies there (three passes over the memory; above 8 MiB MPI wins);
-- ``reduce_scatter`` of a shared buffer and ``allgather`` into one, when the communicator
-  lies on one node (ZeRO-1); across nodes these stay with MPI.
-
-Everything else goes to MPI, as do messages under ``MIN_BYTES`` (two flag rounds cost
-more than MPI's latency there), GPU arrays, dtypes MPI and NumPy do not share, and
-communicators whose nodes hold different numbers of its ranks, or one rank each.
-
-**Waiting.** Counters are polled like MPI requests: through ``Communicator._wait``, so
-the wait policy (spin / yield) and the stall watchdog apply unchanged: a stalled peer is
-reported as in any collective of that communicator. Even under ``spin`` a flag wait turns
-polite after ``_SPIN_S``.
-
-**Agreement.** Which buffer a call uses must be the same on the node's ranks (buffers
-from ``shared_zeros`` are made collectively, so DDP and ZeRO pass them everywhere alike).
-A call where some ranks pass a shared buffer and others a plain array raises on every
-rank, naming the buffers, unless the plain array first needs a bigger scratch window
-(a collective the other ranks do not join): then the watchdog reports the stall.
-
-**Counting.** A call counts in ``comm.stats`` under its usual name with the same bytes
-as the MPI path; ``comm.shm.stats`` counts the calls that took this path.
+A ``Communicator`` gets a ``ShmCollectives`` as ``comm.shm`` from ``hpcpar.init`` when the path is
+on (the default on CPUs; off with ``init(shm=False)``, ``HPCPAR_SHM=0`` or the job key
+``parallel.shm = false``). docs/architecture.md ("The shared-memory all-reduce") gives the steps,
+the calls that take the path, the waiting, the agreement between ranks and the counting.
 """
 from __future__ import annotations
 

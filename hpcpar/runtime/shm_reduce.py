@@ -1,22 +1,7 @@
 """The arithmetic of the shared-memory collectives: slices, chunks and the order of the sum.
 
-Pure NumPy on lists of arrays (one per rank of a node), so it is tested without MPI.
-
-**Sum order.** Floating-point addition is not associative, so "equal to MPI" means "adds in
-MPI's order". MPICH reduces commutative operations by recursive doubling (small messages)
-or by Rabenseifner's reduce-scatter + all-gather (large ones); both combine the operands as
-the same tree, measured here to give bitwise MPICH's result at 2, 3 and 4 ranks from 8 B to
-32 MiB in float32 and float64:
-
-- with n operands and p the largest power of two <= n, the first 2(n - p) are summed in
-  pairs, (a0 + a1), (a2 + a3), ..., the rest are taken as they are, which leaves p values;
-- those p values are summed as a balanced binary tree over neighbours:
-  n = 4: (a0 + a1) + (a2 + a3); n = 3: (a0 + a1) + a2; n = 8: ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7)).
-
-``a + b == b + a`` exactly in IEEE arithmetic, so only the tree matters, not which operand
-of a pair MPI put first. Node sums taken in this order and then summed across nodes by MPI
-over the node leaders' partial sums give the same tree when nodes are power-of-two blocks of
-consecutive ranks (2 nodes x 2 ranks: (a0 + a1) + (a2 + a3)).
+Pure NumPy on lists of arrays (one per rank of a node), so it is tested without MPI. A sum adds
+in MPICH's order (``combine``), so the shared-memory path gives MPI's result bit for bit.
 """
 from __future__ import annotations
 
@@ -49,10 +34,26 @@ def temporaries(n: int, chunk: int, dtype) -> list[np.ndarray]:
 
 
 def combine(sources: list, out, ufunc, temps: list) -> None:
-    """``out`` = ``ufunc`` over ``sources`` in MPICH's order (see the module docstring).
+    """``out`` = ``ufunc`` over ``sources`` in MPICH's order.
 
     ``out`` may be one of the sources (it is written last, after every source was read);
     partial results go to ``temps`` (from ``temporaries``), never to a source.
+
+    Floating-point addition is not associative, so "equal to MPI" means "adds in MPI's order".
+    MPICH reduces commutative operations by recursive doubling (small messages) or by
+    Rabenseifner's reduce-scatter + all-gather (large ones); both combine the operands as the
+    same tree, measured here to give bitwise MPICH's result at 2, 3 and 4 ranks from 8 B to
+    32 MiB in float32 and float64:
+
+    - with n operands and p the largest power of two <= n, the first 2(n - p) are summed in
+      pairs, (a0 + a1), (a2 + a3), ..., the rest are taken as they are, which leaves p values;
+    - those p values are summed as a balanced binary tree over neighbours: n = 4:
+      (a0 + a1) + (a2 + a3); n = 3: (a0 + a1) + a2; n = 8: ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7)).
+
+    ``a + b == b + a`` exactly in IEEE arithmetic, so only the tree matters, not which operand
+    of a pair MPI put first. Node sums taken in this order and then summed across nodes by MPI
+    over the node leaders' partial sums give the same tree when nodes are power-of-two blocks
+    of consecutive ranks (2 nodes x 2 ranks: (a0 + a1) + (a2 + a3)).
     """
     n = len(sources)
     if n == 1:

@@ -4,13 +4,8 @@
 other rank of the node can read and write directly (``Win.Shared_query``). A buffer made
 here is this rank's segment as a NumPy array; the node's other ranks made theirs in the
 same collective call, so "buffer #k" names one segment per rank and a rank can add up the
-peers' buffers without any message.
-
-Allocation is collective over the node, in the same order on every rank (as collectives
-are). Freeing must be collective too (``MPI_Win_free`` waits for the node), but a buffer
-dies when the garbage collector drops it, at a different moment on each rank. So a dead
-buffer is only marked, and at the next allocation the node frees together the buffers
-that are dead on every rank (``collect``).
+peers' buffers without any message. Allocation is collective over the node, in the same
+order on every rank (as collectives are); so is freeing (``SharedWindows.collect``).
 
 Every window is opened for passive access (``Lock_all``) at once, so that ``Win.Sync``,
 the memory barrier the MPI standard asks for around direct loads and stores, is legal.
@@ -124,7 +119,13 @@ class SharedWindows:
         self._free(segment)
 
     def collect(self) -> None:
-        """Free, together, the buffers dropped on every rank of the node (collective)."""
+        """Free, together, the buffers dropped on every rank of the node (collective).
+
+        Freeing must be collective (``MPI_Win_free`` waits for the node), but a buffer dies when
+        the garbage collector drops it, at a different moment on each rank. So a dead buffer is
+        only marked, and the next allocation (``allocate`` calls this first) frees together the
+        buffers that are dead on every rank.
+        """
         dead = self.node.allgather(sorted(self._dead))
         everywhere = set(dead[0]).intersection(*map(set, dead[1:]))
         for ident in sorted(everywhere):

@@ -8,21 +8,9 @@
                 ...
     tracer.write("runs/job/trace.json")               # collective: rank 0 writes the file
 
-Open the file in https://ui.perfetto.dev or chrome://tracing. Each rank is a process
-("rank R") with one track of nested spans: the step; its forward / backward / optimizer spans
-(a pipeline's F, B and W actions as forward and backward, its other actions -- SEND_F, RECV_B,
-SYNC, ... -- in category "pipeline"); and a "comm" span for every communication call, named
-after the operation (``allreduce``, ``isend``, ``irecv wait``, ...) with the communicator, the
-bytes given, the bytes sent on the wire under ring algorithms and, for point-to-point calls,
-the peer's world rank and the tag in its arguments. A non-blocking call is two spans, its post
-(``irecv``) and its wait (``irecv wait``): a rank idle for a message shows as a long wait. Only
-the first and the last ``steps`` steps are kept.
-
-Clocks. Every rank stamps spans with its own ``time.perf_counter()``. At the start each rank
-plays ping-pong with rank 0 a few times; the round trip with the smallest delay gives the
-offset to rank 0's clock (rank 0's reading minus the midpoint of the round trip) and bounds its
-error by half that round trip. Timestamps in the file are on rank 0's clock, in microseconds
-since the tracer started; each rank's error bound is in the file's ``otherData``.
+Open the file in https://ui.perfetto.dev or chrome://tracing; docs/architecture.md ("Traces")
+says what a rank's track holds. Timestamps are on rank 0's clock (``measure_offset``), in
+microseconds since the tracer started. Only the first and the last ``steps`` steps are kept.
 """
 from __future__ import annotations
 
@@ -48,6 +36,11 @@ def measure_offset(world, rounds: int = PING_ROUNDS) -> tuple[float, float]:
     Collective over the mpi4py communicator ``world``; rank 0 gets (0, 0). Ranks are measured one
     at a time so that rank 0 answers at once, on a duplicate of ``world`` (no message of the job's
     own can match).
+
+    Every rank stamps spans with its own ``time.perf_counter()``. Each rank plays ping-pong with
+    rank 0 ``rounds`` times; the round trip with the smallest delay gives the offset to rank 0's
+    clock (rank 0's reading minus the midpoint of the round trip) and bounds its error by half
+    that round trip. Each rank's error bound goes into the file's ``otherData``.
     """
     world = world.Dup()
     rank, size = world.Get_rank(), world.Get_size()

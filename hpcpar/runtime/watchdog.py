@@ -2,35 +2,13 @@
 
 Fail-fast ends a job when a rank raises; a rank that never raises but never arrives either
 (stuck in a long computation, a deadlock, a collective called out of order) leaves the
-others waiting in silence. Like Horovod's stall inspector, every wait on a
-``Communicator`` is polled, and one that lasts ``HPCPAR_STALL_S`` seconds (default 60;
-0 turns the watchdog off) starts a census:
-
-- Collectives are numbered per communicator. Ranks call them in the same order, so
-  "collective #k" means the same call everywhere. A rank stalled in #k tells every other
-  rank of the communicator so (a two-number message on a reserved tag), and a rank that
-  hears of it while it is itself waiting answers with its own position at once.
-- After a short grace for the answers, the lowest rank that has arrived prints one report:
-  the operation, the communicator, who has arrived, and for each rank that has not, where
-  it was last heard of (in an earlier stall) or that nothing was heard (it is computing,
-  or waiting on another communicator).
-- A point-to-point wait needs no census: it names the peer it waits for.
-
-The report repeats every ``HPCPAR_STALL_S`` while the wait goes on. With
-``HPCPAR_STALL_ABORT_S`` set, a wait that lasts that long raises ``StallError`` with the
-report, which fail-fast turns into an abort of the whole job.
-
-A rank whose program has ended (``sys.exit(1)`` on one rank of a plain script) blocks in
-``MPI_Finalize`` and would never answer. With ``answer_at_exit`` (``hpcpar.init`` with fail-fast)
-it first waits in an exit barrier of its own, answering every census with "left after
-collective #N"; a rank stalled in a later collective of that communicator raises ``PeerLeft``
-when that answer comes (its census starts at ``HPCPAR_STALL_S``): the collective can never
-complete, so fail-fast aborts the job. A point-to-point wait that lasts ``HPCPAR_STALL_S`` asks
-its peer the same question, and raises ``PeerLeft`` when the peer answers that it has left.
-
-Waiting costs nothing extra until the first check (a clock read per poll); the census only
-ever runs in a wait that has already lasted a second. Blocking object calls (``*_object``,
-pickled) are not watched.
+others waiting in silence. Like Horovod's stall inspector, every wait on a ``Communicator``
+is polled, and one that lasts ``HPCPAR_STALL_S`` seconds (default 60; 0 turns the watchdog
+off) starts a census of where each rank is, which the lowest rank that has arrived reports,
+again every ``HPCPAR_STALL_S``; with ``HPCPAR_STALL_ABORT_S`` set, a wait that lasts that long
+raises ``StallError``, which fail-fast turns into an abort of the job. A rank whose program has
+ended answers censuses from its exit (``answer_at_exit``), so a rank stalled on it raises
+``PeerLeft``. docs/architecture.md ("The stall watchdog"): the census, the report, the exit.
 """
 from __future__ import annotations
 

@@ -1,20 +1,17 @@
 """Communication as differentiable ops (Megatron-LM's ``mappings.py``): tensor and sequence parallelism.
 
 Each op takes the tensor-parallel communicator as an argument and returns its input unchanged
-when the group has one rank (or is None):
+when the group has one rank (or is None); the sharded layers built on them are in
+``hpcpar.nn.tensor_parallel``:
 
     copy_to_tp       identity forward, all-reduce (sum) backward   -- entering a parallel region
     reduce_from_tp   all-reduce (sum) forward, identity backward   -- leaving it
     scatter_to_tp    keep this rank's slice of the last axis; all-gather backward
     gather_from_tp   all-gather along the last axis; keep the slice backward
 
-Sequence parallelism (Korthikanti et al., 2022) splits the activations outside the sharded
-regions (norms, dropout, residual adds) along the sequence: each all-reduce becomes a
-reduce-scatter leaving a sharded region and an all-gather entering the next
-(``gather_sequence``, ``reduce_scatter_sequence``), the same bytes, while those activations
-take 1/tp of the memory. ``enter_tp``/``leave_tp`` pick the pair a layer needs.
-
-The sharded layers built on these live in ``hpcpar.nn.tensor_parallel``.
+Sequence parallelism (Korthikanti et al., 2022) replaces each all-reduce by a reduce-scatter and an
+all-gather along the sequence (``gather_sequence``, ``reduce_scatter_sequence``, below);
+``enter_tp``/``leave_tp`` pick the pair a layer needs.
 """
 from __future__ import annotations
 
@@ -93,6 +90,8 @@ def _gather_last(x, comm):
 
 # Sequence parallelism: outside the sharded regions (norms, dropout, residual adds) each tp
 # rank holds a slice of the sequence, (B, T/tp, C), instead of the whole replicated activation.
+# Each all-reduce becomes a reduce-scatter leaving a sharded region and an all-gather entering
+# the next: the same bytes, while those activations take 1/tp of the memory.
 def _sequence_first(x):
     """(B, T, ...) -> (T, B, ...) contiguous: MPI's reduce-scatter and all-gather split the first axis."""
     return get_array_module(x).ascontiguousarray(x.swapaxes(0, 1))

@@ -1,9 +1,9 @@
-"""Parameter server: server ranks hold the parameters in shards and run the optimizer on them;
-worker ranks compute gradients, push them to the servers and pull fresh parameters.
+"""Parameter server: the last S ranks of the world hold the parameters in shards and run the
+optimizer on them; the first W = N - S (the workers) compute gradients, push them and pull fresh
+parameters. Here: its construction and the worker side (``server``: the server's loop; ``protocol``:
+the messages; docs/architecture.md, "The parameter server": the design). Data parallel, one dtype.
 
-    mpiexec -n 4 python train.py               # 3 workers (ranks 0, 1, 2) + 1 server (rank 3)
-
-    ctx = hpcpar.init()                         # the whole world
+    ctx = hpcpar.init()                         # mpiexec -n 4: workers 0, 1, 2 and server 3
     ps = ParameterServer(model.named_parameters(), ctx, AdamW, servers=1, staleness=0, lr=3e-4)
     ps.serve()                                  # server ranks: serve until every worker stopped
     if ps.is_worker:
@@ -12,54 +12,6 @@ worker ranks compute gradients, push them to the servers and pull fresh paramete
             model.loss(ids, targets).backward()
             ps.push_pull()                      # gradient slices out, fresh parameter slices in
     ps.shutdown()                               # workers: stop message, receive the final parameters
-
-Layout. Of a world of N ranks the **last S are servers** and ranks 0 .. W-1 (W = N - S) are
-workers, so the worker ranks are exactly the first W ranks of an ordinary data-parallel run.
-The parameters, flattened end to end in named order, are cut into S contiguous ranges whose
-sizes differ by at most one element (``shard_ranges``): every server receives, updates and
-sends the same number of bytes, so no single server is the bottleneck. Each server keeps its
-range as one flat Parameter and runs its own instance of the optimizer on it (Adam's moments
-exist only there). All ranks start from world rank 0's parameters (one broadcast).
-
-Messages (point-to-point on a private duplicate of the world communicator, every one counted
-in ``ps.comm.stats``): a push is a header ``[kind, step, version read, lr]`` (float64) and the
-gradient slice; a reply is ``[version]`` (int64) and the parameter slice (in the parameters'
-dtype). The learning rate
-travels with each push, so a schedule on the workers drives ``ps.lr`` (``WarmupCosine(ps, ...)``
-works on a worker: it only reads and sets ``lr``).
-
-Consistency, per server (``staleness``: 0 synchronous, s >= 1 asynchronous with a bound on how
-far a worker may run ahead, each update logged in ``update_log``): ``server``, which serves it.
-
-Shutdown. ``shutdown()`` on a worker sends every server a stop header and receives the final
-parameters (sent once *all* workers have stopped), so every worker ends with the same, final
-model, also after asynchronous training. A server's loop ends when every worker has stopped.
-A worker that raises ends the job through hpcpar's fail-fast (``hpcpar.runtime.failfast``): the
-abort kills the servers too, wherever they are waiting. Servers wait by polling with the
-communicator's wait policy (``yield`` sleeps between polls), so an oversubscribed node keeps
-its cores for the workers.
-
-Mixed precision (``master_dtype``, e.g. float32 for a bfloat16 or float16 model): the servers
-keep their range as float32 masters (the model's values upcast) and step those; a worker runs
-backward seeded with its loss scale (``backward``; ``scaler``: a ``DynamicLossScaler`` for
-float16, None for bfloat16), unscales its gradients into a float32 buffer and pushes that; the
-servers reply with their masters cast to the model's dtype. A push whose loss or gradient is not
-finite is marked in its header's kind (``KIND_PUSH_NONFINITE``, the gradient still travels, so
-the message pattern is the same): a synchronous server then skips the whole round (no step, no
-new version; every server sees the same marks, so all skip), an asynchronous one drops that push
-alone. Synchronous workers agree on the mark first (a max over the workers), so their loss
-scalers stay in step; an asynchronous worker's scaler follows its own pushes. ``push_pull``
-returns whether the step counts as taken, and ``skipped_steps`` counts the others.
-
-Checkpoints. A worker's ``save_checkpoint(step, write)`` sends every server a save request,
-then runs ``write`` (a collective ``checkpoint.save`` over the world, with this object as the
-optimizer). A server joins once every active worker has asked, by calling ``on_save(step)``:
-the servers write their ranges of the parameters (the masters, under mixed precision) and their
-optimizer state as slabs of the global tensors (``checkpoint_pieces``), so the checkpoint loads
-into any layout or mode; at a load servers read their ranges straight into their shards and
-workers the whole model into theirs.
-
-Limits: pure data parallelism (pp = tp = 1), one parameter dtype.
 """
 from __future__ import annotations
 
@@ -106,7 +58,8 @@ class ParameterServer(ServerSide, Checkpointable):
     ``params``: ``model.named_parameters()`` on every rank (servers use only the shapes and
     rank 0's values); ``ctx``: the world's ParallelContext; ``optimizer_class`` and
     ``optimizer_options``: any hpcpar optimizer, instantiated on each server for its shard.
-    ``master_dtype`` (None: the parameters' own) and ``scaler``: mixed precision (module docstring).
+    ``master_dtype`` (None: the parameters' own) and ``scaler``: mixed precision
+    (docs/architecture.md, "The parameter server").
     """
 
     def __init__(self, params, ctx, optimizer_class, servers: int = 1, staleness: int = 0,

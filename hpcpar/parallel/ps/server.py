@@ -2,27 +2,12 @@
 that answers the workers' pushes and pulls until every worker has stopped (``serve``), the
 optimizer step on the server's range, the replies and the checkpoint a server joins.
 
-Consistency, per server (``version`` counts the updates a server has applied):
-
-- ``staleness=0`` — **synchronous**: a server waits for every worker's gradient of version v,
-  averages them (worker order, so the sum is deterministic), takes one optimizer step with the
-  lr of the lowest-ranked worker (all workers run the same schedule), and answers every pull
-  with version v+1. This is data parallelism with an all-reduce mean and
-  the same optimizer (equal in float64 to ~1e-16; tests check 1e-10). With
-  ``max_grad_norm`` the averaged gradient is clipped by its global norm (the servers complete
-  the norm among themselves), as DDP + ``clip_grad_norm`` does.
-- ``staleness=s >= 1`` — **asynchronous, bounded staleness**: a server applies each worker's
-  gradient as it arrives, **scaled by 1/W** (so with plain SGD a round of W pushes moves the
-  parameters as one synchronous step would; with Adam each push is a full Adam step, nearly
-  scale-free, so W pushes take W steps of size ~lr), and increments its version. The bound is
-  enforced on the server: a worker's pull for its step k is answered only when the slowest
-  active worker has completed at least k - s steps (a worker that stopped no longer counts).
-  So no worker computes on parameters more than s steps ahead of the slowest one. In versions,
-  the updates slipped in between a worker's read and its push are then at most
-  (W - 1)(2s + 1). ``max_grad_norm`` clips each worker's own gradient before it is pushed.
-
-Every update is logged on its server (``update_log``: worker, step, version read, version,
-staleness in versions, lead in steps over the slowest worker at read time).
+``staleness=0`` is synchronous (one averaged step per round: data parallelism), ``staleness=s >= 1``
+asynchronous with bounded staleness (each push applied as it arrives, scaled by 1/W; no worker more
+than s steps ahead of the slowest): docs/architecture.md, "The parameter server". ``version``
+counts the updates a server has applied; every update is logged on its server (``update_log``:
+worker, step, version read, version, staleness in versions, lead in steps over the slowest worker
+at read time).
 """
 from __future__ import annotations
 

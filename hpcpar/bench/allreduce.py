@@ -6,43 +6,10 @@ All sides run in the same processes on the same MPI library: the C loops come fr
 ``libhpcpar_native.so`` (built by CMakeLists.txt, on first use if missing) called through
 ctypes with this communicator. Each size is timed C, mpi4py, hpcpar, ... in turn over
 several rounds and the medians are compared, so drift on a shared machine hits all alike.
-A time is the mean of back-to-back calls after a barrier, on the slowest rank.
-
-**Same call** (the first table): each column group issues one kind of call on every side,
-float32 sums of the same bytes:
-
-- *in place*: ``MPI_Allreduce(MPI_IN_PLACE, buf)``; mpi4py ``Allreduce(IN_PLACE, buf)``;
-  hpcpar ``allreduce(buf, out=buf)`` configured to block (wait "spin", no watchdog);
-- *out of place*: ``MPI_Allreduce(send, recv)``; mpi4py ``Allreduce(send, recv)``; hpcpar
-  ``allreduce(send, out=recv)`` as configured by default (a copy, then its in-place call);
-- *polled*: ``MPI_Iallreduce(MPI_IN_PLACE, buf)`` then ``MPI_Test`` until done; the same
-  from mpi4py; hpcpar ``iallreduce(buf, out=buf).wait()`` (its non-blocking path, DDP's).
-
-The wait setting is the same on every side: under ``--wait yield`` (the default when ranks
-outnumber CPUs) MPICH's blocking waits sleep (its progress throttle, set through MPI_T for
-the whole process, so C's, mpi4py's and hpcpar's blocking calls alike), and every polled
-loop pauses between polls as hpcpar's yield policy does (sched_yield for 2 ms, then 50 us
-sleeps, written out in C too); under ``spin`` everything spins. The mpi4py columns are
-what a user without hpcpar gets.
-
-**Shared memory** (the second table, hpcpar.runtime.shm): hpcpar's all-reduce with the
-shared-memory path on (the world communicator of ``init``, its wait policy and watchdog),
-next to MPICH's in-place call (C) and to hpcpar's own in-place call with the path off (the
-same settings):
-
-- *shm*: the buffer lives in the node's window (``shared_zeros``, as DDP's buckets and
-  ZeRO's flat buffers do) and is reduced where it lies: no copy in or out;
-- *copy-in*: a plain array, copied into the window's scratch buffer and back (what
-  tensor-parallel activations get; up to ``MAX_COPY_BYTES``, above it MPI's call).
-
-Under ``MIN_BYTES`` hpcpar hands both to MPI (path "MPI"), so there the columns time
-hpcpar's MPI call with the path's size check in front. The path's bound is the memory:
-each rank reads the node's slices of its part and writes its part into every buffer, the
-traffic of one copy of the buffer per rank, so the table also times ``numpy.copyto`` of the
-same bytes on every rank at once and gives the bus bandwidth an all-reduce at that copy's
-speed would have ("busbw memcpy").
-
-Bus bandwidth = bytes x 2(n-1)/n / time (the OSU/NCCL-tests convention).
+A time is the mean of back-to-back calls after a barrier, on the slowest rank. The first
+table sets the same call side by side (``same_call_row``: in place, out of place, polled), the
+second hpcpar's shared-memory path against MPICH's in-place call and a memory copy
+(``shm_row``). Bus bandwidth = bytes x 2(n-1)/n / time (the OSU/NCCL-tests convention).
 """
 from __future__ import annotations
 
@@ -159,6 +126,23 @@ def measure(ctx, lib, nbytes: int, rounds: int, polite: bool) -> tuple[dict, boo
 
 
 def same_call_row(nbytes: int, t: dict) -> list:
+    """The first table's row: each column group issues one kind of call on every side, float32
+    sums of the same bytes:
+
+    - *in place*: ``MPI_Allreduce(MPI_IN_PLACE, buf)``; mpi4py ``Allreduce(IN_PLACE, buf)``;
+      hpcpar ``allreduce(buf, out=buf)`` configured to block (wait "spin", no watchdog);
+    - *out of place*: ``MPI_Allreduce(send, recv)``; mpi4py ``Allreduce(send, recv)``; hpcpar
+      ``allreduce(send, out=recv)`` as configured by default (a copy, then its in-place call);
+    - *polled*: ``MPI_Iallreduce(MPI_IN_PLACE, buf)`` then ``MPI_Test`` until done; the same
+      from mpi4py; hpcpar ``iallreduce(buf, out=buf).wait()`` (its non-blocking path, DDP's).
+
+    The wait setting is the same on every side: under ``--wait yield`` (the default when ranks
+    outnumber CPUs) MPICH's blocking waits sleep (its progress throttle, set through MPI_T for
+    the whole process, so C's, mpi4py's and hpcpar's blocking calls alike), and every polled
+    loop pauses between polls as hpcpar's yield policy does (sched_yield for 2 ms, then 50 us
+    sleeps, written out in C too); under ``spin`` everything spins. The mpi4py columns are
+    what a user without hpcpar gets.
+    """
     row = [human_bytes(nbytes)]
     for call in CALLS:
         c, mpi4py, hpcpar = t[("C", call)], t[("mpi4py", call)], t[("hpcpar", call)]
@@ -172,6 +156,22 @@ SHM_HEADERS = ["size", "path", "MPICH in-place us", "hpcpar MPI us", "shm us", "
 
 
 def shm_row(nbytes: int, t: dict, took_shm: bool, ranks: int) -> list:
+    """The second table's row (``runtime.shm``): hpcpar's all-reduce with the shared-memory path on
+    (the world communicator of ``init``, its wait policy and watchdog), next to MPICH's in-place
+    call (C) and to hpcpar's own in-place call with the path off (the same settings):
+
+    - *shm*: the buffer lives in the node's window (``shared_zeros``, as DDP's buckets and
+      ZeRO's flat buffers do) and is reduced where it lies: no copy in or out;
+    - *copy-in*: a plain array, copied into the window's scratch buffer and back (what
+      tensor-parallel activations get; up to ``MAX_COPY_BYTES``, above it MPI's call).
+
+    Under ``MIN_BYTES`` hpcpar hands both to MPI (path "MPI"), so there the columns time
+    hpcpar's MPI call with the path's size check in front. The path's bound is the memory:
+    each rank reads the node's slices of its part and writes its part into every buffer, the
+    traffic of one copy of the buffer per rank, so the table also times ``numpy.copyto`` of the
+    same bytes on every rank at once and gives the bus bandwidth an all-reduce at that copy's
+    speed would have ("busbw memcpy").
+    """
     c, hpcpar, window = t[("C", "in place")], t[("hpcpar", "MPI path")], t[("shm", "window")]
     copy_in, copy = t[("shm", "copy")], t[("memory", "copy")]
     return [human_bytes(nbytes), "shm" if took_shm else "MPI", c * 1e6, hpcpar * 1e6, window * 1e6, window / c,

@@ -3,32 +3,14 @@ training the same small GPT, with one worker slowed down.
 
     mpiexec -n 4 hpcpar bench async [--slow-rank 1] [--slow-factor 3] [--steps 40] [--batch 8] [--rotate]
 
-Every mode trains GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128) in
-float32 with AdamW on byte-level text (the Python standard library's sources), ``--steps``
-steps per worker of ``--batch`` windows each, from the same initial parameters. World rank
-``--slow-rank`` is the straggler: after each forward and backward it sleeps ``slow-factor - 1``
-times the CPU time that compute just took (CPU, not wall time: on an oversubscribed node the
-wall time grows with the other ranks' load, and a sleep in proportion to it would amplify
-whatever contention a mode happens to cause). With ``--rotate`` the straggler role moves on to
-the next worker every step (worker ``(slow-rank + step) % W`` is slow), the transient slowness
-that bounded staleness is made for. Each rank uses one BLAS thread. Modes, in this order:
-
-- ``allreduce``: DistributedDataParallel over all N ranks (the baseline of the speed column);
-- ``allreduce (W)``: the same over the first W = N - servers ranks only, the like-for-like
-  baseline of the parameter-server rows (the others wait);
-- ``ps sync``, ``ps async s=1``, ``ps async s=4``: W workers and ``--servers`` server ranks;
-- ``local SGD H=4``, ``local SGD H=16``: all N ranks, parameters averaged every H steps.
-
-Columns: the wall time until every worker has finished its steps (and the final parameter
-pull or average); speed relative to ``allreduce``; the loss of the final parameters on a
-fixed held-out batch (text after the training part) and the training loss averaged over the
-workers' last 5 steps; the largest staleness a server saw (versions applied between a read
-and its push) and the largest lead (steps ahead of the slowest worker, at most s); and the
-share of the time workers spent computing (the rest is waiting and communicating).
-
-A persistent straggler gates every mode: bounded staleness lets the fast workers run at most
-s steps ahead, so with a fixed step count per worker the asynchronous rows mostly show the
-waiting moved, not removed; they gain where the slowness comes and goes (``--rotate``).
+Every mode (``mode_specs``) trains GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4,
+n_embd=128) in float32 with AdamW on byte-level text (the Python standard library's sources),
+``--steps`` steps per worker of ``--batch`` windows each, from the same initial parameters, one
+BLAS thread per rank. World rank ``--slow-rank`` is the straggler (``run_mode``); with
+``--rotate`` the role moves on to the next worker every step. A persistent straggler gates every
+mode: bounded staleness lets the fast workers run at most s steps ahead, so with a fixed step
+count per worker the asynchronous rows mostly show the waiting moved, not removed; they gain
+where the slowness comes and goes (``--rotate``). The columns: ``run``.
 """
 from __future__ import annotations
 
@@ -54,6 +36,14 @@ TAIL_STEPS = 5
 
 
 def mode_specs(servers: int) -> list[dict]:
+    """The modes, in this order:
+
+    - ``allreduce``: DistributedDataParallel over all N ranks (the baseline of the speed column);
+    - ``allreduce (W)``: the same over the first W = N - servers ranks only, the like-for-like
+      baseline of the parameter-server rows (the others wait);
+    - ``ps sync``, ``ps async s=1``, ``ps async s=4``: W workers and ``--servers`` server ranks;
+    - ``local SGD H=4``, ``local SGD H=16``: all N ranks, parameters averaged every H steps.
+    """
     return [
         {"label": "allreduce", "mode": "allreduce"},
         {"label": "allreduce (W)", "mode": "allreduce", "subset": True},
@@ -78,7 +68,14 @@ def bench_model(seed: int) -> GPT:
 
 
 def run_mode(spec: dict, world_ctx, args, train_tokens, held_out) -> dict | None:
-    """Train with one mode on every rank; rank 0 returns the row's numbers."""
+    """Train with one mode on every rank; rank 0 returns the row's numbers.
+
+    The straggler sleeps, after each forward and backward, ``slow-factor - 1`` times the CPU time
+    that compute just took (CPU, not wall time: on an oversubscribed node the wall time grows with
+    the other ranks' load, and a sleep in proportion to it would amplify whatever contention a
+    mode happens to cause). With ``--rotate`` worker ``(slow-rank + step) % W`` is slow: the
+    transient slowness that bounded staleness is made for.
+    """
     world = world_ctx.world
     workers = world.size - args.servers
     ctx = world_ctx
@@ -142,6 +139,13 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
+    """Every mode in turn; rank 0 prints the table. Columns: the wall time until every worker has
+    finished its steps (and the final parameter pull or average); speed relative to
+    ``allreduce``; the loss of the final parameters on a fixed held-out batch (text after the
+    training part) and the training loss averaged over the workers' last 5 steps; the largest
+    staleness a server saw (versions applied between a read and its push) and the largest lead
+    (steps ahead of the slowest worker, at most s); and the share of the time workers spent
+    computing (the rest is waiting and communicating)."""
     world_ctx = init(device="cpu")
     size = world_ctx.world_size
     workers = size - args.servers

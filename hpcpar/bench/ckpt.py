@@ -2,30 +2,15 @@
 
     mpiexec -n 4 hpcpar bench ckpt [--dir DIR] [--repeats 3] [--zero]
 
-Every rank builds the GPT of ``hpcpar bench dp`` with AdamW state from one step (sharded
-over the ranks by ZeRO-1 with ``--zero``), then, ``--repeats`` times:
-
-- **save**: ``hpcpar.checkpoint.save`` (shard files, fsync, index.h5, manifest, atomic commit);
-- **async save**: the same with ``asynchronous=True``: how long training is blocked (the
-  snapshot to host memory, in ms), and the background write's own time (the writer
-  thread joined at once), next to the raw write;
-- **raw write**: each rank writes as many bytes as its shard file holds into its own file
-  with ``ndarray.tofile`` and fsyncs it: the file system's speed for the same bytes;
-- **load**: ``hpcpar.checkpoint.load`` (each rank checks the CRC-32 of its share of the MiBs
-  it reads, from the file's pages in the page cache, and once every rank has checked, copies
-  the pieces into the model's and the optimizer's existing arrays);
-- **raw read**: each rank reads as many bytes of the raw files (its own first) into an
-  existing buffer of that size with ``preadv``: the same operation, reading into memory
-  that was written before. A second table gives the earlier baseline, ``np.fromfile`` into
-  new memory per file (freed at once, so the next file reuses it: at 37 MiB that memory is
-  half the bytes and stays in the cache; at 652 MiB it is slower than the read into existing memory).
-
-Each time runs from a barrier to the slowest rank's finish; the table shows medians.
-Bandwidths divide the checkpoint's shard bytes by the time. Reads come from the page cache
-(the files were just written and nothing is dropped), so the load row measures checksums
-and copies rather than the disk. Without ``--zero`` every rank is a replica: each
-tensor is written once (by the lowest rank holding it) but every rank reads all of it back.
-The files go to a fresh folder under ``--dir`` (default: the system temp folder), removed at the end.
+Every rank builds the GPT of ``hpcpar bench dp`` with AdamW state from one step (sharded over the
+ranks by ZeRO-1 with ``--zero``), then times, ``--repeats`` times, a save, an asynchronous save, a
+raw write, a load and a raw read (``measure``). Each time runs from a barrier to the slowest
+rank's finish; the table shows medians. Bandwidths divide the checkpoint's shard bytes by the
+time. Reads come from the page cache (the files were just written and nothing is dropped), so
+the load row measures checksums and copies rather than the disk. Without ``--zero`` every rank
+is a replica: each tensor is written once (by the lowest rank holding it) but every rank reads
+all of it back. The files go to a fresh folder under ``--dir`` (default: the system temp
+folder), removed at the end.
 """
 from __future__ import annotations
 
@@ -127,6 +112,23 @@ def async_save(root: str, step: int, model, optimizer, ctx) -> tuple[float, floa
 
 
 def measure(ctx, folder: str, repeats: int, zero: bool, device: str, config=BENCH_CONFIG) -> dict:
+    """Every row's times, ``repeats`` times:
+
+    - **save**: ``hpcpar.checkpoint.save`` (shard files, fsync, index.h5, manifest, atomic commit);
+    - **async save**: the same with ``asynchronous=True``: how long training is blocked (the
+      snapshot to host memory, in ms), and the background write's own time (the writer thread
+      joined at once), next to the raw write;
+    - **raw write**: each rank writes as many bytes as its shard file holds into its own file
+      with ``ndarray.tofile`` and fsyncs it: the file system's speed for the same bytes;
+    - **load**: ``hpcpar.checkpoint.load`` (each rank checks the CRC-32 of its share of the MiBs
+      it reads, from the file's pages in the page cache, and once every rank has checked, copies
+      the pieces into the model's and the optimizer's existing arrays);
+    - **raw read**: each rank reads as many bytes of the raw files (its own first) into an
+      existing buffer of that size with ``preadv``: the same operation, reading into memory that
+      was written before. A second table gives another baseline, ``np.fromfile`` into new memory
+      per file (freed at once, so the next file reuses it: at 37 MiB that memory is half the
+      bytes and stays in the cache; at 652 MiB it is slower than the read into existing memory).
+    """
     comm = ctx.world.mpi
     model, optimizer = build(ctx, zero, device, config)
     root = os.path.join(folder, "ckpt")

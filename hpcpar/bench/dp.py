@@ -6,19 +6,9 @@ For groups of 1, 2, 4 ... ranks (sub-communicators of the world; ranks outside t
 wait at a barrier) each rank trains the GPT of ``hpcpar bench step`` on its own batch
 (weak scaling: the global batch grows with the ranks), once with the buckets all-reduced
 by MPI and once with them in the node's shared-memory window (hpcpar.runtime.shm; path
-"shm"), and the run reports, as medians:
-
-- **sync**: the gradient synchronisation without overlap (all buckets all-reduced after
-  backward, timed from a barrier) next to **raw**: one all-reduce of a single flat buffer of
-  the same bytes by plain mpi4py, issued and waited for as hpcpar's MPI path does under the
-  same wait policy (``Iallreduce`` in place, polled with ``Test``, pausing between polls
-  under "yield"), timed in the same steps right after it;
-- **exposed**: with overlap on, the synchronisation the step cannot hide. No barrier
-  separates backward from ``finish_grad_sync`` (one would advance the buckets in flight):
-  each rank times from the end of its own backward to its last bucket's completion, and
-  the rank that finished backward last waits least, so the minimum over ranks is the
-  synchronisation left on the critical path; the hidden share is ``1 - exposed / sync``;
-- the step time (forward, backward, synchronisation with overlap, AdamW) per group size.
+"shm"), and the run reports, as medians, the synchronisation without overlap next to a raw
+mpi4py all-reduce of the same bytes, the synchronisation overlap leaves exposed, and the step
+time (forward, backward, synchronisation with overlap, AdamW) per group size (``group_row``).
 """
 from __future__ import annotations
 
@@ -85,7 +75,20 @@ def measure(ctx, batch: int, steps: int, bucket_mb: float, overlap: bool, seed: 
 
 
 def group_row(group: MPI.Comm, shm: bool, args) -> list:
-    """One table row (without the weak efficiency): this group of ranks, its buckets by MPI or in the window."""
+    """One table row (without the weak efficiency): this group of ranks, its buckets by MPI or in the window.
+
+    - **sync**: the gradient synchronisation without overlap (all buckets all-reduced after
+      backward, timed from a barrier) next to **raw**: one all-reduce of a single flat buffer of
+      the same bytes by plain mpi4py, issued and waited for as hpcpar's MPI path does under the
+      same wait policy (``Iallreduce`` in place, polled with ``Test``, pausing between polls
+      under "yield"), timed in the same steps right after it;
+    - **exposed**: with overlap on, the synchronisation the step cannot hide. No barrier
+      separates backward from ``finish_grad_sync`` (one would advance the buckets in flight):
+      each rank times from the end of its own backward to its last bucket's completion, and
+      the rank that finished backward last waits least, so the minimum over ranks is the
+      synchronisation left on the critical path; the hidden share is ``1 - exposed / sync``;
+    - the step time (forward, backward, synchronisation with overlap, AdamW).
+    """
     ctx = init(comm=group, shm=shm)
     no_overlap = measure(ctx, args.batch, args.steps, args.bucket_mb, overlap=False)
     overlap = measure(ctx, args.batch, args.steps, args.bucket_mb, overlap=True)

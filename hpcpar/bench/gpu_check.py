@@ -3,24 +3,14 @@
     python -m hpcpar.bench.gpu_check [--report gpu-check-report.md] [--budget 450]
 
 It needs the system Python with CuPy, torch, mpi4py, h5py (pytest and pytest-mpi for the test
-matrix) and NCCL; no network. Without ``mpiexec`` it looks for MPICH and mpi4py wheels in
-``.whl/`` and installs them into ``.gpu-venv`` (system site packages visible). Parts, each under
-its own time limit and all within ``--budget`` seconds (``make gpu-check`` kills it at 8 minutes):
-
-1. probe: CuPy, GPUs, NCCL, MPI library, CUDA-aware MPI, torch CUDA. Without a usable GPU it
-   writes "no GPU: <reason>" and exits 0 (1 when CuPy is installed but fails to import);
-2. matrix: the GPU tests (``tests/test_nccl_gpu.py``) at 1 and 2 ranks on one GPU for each
-   backend: MPI staged through host memory, CUDA-aware MPI (when the library is), NCCL (two
-   ranks need two GPUs: NCCL refuses two ranks of one communicator on one device);
-3. step: a GPT training step on the GPU in fp32, bf16 and fp16, hpcpar (CuPy) against PyTorch
-   CUDA on the same model and batch: ms/step, tokens/s, ratio (medians);
-4. bandwidth: all-reduce bus bandwidth per backend from 8 B to 256 MiB at 2 ranks (1 for NCCL
-   on one GPU, where only the algorithm bandwidth means anything);
-5. checkpoint: a GPT's parameters and AdamW state on the device saved and loaded back, equal.
-
-The report (Markdown, docs/gpu.md describes it) holds every table and the commands; the summary
-printed at the end has one line per part. Parts fail independently: a failing part is reported
-and the next one runs.
+matrix) and NCCL; no network (without ``mpiexec`` it installs the MPICH and mpi4py wheels of
+``.whl/`` into ``.gpu-venv``). Parts, each under its own time limit and all within ``--budget``
+seconds (``make gpu-check`` kills it at 8 minutes): 1. probe (without a usable GPU it writes "no
+GPU: <reason>" and exits 0, 1 when CuPy is installed but fails to import); 2. matrix (the GPU
+tests at 1 and 2 ranks per backend); 3. step (a GPT training step in fp32, bf16 and fp16 against
+PyTorch CUDA); 4. bandwidth (all-reduce per backend, 8 B to 256 MiB); 5. checkpoint (device
+arrays saved and loaded back, equal). Parts fail independently: a failing part is reported and
+the next one runs. docs/gpu.md ("make gpu-check") describes each part, the report and the summary.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Gradient compression for data parallelism, as pluggable bucket hooks.
 
-A compressor's ``start(comm, bucket)`` begins averaging ``bucket.flat`` over ``comm`` and
-returns something whose ``wait()`` gives the averaged flat buffer. A linear compressor sets
-``sums_prescaled``: data parallelism then copies each gradient into the bucket already divided
-by the number of ranks (one pass it makes anyway), and the compressor only has to sum — no
-extra pass over the buffer to divide. Compressors with error feedback see raw gradients. Each compressor counts
-``bytes_sent`` (what this rank put on the wire) next to ``bytes_uncompressed`` (what a
-plain all-reduce would have sent), so runs can report the saving.
+A compressor's ``start(comm, bucket)`` begins averaging ``bucket.flat`` over ``comm`` and returns
+something whose ``wait()`` gives the averaged flat buffer. It counts ``bytes_sent`` (what this rank
+put on the wire) next to ``bytes_uncompressed`` (a plain all-reduce's), to report the saving.
 
 - ``NoCompression``: the exact mean, non-blocking, overlapped with backward.
 - ``FP16Compression``: cast to float16 for the wire (half the bytes), non-blocking.
@@ -14,7 +10,6 @@ plain all-reduce would have sent), so runs can report the saving.
   all-gather; with error feedback the rest is remembered and added to the next step.
 - ``PowerSGDCompression``: rank-r factors P, Q of each matrix gradient (Vogels et al. 2019)
   with error feedback; vectors and small matrices go uncompressed.
-
 Top-k and PowerSGD communicate when the bucket is launched (still during backward) but
 with blocking calls: their second round depends on the first.
 """
@@ -55,7 +50,11 @@ class _Finish:
 
 class Compressor(ABC):
     name = "none"
-    sums_prescaled = False  # True: bucket.flat holds gradient / ranks, and start() sums it
+    # True (a linear compressor): bucket.flat holds gradient / ranks, and start() sums it. Data
+    # parallelism copies each gradient into the bucket already divided by the number of ranks (one
+    # pass it makes anyway), so the compressor only has to sum: no extra pass to divide. Compressors
+    # with error feedback see raw gradients.
+    sums_prescaled = False
     carries_state = False  # True: what a step leaves behind changes the next (state_arrays)
     # True: what it sends of an entry depends on the bucket's other entries (top-k ranks them all).
     # Then ranks holding the same parameters (tensor-parallel replicas) must bucket them alike.

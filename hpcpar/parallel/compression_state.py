@@ -5,14 +5,13 @@ carries its own from step to step. They are saved as this rank's row of a tensor
 array, ``compression/<compressor>/<name>/<D>x<P>x<T>.pp<p>.tp<t>/<shape>`` of global shape
 (D, *shape): the layout dp x pp x tp and this rank's place in it. A load takes this rank's rows
 back only when the checkpoint holds, under its layout and place, exactly the names and shapes
-its compressor will carry for its own buckets (``Compressor.state_shapes``): a run that resumes
-in the same layout reads exactly its row back (then bitwise the uninterrupted run); one in
-another layout, or with other buckets (another ``bucket_mb``, another partition), takes none of
-it, and its compressor starts afresh, which the load logs. With ``saved=False``
-(``checkpoint.compression_state = false``: the state is about one float32 copy of the gradients
-per dp replica) checkpoints leave it out, and every load starts it afresh and logs that.
-State in bfloat16 (top-k's residuals under bf16), which HDF5 cannot store, is saved as float32
-(exactly), with a scalar ``<key>/bfloat16`` that has it read back into bfloat16.
+its compressor will carry for its own buckets (``Compressor.state_shapes``): in the same layout
+it reads exactly its row back (then bitwise the uninterrupted run); in another layout, or with
+other buckets (another ``bucket_mb``, another partition), its compressor starts afresh, which the
+load logs. With ``saved=False`` (``checkpoint.compression_state = false``: the state is about one
+float32 copy of the gradients per dp replica) checkpoints leave it out, and every load starts it
+afresh and logs that. State in bfloat16 (top-k's residuals under bf16), which HDF5 cannot store,
+is saved as float32 (exactly), with a scalar ``<key>/bfloat16`` that has it read back into bfloat16.
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Local SGD: every dp rank takes H optimizer steps on its own data, then the parameters are averaged.
 
-    model = GPT(config)
     optimizer = SGD(model.named_parameters(), lr=0.1)
     local = LocalSGD(model, ctx, optimizer, local_steps=4)   # broadcasts dp rank 0's parameters
     for step in range(steps):
@@ -8,26 +7,11 @@
         local.step()                                          # optimizer step; every 4th: average over dp
     local.shutdown()                                          # average once more if steps are pending
 
-Communication is one all-reduce (mean) of all parameters, flattened, over ``ctx.dp`` every H
-steps instead of one gradient all-reduce per step, so traffic falls by H. With
-``average_optimizer_state=True`` the optimizer's state arrays (momentum buffers, Adam's
-moments) are averaged in the same call; integer step counts are equal on every rank anyway.
-
-When does H = 1 equal synchronous data parallelism (DDP: mean gradient, one optimizer step)?
-Exactly when the optimizer's update is **linear in the gradient and its state**:
-
-- SGD with momentum 0 (and any L2 weight decay): mean_r(p - lr g_r) = p - lr mean_r(g_r);
-- SGD with momentum (or Nesterov) **and** ``average_optimizer_state=True``: the momentum buffers
-  b_r = mu b + g_r average to mu b + mean_r(g_r), the buffer DDP keeps;
-- **not** Adam/AdamW: the second moment v = b2 v + (1 - b2) g^2 is not linear in g, so the mean
-  of the ranks' updates differs from the update with the mean gradient, state averaged or not.
-
-The tests check the first two to 1e-10 in float64, and that AdamW indeed differs.
-
-Mixed precision: with ``amp`` (a ``MixedPrecision`` of the model, the optimizer built on its
-float32 masters) each local step unscales, clips and steps the masters, and an overflow skips
-this replica's step only: replicas step on their own until they average. The average is of
-the masters, copied back into the low-precision model.
+Communication is one all-reduce (mean) of all parameters, flattened, over ``ctx.dp`` every H steps
+where DDP makes one gradient all-reduce per step, so traffic falls by H. With
+``average_optimizer_state=True`` the optimizer's state arrays (momentum buffers, Adam's moments)
+are averaged in the same call; integer step counts are equal on every rank anyway. When H = 1
+equals DDP: docs/architecture.md, "Local SGD"; mixed precision: ``LocalSGD``.
 """
 from __future__ import annotations
 
@@ -39,7 +23,13 @@ from ..optim.clip import clip_grad_norm
 
 
 class LocalSGD:
-    """Wraps a model and its (ordinary, local) optimizer; ``step()`` after each backward."""
+    """Wraps a model and its (ordinary, local) optimizer; ``step()`` after each backward.
+
+    Mixed precision: with ``amp`` (a ``MixedPrecision`` of the model, the optimizer built on its
+    float32 masters) each local step unscales, clips and steps the masters, and an overflow skips
+    this replica's step only: replicas step on their own until they average. The average is of
+    the masters, copied back into the low-precision model.
+    """
 
     def __init__(self, model, ctx, optimizer, local_steps: int = 4, average_optimizer_state: bool = False,
                  max_grad_norm: float = 0.0, broadcast_parameters: bool = True, amp=None):

@@ -6,21 +6,12 @@ loss scaler (fp16) so is its scale, since each replica skips its own overflowing
 checkpoint's ``model/`` and ``optim/`` tensors hold one model, the average (a periodic
 checkpoint between averages saves the replicas' mean and leaves them as they are; a run that
 ends between averages averages first), and one replica's optimizer state. So each replica also
-saves what is its own as its row of a tensor of global shape (D, ...), D the number of replicas:
-
-- ``local_sgd/<D>/param/<name>``: its parameters (the masters under mixed precision), when the
-  checkpoint is taken between averages (periodic, or at the end of a run that stops there: a
-  signal, ``train.max_seconds``, a last step that is not a multiple of H, whose rows are its
-  values from before that last average);
-- ``local_sgd/<D>/optim/<name>/<key>``: its optimizer state, when that is its own (not
-  averaged, or taken between averages); an integer count is a row of one;
-- ``local_sgd/<D>/scaler``: its loss scale and clean-step count, under a dynamic loss scaler;
-- the scalar ``local_sgd/<D>/steps_since_average``.
-
-A run that resumes with D replicas takes its own rows back after the rest of the load, and its
-count of steps to the next average: it is then the uninterrupted run, bit for bit. With another
-number of replicas it starts from the average, one replica's optimizer state and a fresh count
-(which the load logs). A single replica saves no rows: it is the model.
+saves what is its own as its row of a tensor of global shape (D, ...), D the number of replicas
+(``LocalSGDReplicas.checkpoint_pieces``). A run that resumes with D replicas takes its own rows
+back after the rest of the load, and its count of steps to the next average: it is then the
+uninterrupted run, bit for bit. With another number of replicas it starts from the average, one
+replica's optimizer state and a fresh count (which the load logs). A single replica saves no
+rows: it is the model.
 """
 from __future__ import annotations
 
@@ -69,6 +60,17 @@ class LocalSGDReplicas(Checkpointable):
         return Piece(self.prefix + what, *row_of(self.ctx.dp_size, self.ctx.dp_rank, shape), values.reshape((1,) + shape))
 
     def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
+        """This replica's rows (a single replica saves none, only the count), D the number of replicas:
+
+        - ``local_sgd/<D>/param/<name>``: its parameters (the masters under mixed precision), when
+          the checkpoint is taken between averages (periodic, or at the end of a run that stops
+          there: a signal, ``train.max_seconds``, a last step that is not a multiple of H, whose
+          rows are its values from before that last average);
+        - ``local_sgd/<D>/optim/<name>/<key>``: its optimizer state, when that is its own (not
+          averaged, or taken between averages); an integer count is a row of one;
+        - ``local_sgd/<D>/scaler``: its loss scale and clean-step count, under a dynamic loss scaler;
+        - the scalar ``local_sgd/<D>/steps_since_average``.
+        """
         count = self.local.steps_since_average
         count, params, state = self.held or (count, [p.data for p in self._params()] if count else None, self._state())
         pieces = []

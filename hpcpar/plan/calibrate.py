@@ -8,15 +8,10 @@ softmax apart; convolutions, their products apart from their im2col copies), and
 elementwise family the model counts (``model.PASSES``); a rate per family is the least-squares
 fit of time = ops x op overhead + units / rate, units being what ``model`` counts for that op
 (FLOPs, or bytes moved). Then the calibration GPT and three variants of it fit the costs whole
-models add to their ops (``fit_model``). Then every group size 2..N times the
-collectives the engines call, on the same paths (tensor parallelism's plain all-reduce, DDP's
-bucket all-reduce on a shared buffer, ZeRO's reduce-scatter and all-gather, pipeline sends),
-and fits latency + wire bytes / bandwidth per collective and group size.
-
-Run on several nodes (one rank per node at least), it measures the inter-node link too
-(point-to-point and all-reduce between ranks on different nodes); on one node the inter-node
-link comes from ``--inter FILE`` (a machine file, e.g. one ``hpcpar bench net`` figures went
-into) or is taken equal to the intra-node one, and the file says so.
+models add to their ops (``fit_model``), its step k ranks at a time gives ``concurrency``, and
+every group size 2..N times the collectives the engines call, on the same paths, fitting latency
++ wire bytes / bandwidth per collective and group size; on several nodes the inter-node link too
+(else ``--inter FILE``, or the intra-node one). docs/planner.md, "Machine files": the details.
 """
 from __future__ import annotations
 

@@ -1,27 +1,16 @@
 """A machine file: what the cost model needs to know about the hardware, as TOML.
 
 Written by ``hpcpar plan calibrate`` (measured on this machine) or by hand for hardware one
-cannot run on (``hpcpar/plan/machines/*.toml``: cluster nodes from their public specifications).
-
-    [machine]
-    name = "dgx-a100"
-    ranks_per_node = 8               # GPUs (or MPI ranks) per node
-    cores = 8                        # what runs at once per node; more ranks share it (oversubscription)
-    memory_gb = 80                   # per rank (GPU memory, or the node's memory / ranks)
-    overlap = 1.0                    # share of DDP bucket all-reduces hidden behind backward (0..1)
-    [compute.fp32]                   # per precision: achieved rates of the op families
-    gemm_flops = 19.5e12             # matrix products (FLOP/s)
-    attention_flops = ...            # the batched products inside attention (FLOP/s)
-    bandwidth = 2.0e12               # elementwise passes (B/s): default of every family below
-    op_overhead_s = 5e-6             # fixed cost of one op (kernel launch, Python dispatch)
-    micro_batch_overhead_s = 0.0     # fixed cost of one micro-batch through a stage (calls, loss, bookkeeping)
-    [compute.fp32.family_bandwidth]  # optional, per elementwise family (layernorm, gelu, softmax, ...)
-    [network.intra]                  # inside a node; [network.inter]: between nodes
-    latency_s = 3e-6
-    bandwidth = 300e9                # B/s per rank, the rate at which one rank's wire bytes move
-
-A hand-written file gives peak rates with an ``efficiency`` (``gemm_flops = 312e12`` and
-``efficiency = 0.5``); the loaded machine holds achieved rates (peak x efficiency).
+cannot run on (``hpcpar/plan/machines/*.toml``: cluster nodes from their public specifications);
+docs/planner.md ("Machine files") shows every key. ``[machine]``: ranks per node, cores (what
+runs at once per node; more ranks share it), memory per rank, the share of DDP's bucket
+all-reduces hidden behind backward (``overlap``); ``[compute.<precision>]``: achieved rates of
+the op families (matrix products and attention in FLOP/s, elementwise passes in B/s, optionally
+per family in ``family_bandwidth``) and the fixed costs of an op (kernel launch, Python dispatch)
+and of a micro-batch through a stage; ``[network.intra]``, ``[network.inter]``: latency and the
+rate at which one rank's wire bytes move. A hand-written file gives peak rates with an
+``efficiency`` (``gemm_flops = 312e12`` and ``efficiency = 0.5``); the loaded machine holds
+achieved rates (peak x efficiency).
 """
 from __future__ import annotations
 

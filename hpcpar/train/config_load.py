@@ -6,17 +6,12 @@ config.py; validation of the keys together: validate.py).
         print(job.describe())
 
 Checking happens in two steps, both pure functions of the file, the overrides and the world
-size, so every rank reaches the same verdict before any rank waits on another:
-
-- ``load_job``: TOML syntax (with the line), unknown sections and keys (with "did you
-  mean" and the allowed names), types, ranges and choices, and keys given a non-default
-  value where they have no effect (``parallel.staleness`` without ``mode = "ps"``).
-- ``validate``: what needs the keys together and the world size: the dp x pp x tp layout,
-  heads and vocabulary divisible by tp, batch divisible by dp and micro-batches, pipeline
-  stages versus layers, modes that exclude each other, the data file.
-
-Every problem is reported in one ``JobError`` (a ValueError) naming the file, the key
-(``parallel.tp``), the numbers and the fix; all problems of a step are listed at once.
+size, so every rank reaches the same verdict before any rank waits on another: ``load_job``, each
+key on its own, and ``validate``, what needs the keys together and the world size (the dp x pp x
+tp layout, heads and vocabulary divisible by tp, batch divisible by dp and micro-batches, pipeline
+stages versus layers, modes that exclude each other, the data file). Every problem is reported
+in one ``JobError`` (a ValueError) naming the file, the key (``parallel.tp``), the numbers and the
+fix; all problems of a step are listed at once.
 """
 from __future__ import annotations
 
@@ -88,7 +83,12 @@ def _read_toml(path: str) -> dict:
 
 
 def load_job(path: str | None, overrides: list[str] = ()) -> Job:
-    """Read a job file (None: all defaults), apply ``section.key=value`` overrides, check each key."""
+    """Read a job file (None: all defaults), apply ``section.key=value`` overrides, check each key.
+
+    The checks: TOML syntax (with the line), unknown sections and keys (with "did you mean" and
+    the allowed names), types, ranges and choices, and keys given a non-default value where they
+    have no effect (``parallel.staleness`` without ``mode = "ps"``).
+    """
     raw = _read_toml(path) if path is not None else {}
     source = path if path is not None else "<defaults>"
     notices, problems = _rename_deprecated_sections(raw, source)

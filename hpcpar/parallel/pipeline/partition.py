@@ -9,10 +9,9 @@ Every method returns stage boundaries ``[0, b1, ..., n]``: stage ``s`` holds lay
   in a job of several ranks, world rank 0's measurement, which every rank cuts by);
 - an explicit list of per-stage layer counts.
 
-``parameters`` and ``balanced`` solve the same problem: split a sequence of costs into k
-contiguous parts so that the most expensive part is as cheap as possible (the linear
-partition problem), by dynamic programming over prefix sums — exact, O(k n^2), instant for
-the few hundred layers of any real model.
+``parameters`` and ``balanced`` split a sequence of costs into k contiguous parts so that the
+most expensive part is as cheap as possible (the linear partition problem), by dynamic
+programming over prefix sums: exact, O(k n^2), instant for the few hundred layers of any real model.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: per-rank lists of actions, a printable grid and a simulator.
 
-A schedule is ``list[list[Action]]``: one ordered list per pipeline rank. A pure function builds it
-from (p ranks, m micro-batches, v chunks); the engine only executes it; the simulator here checks it
+A schedule is ``list[list[Action]]``, one ordered list per pipeline rank, built by a pure function
+of (p ranks, m micro-batches, v chunks); the engine only executes it, the simulator here checks it
 without MPI (modelled on torch.distributed.pipelining ``schedules.py``).
 
 Stages are *virtual*: the model is cut into ``p * v`` consecutive pieces and rank ``r`` holds
@@ -9,31 +9,9 @@ virtual stages ``r, r + p, r + 2p, ...`` (Megatron's interleaving; ``v = 1`` is 
 Micro-batch ``i`` flows ``F(i, 0) -> F(i, 1) -> ...`` and its gradient flows back
 ``B(i, last) -> ... -> B(i, 0)``. Zero-bubble schedules split the backward into ``B`` (gradient
 of the stage input, which the previous stage is waiting for) and ``W`` (weight gradients, which
-nobody waits for and so can fill bubbles).
-
-Execution contract (what the engine must do; ``simulate`` verifies every schedule under it):
-
-1. Each rank executes its list strictly in order.
-2. ``SEND_F`` / ``SEND_B`` post a *non-blocking* send (``Isend``) of the output of the compute
-   action right before it. The engine must not wait for a send before it has finished the rest of
-   its list (it may ``Test`` and free completed ones; ``Waitall`` at the end of the step). Waiting
-   earlier can deadlock: in the 1F1B steady state neighbours send to each other at the same time.
-3. ``RECV_F`` / ``RECV_B`` are receives that complete before the rank moves past them (blocking
-   ``Recv``, or ``Irecv`` + ``Wait``). Every RECV sits immediately before the compute action that
-   consumes it, so an engine may equally post ``Irecv`` at the RECV and wait at that compute:
-   nothing runs in between, the behaviour is the same.
-4. Messages travel on *channels*, one per ordered pair of neighbouring virtual stages
-   (``s -> s + 1`` carries activations, ``s + 1 -> s`` gradients); on each channel the receiver
-   receives in exactly the order the sender sends. The engine must keep channels apart with the
-   MPI tag (for example ``tag = 2 * sending_stage + (1 if gradient else 0)``); MPI's
-   non-overtaking rule then matches each RECV with the right message. Under interleaving, several
-   channels share one pair of ranks, which is why the tag must name the channel.
-5. Neighbouring virtual stages on the *same* rank (only when ``p == 1``) exchange nothing: the
-   tensor is handed over in memory, and no SEND/RECV appears for it.
-
-Under this contract a send never blocks, so a rank can only wait in a RECV for a send that another
-rank posts right after a compute; the simulator executes all lists together and raises
-``DeadlockError`` (with the grid and each rank's stuck action) if that wait can never end.
+nobody waits for and so can fill bubbles). ``simulate`` runs all lists together under the
+execution contract (docs/architecture.md) and raises ``DeadlockError``, with the grid and each
+rank's stuck action, when a wait can never end.
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ def run(args) -> int:
     if args.tokens < 0 or args.top_k < 1 or not 0 <= args.temperature < float("inf"):  # before the checkpoint is read
         raise UsageError(f"hpcpar generate: error: --tokens must be >= 0, --top-k >= 1 and --temperature a number >= 0, "
                          f"got --tokens {args.tokens} --top-k {args.top_k} --temperature {args.temperature}")
-    if not args.prompt:  # the model needs a token to continue from (it was an IndexError traceback)
+    if not args.prompt:  # the model needs a token to continue from (without one, an IndexError)
         raise UsageError("hpcpar generate: error: --prompt is empty; give the text the sample continues (at least "
                          "one character)")
     try:

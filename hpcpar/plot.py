@@ -210,8 +210,8 @@ def add_arguments(parser) -> None:
 
 
 def path_problem(path: str, out: str) -> str | None:
-    """What is wrong with the input or the PNG, before anything is read or drawn (a folder as the input
-    was a traceback, a named pipe blocked the read, a missing folder of --out a traceback after drawing)."""
+    """What is wrong with the input or the PNG, before anything is read or drawn (unchecked, a folder as the
+    input raises a traceback, a named pipe blocks the read, a missing folder of --out fails after drawing)."""
     if problem := input_problem(path):
         return f"{path} {problem}; give a metrics .jsonl or a compare.json"
     if not out.lower().endswith(".png"):  # matplotlib would write OUT.png and the line would name OUT

@@ -211,7 +211,7 @@ class PowerSGDCompression(Compressor):
         p = m @ self.qs[key]
         comm.allreduce(p, "sum", out=p)
         # orthonormal columns, a well-conditioned basis; in float32 at least (LAPACK has no 16-bit QR:
-        # float16 failed here, where bfloat16's products were float32 already)
+        # float16 fails in it; bfloat16's products come out in float32 already)
         p, _ = xp.linalg.qr(p if p.dtype.itemsize >= 4 else p.astype(np.float32))
         q = m.T @ p
         comm.allreduce(q, "sum", out=q)

@@ -119,7 +119,7 @@ def run_calibrate(args) -> int:
         with agreed_verdict("hpcpar plan", (MachineError,)):
             load_machine(args.inter)
     if problem := world.bcast(output_problem(out) if world.Get_rank() == 0 else None, root=0):  # rank 0 writes it
-        raise _usage(f"--out {out} {problem}")  # before measuring too (it was a traceback after it)
+        raise _usage(f"--out {out} {problem}")  # before measuring too: not a traceback after it
     machine, comments = calibrate(world, inter_file=args.inter)
     if world.Get_rank() == 0:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

@@ -78,7 +78,7 @@ STRING = Type("a string", _string)
 NUMBER_PAIR = Type("a list of 2 finite numbers", _list_of(_number, 2))
 INTEGER_PAIR = Type("a list of 2 integers", _list_of(_integer, 2))
 def _resume(v):
-    if isinstance(v, bool):  # the old boolean: true resumed when there was a checkpoint, false ignored them
+    if isinstance(v, bool):  # true/false are refused: the policy is a name or a step folder
         raise TypeError
     return _string(v)
 

@@ -167,7 +167,7 @@ class _Queued:
 
 
 class NcclCommunicator(Communicator):
-    """A Communicator whose array calls on device buffers run on NCCL (module docstring)."""
+    """A Communicator whose array calls on device buffers run on NCCL (docs/gpu.md, "The NCCL communicator")."""
 
     def __init__(self, mpi_comm, name: str = "world", *, runtime: DeviceRuntime, cuda_aware: bool | None = None,
                  wait_policy: str = "spin", device_nonblocking: bool | None = None):

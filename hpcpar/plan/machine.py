@@ -26,12 +26,8 @@ A hand-written file gives peak rates with an ``efficiency`` (``gemm_flops = 312e
 from __future__ import annotations
 
 import os
+import tomllib
 from dataclasses import dataclass, field
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python < 3.11
-    import tomli as tomllib
 
 # Elementwise op families; each moves the modelled bytes at its own rate (default: bandwidth).
 FAMILIES = ("layernorm", "gelu", "softmax", "copy", "embedding", "cross_entropy", "optimizer", "pool", "im2col",

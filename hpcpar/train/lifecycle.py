@@ -87,14 +87,15 @@ def checkpoint_failed(run, error) -> None:
                        f"still the previous one)")
 
 
-def start(run, request: Request) -> dict | None:
+def start(run, request: Request, lock=None) -> dict | None:
     """Start the run by the resume policy (collective): the fingerprint, the verdict (a refusal raises
     ``ResumeRefused`` on every rank before anything is written), the load, the run folder's provenance,
-    and rank 0's lines about it. Returns the load's info, or None for a fresh run."""
+    and rank 0's lines about it. ``lock``: rank 0's ``RunLock`` on the checkpoint root, which follows
+    the root when ``--overwrite`` moves the old one aside. Returns the load's info, or None for a fresh run."""
     world, job = run.strategy.world_ctx.world, run.job
     data = data_identity(job) if world.rank == 0 else None
     current = identity.fingerprint(job, world.bcast_object(data, root=0))
-    decision = resume.agree(run, request, current)
+    decision = resume.agree(run, request, current, lock)
     hosts = sorted(set(world.allgather_object(os.uname().nodename)))
     info = resume.load(run, decision)
     resumed = info is not None and not decision.weights_only

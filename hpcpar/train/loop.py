@@ -48,7 +48,7 @@ def train(job: Job, resume: Request | str | None = None, stop: StopRequest | Non
     same_job_everywhere(job)  # before init: ranks holding other jobs would build other grids and models
     from mpi4py import MPI
 
-    lock = take_run_lock(job, MPI.COMM_WORLD)  # before anything is written: one run per checkpoint folder
+    lock = take_run_lock(job, MPI.COMM_WORLD, create=False)  # one run per checkpoint folder (lifecycle.start too)
     try:
         return train_holding_lock(job, resume, stop, progress, lock)
     finally:

@@ -146,8 +146,9 @@ class RunLock:
     def moved(self) -> None:
         """The root was moved aside (``--overwrite``) with this lock file in it: end the record there
         and hold a lock in the new root."""
-        self.release()
-        self.take()
+        if self.fd is not None:
+            self.release()
+            self.take()
 
     def release(self) -> None:
         """Mark the record ended (the next run starts without a takeover line) and drop the lock."""
@@ -178,16 +179,19 @@ def _read_soon(fd: int, wait_s: float = 2.0) -> dict:
         time.sleep(0.05)
 
 
-def take_run_lock(job, world) -> RunLock | None:
-    """World rank 0 takes the lock of ``job``'s checkpoint root; a refusal is the same ``RunLocked``
-    on every rank (collective). Returns the lock on rank 0, None elsewhere."""
-    lock, outcome = None, None
+def take_run_lock(job, world, lock: RunLock | None = None, create: bool = True) -> RunLock | None:
+    """World rank 0 takes the lock of ``job``'s checkpoint root (``world``: an mpi4py communicator);
+    a refusal is the same ``JobError`` on every rank (collective). With ``create`` false a root that
+    does not exist yet is left alone (a run refused later writes nothing): call again, with the lock
+    returned, before the run writes there. Returns the lock on rank 0 (held or not yet), None elsewhere."""
+    outcome = ("ok", None)
     if world.Get_rank() == 0:
-        lock = RunLock(job.checkpoint.dir, job.source)
-        try:
-            outcome = ("ok", lock.take())
-        except RunLocked as refused:
-            outcome = ("refused", refused.problems)
+        lock = lock or RunLock(job.checkpoint.dir, job.source)
+        if lock.fd is None and (create or os.path.isdir(lock.root)):
+            try:
+                outcome = ("ok", lock.take())
+            except RunLocked as refused:
+                outcome = ("refused", refused.problems)
     outcome = world.bcast(outcome, root=0) if world.Get_size() > 1 else outcome
     if outcome[0] == "refused":
         raise JobError(job.source, outcome[1])

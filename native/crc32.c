@@ -5,6 +5,7 @@
  * Python (hpcpar/checkpoint/crc.py) checks it against zlib before using it. */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -154,6 +155,58 @@ HPCPAR_API void hpcpar_crc32_spans(const unsigned char *base, size_t n, const ui
         out[k] = crc32_bits(crc, buf + whole, lengths[k] - whole);
     }
 }
+
+/* zlib's crc32(crc, buf, len) for any length: 16-byte blocks folded, the tail bit by bit. */
+static uint32_t crc32_update(uint32_t crc, const unsigned char *buf, size_t len) {
+    size_t whole = len >= 64 ? len & ~(size_t)15 : 0;
+    if (whole)
+        crc = hpcpar_crc32_blocks(crc, buf, whole);
+    return crc32_bits(crc, buf + whole, len - whole);
+}
+
+/* How many of the n floats of width bytes at p have every exponent bit set (inf or NaN):
+ * (bits & mask) == mask, with mask their exponent field. memcpy: p need not be aligned. */
+__attribute__((target_clones("avx2", "default")))
+static uint64_t count_nonfinite(const unsigned char *p, size_t n, size_t width, uint64_t mask) {
+    uint64_t bad = 0;
+    if (width == 2) {
+        uint16_t m = (uint16_t)mask, v;
+        for (size_t i = 0; i < n; i++) { memcpy(&v, p + 2 * i, 2); bad += (v & m) == m; }
+    } else if (width == 4) {
+        uint32_t m = (uint32_t)mask, v;
+        for (size_t i = 0; i < n; i++) { memcpy(&v, p + 4 * i, 4); bad += (v & m) == m; }
+    } else {
+        uint64_t v;
+        for (size_t i = 0; i < n; i++) { memcpy(&v, p + 8 * i, 8); bad += (v & mask) == mask; }
+    }
+    return bad;
+}
+
+/* One pass over a checkpoint shard's bytes (base, size) for a save: crcs[c] = zlib's crc32 of
+ * chunk c (chunk bytes each, a multiple of CHECK_BLOCK; the last one shorter) and, for each float
+ * range q (counts[q] elements of widths[q] bytes from starts[q]; sorted by start, disjoint),
+ * bad[q] = how many are inf or NaN. Both walk the bytes CHECK_BLOCK at a time, so each block is
+ * checked while the CRC has just brought it into the cache: the check adds no pass over memory. */
+#define CHECK_BLOCK ((size_t)64 * 1024)
+HPCPAR_API void hpcpar_crc32_check(const unsigned char *base, size_t size, size_t chunk, uint32_t *crcs,
+                                   size_t nranges, const uint64_t *starts, const uint64_t *counts,
+                                   const uint64_t *widths, const uint64_t *masks, uint64_t *bad) {
+    size_t r = 0;
+    for (size_t lo = 0; lo < size; lo += CHECK_BLOCK) {
+        size_t hi = lo + CHECK_BLOCK < size ? lo + CHECK_BLOCK : size, c = lo / chunk;
+        crcs[c] = crc32_update(lo % chunk ? crcs[c] : 0, base + lo, hi - lo);
+        while (r < nranges && starts[r] + counts[r] * widths[r] <= lo)
+            r++;
+        for (size_t q = r; q < nranges && starts[q] < hi; q++) { /* the elements that begin in [lo, hi) */
+            size_t w = widths[q], s = starts[q];
+            size_t first = lo > s ? (lo - s + w - 1) / w : 0, last = (hi - s + w - 1) / w;
+            if (last > counts[q])
+                last = counts[q];
+            if (last > first)
+                bad[q] += count_nonfinite(base + s + first * w, last - first, w, masks[q]);
+        }
+    }
+}
 #else
 int hpcpar_crc32_supported(void) { return 0; }
 uint32_t hpcpar_crc32_blocks(uint32_t crc, const unsigned char *buf, size_t len) {
@@ -162,5 +215,11 @@ uint32_t hpcpar_crc32_blocks(uint32_t crc, const unsigned char *buf, size_t len)
 void hpcpar_crc32_spans(const unsigned char *base, size_t n, const uint64_t *offsets, const uint64_t *lengths,
                         uint32_t *out) {
     (void)base; (void)n; (void)offsets; (void)lengths; (void)out; /* never called: not supported here */
+}
+void hpcpar_crc32_check(const unsigned char *base, size_t size, size_t chunk, uint32_t *crcs, size_t nranges,
+                        const uint64_t *starts, const uint64_t *counts, const uint64_t *widths,
+                        const uint64_t *masks, uint64_t *bad) {
+    (void)base; (void)size; (void)chunk; (void)crcs; (void)nranges; (void)starts; (void)counts; (void)widths;
+    (void)masks; (void)bad; /* never called: not supported here */
 }
 #endif

@@ -77,3 +77,45 @@ def crc32_spans(data: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> n
     elif out.size:
         _spans()(data.ctypes.data, out.size, offsets.ctypes.data, lengths.ctypes.data, out.ctypes.data)
     return out
+
+
+# The exponent field of each float dtype a checkpoint holds: inf or NaN has all of its bits set.
+EXPONENT_MASKS = {"float16": (2, 0x7C00), "bfloat16": (2, 0x7F80), "float32": (4, 0x7F800000),
+                  "float64": (8, 0x7FF0000000000000)}
+
+
+def _check():
+    """The native fused CRC and finiteness pass, or None (not built, unsupported, or an older build)."""
+    if "check" not in _state:
+        check = getattr(native_library(), "hpcpar_crc32_check", None) if _blocks() is not None else None
+        if check is not None:
+            check.restype = None
+            check.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t] + \
+                [ctypes.c_void_p] * 5
+        _state["check"] = check
+    return _state["check"]
+
+
+def crc32_chunks_and_nonfinite(data: np.ndarray, chunk: int, ranges: list) -> tuple[list[int], list[int]]:
+    """(zlib's CRC-32 of each ``chunk`` bytes of the uint8 array ``data``, how many floats of each
+    range are inf or NaN), in one pass over ``data``: natively each 64 KiB block is checked as the
+    CRC reads it. ``ranges``: (first byte, element count, dtype name), sorted by first byte and
+    disjoint; a dtype that is not a float counts 0."""
+    floats = [(k, start, count, *EXPONENT_MASKS[dtype]) for k, (start, count, dtype) in enumerate(ranges)
+              if dtype in EXPONENT_MASKS and count]
+    bad = [0] * len(ranges)
+    check = _check()
+    if check is None or not data.size or chunk % (64 * 1024):
+        crcs = [crc32(data[at: at + chunk]) for at in range(0, data.size, chunk)]
+        for k, start, count, width, mask in floats:
+            view = data[start: start + count * width].view(f"<u{width}")
+            bad[k] = int(np.count_nonzero((view & mask) == mask))
+        return crcs, bad
+    crcs = np.zeros(-(-data.size // chunk), dtype=np.uint32)
+    columns = [np.ascontiguousarray([row[i] for row in floats], dtype=np.uint64) for i in range(1, 5)]
+    found = np.zeros(len(floats), dtype=np.uint64)
+    check(data.ctypes.data, data.size, chunk, crcs.ctypes.data, len(floats),
+          *(c.ctypes.data for c in columns), found.ctypes.data)
+    for (k, *_), n in zip(floats, found.tolist()):
+        bad[k] = n
+    return crcs.tolist(), bad

@@ -15,12 +15,8 @@ achieved rates (peak x efficiency).
 from __future__ import annotations
 
 import os
+import tomllib
 from dataclasses import dataclass, field
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python < 3.11
-    import tomli as tomllib
 
 # Elementwise op families; each moves the modelled bytes at its own rate (default: bandwidth).
 FAMILIES = ("layernorm", "gelu", "softmax", "copy", "embedding", "cross_entropy", "optimizer", "pool", "im2col",

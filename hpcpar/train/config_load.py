@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import tomllib
 from dataclasses import replace
 from typing import Any
 
@@ -25,13 +26,6 @@ from ..paths import input_problem
 from .config import DEPRECATED_SECTIONS, PATH_KEYS, SECTIONS, Job, JobError, _fields_by_key
 from .config_types import toml_value
 
-try:  # Python >= 3.11
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    try:
-        import tomli as tomllib
-    except ModuleNotFoundError:
-        tomllib = None
 
 
 def _suggest(word: str, candidates) -> str:
@@ -48,17 +42,11 @@ def parse_override(text: str) -> tuple[str, str, Any]:
                                         "--set checkpoint.dir=\"runs/x\"")])
     raw = raw.strip()
     try:
-        doc = _toml("--set").loads(f"value = {raw}")
+        doc = tomllib.loads(f"value = {raw}")
         value = doc["value"] if len(doc) == 1 else raw
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word: parallel.schedule=gpipe
     return parts[0], parts[1], value
-
-
-def _toml(source: str):
-    if tomllib is None:  # pragma: no cover - Python 3.10 without tomli
-        raise JobError(source, [("", "reading TOML needs Python >= 3.11 or the tomli package (pip install tomli)")])
-    return tomllib
 
 
 def _read_toml(path: str) -> dict:
@@ -69,7 +57,7 @@ def _read_toml(path: str) -> dict:
         raise JobError(path, [("", f"the job file {problem}; give a TOML file such as jobs/demo.toml")])
     try:
         with open(path, "rb") as f:
-            return _toml(path).load(f)
+            return tomllib.load(f)
     except tomllib.TOMLDecodeError as err:
         text = f"invalid TOML: {err}"
         line = re.search(r"at line (\d+)", str(err))

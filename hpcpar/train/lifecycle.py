@@ -18,6 +18,7 @@ import numpy as np
 from .. import checkpoint, log
 from . import identity, resume
 from .resume import Request
+from .run_lock import take_run_lock
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 logger = log.get_logger(__name__)
@@ -87,14 +88,17 @@ def checkpoint_failed(run, error) -> None:
                        f"still the previous one)")
 
 
-def start(run, request: Request) -> dict | None:
+def start(run, request: Request, lock=None) -> dict | None:
     """Start the run by the resume policy (collective): the fingerprint, the verdict (a refusal raises
     ``ResumeRefused`` on every rank before anything is written), the load, the run folder's provenance,
-    and rank 0's lines about it. Returns the load's info, or None for a fresh run."""
+    and rank 0's lines about it. ``lock``: rank 0's ``RunLock`` on the checkpoint root (taken here
+    when the root is new, before anything is written; it follows the root when ``--overwrite``
+    moves the old one aside). Returns the load's info, or None for a fresh run."""
     world, job = run.strategy.world_ctx.world, run.job
     data = data_identity(job) if world.rank == 0 else None
     current = identity.fingerprint(job, world.bcast_object(data, root=0))
-    decision = resume.agree(run, request, current)
+    decision = resume.agree(run, request, current, lock)
+    take_run_lock(job, world.mpi, lock)  # a new root is made here, by the run that holds it
     hosts = sorted(set(world.allgather_object(os.uname().nodename)))
     info = resume.load(run, decision)
     resumed = info is not None and not decision.weights_only

@@ -30,6 +30,7 @@ from .config import Job, JobError
 from .evaluate import evaluate, sample_text
 from .lifecycle import StopRequest, requeue_if_slurm, save_checkpoint, start, stop_reason
 from .resume import Request
+from .run_lock import take_run_lock
 from .report import Logger
 
 logger = logs.get_logger(__name__)
@@ -45,12 +46,24 @@ def train(job: Job, resume: Request | str | None = None, stop: StopRequest | Non
     """
     stop = stop or StopRequest()
     same_job_everywhere(job)  # before init: ranks holding other jobs would build other grids and models
+    from mpi4py import MPI
+
+    lock = take_run_lock(job, MPI.COMM_WORLD, create=False)  # one run per checkpoint folder (lifecycle.start too)
+    try:
+        return train_holding_lock(job, resume, stop, progress, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def train_holding_lock(job: Job, resume, stop: StopRequest, progress: str, lock) -> dict:
+    """``train``'s run once its checkpoint folder is its own (``lock``: rank 0's, None elsewhere)."""
     ctx = start_context(job)
     with Logger(job, ctx, job.train.steps, progress) as log:  # first: with a bar, every line goes above it
         describe(job, ctx)
         run = build(job, ctx)
         tracer = start_trace(run)
-        info = start(run, resume if isinstance(resume, Request) else Request(resume))
+        info = start(run, resume if isinstance(resume, Request) else Request(resume), lock)
         step = start_step = info["step"] if info is not None else 0
         if not run.trains:  # a parameter server: loaded with the workers, serves until each has stopped
             run.strategy.serve(lambda step: save_checkpoint(run, step, final=True))

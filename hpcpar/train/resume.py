@@ -204,8 +204,9 @@ def aside_name(root: str) -> str:
 
 
 # ----- executing the verdict (collective) -----------------------------------------------------------
-def agree(run, request: Request, current: dict) -> Decision:
-    """Rank 0 decides, every rank gets the verdict; a refusal raises ``ResumeRefused`` on every rank."""
+def agree(run, request: Request, current: dict, lock=None) -> Decision:
+    """Rank 0 decides, every rank gets the verdict; a refusal raises ``ResumeRefused`` on every rank.
+    ``lock`` (rank 0's run lock, in the root) moves on to the new root when the old one is moved aside."""
     world = run.strategy.world_ctx.world
     decision = decide(run.job, request, current) if world.rank == 0 else None
     decision = world.bcast_object(decision, root=0)
@@ -213,6 +214,8 @@ def agree(run, request: Request, current: dict) -> Decision:
         raise ResumeRefused(run.job.source, decision.error)
     if decision.move_aside and world.rank == 0:
         os.rename(run.job.checkpoint.dir, decision.move_aside)
+        if lock is not None:
+            lock.moved()
     world.barrier()
     return decision
 

@@ -239,6 +239,14 @@ def _check_outputs(job: Job) -> list[tuple[str, str]]:
     return problems or _check_overlaps(job)
 
 
+def _lock_name_of(path: str, folder: str) -> str | None:
+    """``run.lock`` when ``path`` is the run lock of the checkpoint root ``folder`` (``run_lock``)."""
+    from .run_lock import LOCK_NAME
+
+    lock = os.path.join(folder, LOCK_NAME)
+    return LOCK_NAME if os.path.realpath(path) == os.path.realpath(lock) else None
+
+
 def _check_overlaps(job: Job) -> list[tuple[str, str]]:
     """A metrics file or trace on the data file, the job file or each other (a fresh run renamed the token
     file aside as an old metrics file; the trace replaced the file at the end, exit 0), an output at a name
@@ -255,9 +263,10 @@ def _check_overlaps(job: Job) -> list[tuple[str, str]]:
         taken.append((key, path))
     folder = job.checkpoint.dir
     for key in ("train.metrics", "train.trace", "train.tensorboard"):
-        if (path := job.get(key)) and (name := checkpoint_name_of(path, folder)):
+        if (path := job.get(key)) and (name := checkpoint_name_of(path, folder) or _lock_name_of(path, folder)):
             where = "is checkpoint.dir itself" if name == "." else \
-                f"lies at {name!r} in checkpoint.dir, a name its checkpoints write (the pointer 'latest', the step folders)"
+                f"lies at {name!r} in checkpoint.dir, a name its checkpoints write (the pointer 'latest', the step folders, " \
+                f"the run's lock)"
             problems.append((key, f"{toml_value(path)} {where}, so a checkpoint there would be lost; choose another path"))
     if os.path.isfile(os.path.join(folder, MANIFEST)):
         problems.append(("checkpoint.dir", f"{toml_value(folder)} is a step folder of a checkpoint; give a checkpoint "

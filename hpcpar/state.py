@@ -163,11 +163,9 @@ class Together(Checkpointable):
 def global_slab(param) -> tuple[tuple, Slab]:
     """(global shape, slab) of a parameter: the whole tensor unless it is a shard."""
     local = tuple(param.shape)
-    shape = getattr(param, "global_shape", None)
-    if shape is None:  # the common case, without building a start of zeros (a load asks this per tensor)
+    if param.global_shape is None:  # the common case, without building a start of zeros (a load asks this per tensor)
         return local, tuple([(0, n) for n in local])
-    start = getattr(param, "global_start", (0,) * len(local))
-    return tuple(shape), tuple([(s, s + n) for s, n in zip(start, local)])
+    return tuple(param.global_shape), tuple([(s, s + n) for s, n in zip(param.global_start, local)])
 
 
 def row_of(rows: int, row: int, shape: tuple) -> tuple[tuple, Slab]:

@@ -114,9 +114,6 @@ class Tensor:
             raise ValueError("grad hooks are for leaf tensors (parameters and stage inputs)")
         self._grad_hooks.append(hook)
 
-    def clear_grad_hooks(self) -> None:
-        self._grad_hooks.clear()
-
     # ----- backward -----------------------------------------------------------------
     def backward(self, grad=None) -> None:
         """Accumulate d(self)/d(leaf) into every leaf that requires a gradient.
@@ -228,7 +225,15 @@ class Tensor:
 
 
 class Parameter(Tensor):
-    """A leaf tensor that a Module registers and an optimizer updates."""
+    """A leaf tensor that a Module registers and an optimizer updates.
+
+    A shard of a larger tensor (tensor parallelism) carries the whole tensor's ``global_shape``
+    and the index of its first element there, ``global_start``; a whole parameter has None for
+    both. Initialisation, the gradient norm and checkpoints read them.
+    """
+
+    global_shape: tuple | None = None
+    global_start: tuple | None = None
 
     def __init__(self, data, name: str | None = None):
         super().__init__(data, requires_grad=True, name=name)

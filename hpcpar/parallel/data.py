@@ -96,7 +96,7 @@ class DistributedDataParallel(ParameterHolder):
         # the parameters every tensor-parallel rank holds whole (LayerNorms, row-parallel biases)
         # under a compressor that ranks a whole bucket: in buckets without the shards, which
         # differ from rank to rank, or each tp rank sends other entries of them and they drift apart.
-        whole = (frozenset(id(p) for p in self.params if getattr(p, "global_shape", None) is None)
+        whole = (frozenset(id(p) for p in self.params if p.global_shape is None)
                  if self.compression.whole_bucket and ctx.tp_size > 1 else frozenset())
         for b, indices in enumerate(plan_buckets(self.params, bucket_bytes, frozenset(map(id, alone)), whole)):
             members = [self.params[i] for i in indices]

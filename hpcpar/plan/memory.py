@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schedule import schedule_of
+from .schedule import in_flight, schedule_of
 from .traffic import bucket_bytes, builds_ddp
 
 
@@ -172,8 +172,6 @@ def _float32_bucket_copies(plan, params) -> list:
 
 def memory_per_rank(plan) -> Memory:
     """The pipeline rank with the largest total."""
-    from .predict import in_flight
-
     held = in_flight(plan)
     return max((rank_memory(plan, r, held[r] if plan.layout.pp > 1 else 1) for r in range(plan.layout.pp)),
                key=lambda m: m.total)

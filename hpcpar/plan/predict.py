@@ -32,7 +32,7 @@ from ..parallel.pipeline.schedules import simulate
 from .machine import Machine
 from .memory import Memory, memory_per_rank
 from .model import FP_BYTES, Layer, Work, layers, shape_of
-from .schedule import peaks_of, schedule_of
+from .schedule import schedule_of
 from .traffic import Traffic, bucket_bytes, builds_ddp, stage_parameters, step_traffic
 
 ELEMENTWISE_RATE = {"gemm": "gemm_flops", "attention": "attention_flops", "conv": "conv_flops"}
@@ -322,11 +322,3 @@ class StepPlan:
             seconds += sum(self.collective_seconds(c, "allreduce", 8) for c in ("tp", "pp")) + (
                 self.collective_seconds("dp", "allreduce", 8) if job.parallel.zero else 0.0)
         return seconds
-
-
-def in_flight(plan: StepPlan) -> list[int]:
-    """Per pipeline rank, the (micro-batch, virtual stage) activations held at once under the schedule."""
-    lay = plan.layout
-    if lay.pp == 1:
-        return [1]
-    return list(peaks_of(lay.schedule, lay.pp, lay.micro_batches, lay.chunks))

@@ -3,27 +3,13 @@
 A model computes in its parameters' dtype. In float32 and float64 each op runs in that dtype and
 nothing here changes a value. When a tensor input of an op is 16-bit (float16, or bfloat16 from
 ``ml_dtypes``), that dtype is the op's *compute dtype* and the op follows one of three rules, as
-PyTorch's autocast op lists do:
-
-- ``COMPUTE``: output (and what backward keeps) in the compute dtype. Matrix products (matmul,
-  linear, conv2d, attention's two products) multiply 16-bit operands with float32 accumulation
-  and round the result once to 16 bits, as a GPU's tensor cores do; NumPy has no 16-bit GEMM, so
-  there they are float32 BLAS on upcast operands (``matmul`` below). Elementwise ops round after
-  each step, as on a GPU.
-- ``FLOAT32_INSIDE``: upcast, compute in float32 (statistics, exponentials, the sums), return the
-  compute dtype: softmax, log_softmax, layer_norm, gelu, attention's softmax.
-- ``FLOAT32``: return float32: the losses and the reductions that feed them (sum, mean). Outside the
-  autograd the same holds for gradient norms (clipping) and the optimizer's math on the float32
-  master weights (``optim.amp``).
-
-Whatever the rule, counts (valid targets, tied maxima, elements of a mean) are integers, never
-floats of the compute dtype (bfloat16 stops counting at 256, float16 overflows at 65504), and every
-sum over many elements accumulates in float32, the sums inside backward too: bias and LayerNorm
-weight gradients, undoing broadcasts, embedding rows, convolution folds (``accumulate``).
+PyTorch's autocast op lists do (``COMPUTE``, ``FLOAT32_INSIDE``, ``FLOAT32`` below). Whatever the
+rule, counts are integers, never floats of the compute dtype, and every sum over many elements
+accumulates in float32, the sums inside backward too (``accumulate``).
 
 ``Function.apply`` enforces each op's output rule from ``POLICY`` (each Function names its op),
 ``Tensor.backward`` gives every gradient its tensor's dtype, and docs/precision.md shows the same
-table (a test compares the two).
+table with the reasons (a test compares the two).
 """
 from __future__ import annotations
 
@@ -31,8 +17,16 @@ import numpy as np
 
 from ..backend import get_array_module
 
+# Output (and what backward keeps) in the compute dtype. Matrix products (matmul, linear, conv2d,
+# attention's two products) multiply 16-bit operands with float32 accumulation and round the result
+# once to 16 bits, as a GPU's tensor cores do; NumPy has no 16-bit GEMM, so there they are float32
+# BLAS on upcast operands (``matmul`` below). Elementwise ops round after each step, as on a GPU.
 COMPUTE = "compute dtype"
+# Upcast, compute in float32 (statistics, exponentials, the sums), return the compute dtype:
+# softmax, log_softmax, layer_norm, gelu, attention's softmax.
 FLOAT32_INSIDE = "float32 inside, compute dtype out"
+# Return float32: the losses and the reductions that feed them (sum, mean). Outside the autograd the
+# same holds for gradient norms (clipping) and the optimizer's math on the float32 master weights.
 FLOAT32 = "float32"
 RULES = (COMPUTE, FLOAT32_INSIDE, FLOAT32)
 

@@ -8,13 +8,10 @@ when the group has one rank (or is None):
     scatter_to_tp    keep this rank's slice of the last axis; all-gather backward
     gather_from_tp   all-gather along the last axis; keep the slice backward
 
-Sequence parallelism (Korthikanti et al., 2022) splits the activations outside the sharded
-regions (norms, dropout, residual adds) along the sequence: each all-reduce becomes a
-reduce-scatter leaving a sharded region and an all-gather entering the next
-(``gather_sequence``, ``reduce_scatter_sequence``), the same bytes, while those activations
-take 1/tp of the memory. ``enter_tp``/``leave_tp`` pick the pair a layer needs.
-
-The sharded layers built on these live in ``hpcpar.nn.tensor_parallel``.
+Sequence parallelism (Korthikanti et al., 2022) splits the activations outside the sharded regions
+along the sequence: ``gather_sequence`` entering a region and ``reduce_scatter_sequence`` leaving
+it replace the all-reduces, the same bytes, while those activations take 1/tp of the memory.
+``enter_tp``/``leave_tp`` pick the pair a layer needs; the sharded layers are ``nn.tensor_parallel``'s.
 """
 from __future__ import annotations
 

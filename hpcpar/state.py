@@ -2,7 +2,7 @@
 
 A ``Piece`` is a hyperslab of one global tensor (``model/<param>`` or ``optim/<param>/<state>``)
 and the local array holding it: a data-parallel replica offers whole tensors, a tensor-parallel
-shard a block (its ``Parameter.global_shape`` and ``global_start``), ZeRO-1 and the parameter
+shard a block (its ``Tensor.global_shape`` and ``global_start``), ZeRO-1 and the parameter
 server runs of the flattened parameters (cut into row-major slabs here).
 
 Anything with state in a checkpoint implements ``Checkpointable``: ``checkpoint_pieces()``, what

@@ -13,9 +13,15 @@ class Tensor:
 
     ``grad`` of a leaf accumulates over backward calls until zeroed (as in PyTorch); the
     gradients of intermediate tensors live only during ``backward``.
+
+    A shard of a larger tensor (a tensor-parallel parameter) carries the whole tensor's
+    ``global_shape`` and the index of its first element there, ``global_start``; a whole tensor
+    has None for both. Initialisation, the gradient norm and checkpoints read them.
     """
 
     __array_priority__ = 100  # ndarray <op> Tensor defers to Tensor's reflected operators
+    global_shape: tuple | None = None
+    global_start: tuple | None = None
 
     def __init__(self, data, requires_grad: bool = False, name: str | None = None):
         if isinstance(data, Tensor):
@@ -222,15 +228,7 @@ class Tensor:
 
 
 class Parameter(Tensor):
-    """A leaf tensor that a Module registers and an optimizer updates.
-
-    A shard of a larger tensor (tensor parallelism) carries the whole tensor's ``global_shape``
-    and the index of its first element there, ``global_start``; a whole parameter has None for
-    both. Initialisation, the gradient norm and checkpoints read them.
-    """
-
-    global_shape: tuple | None = None
-    global_start: tuple | None = None
+    """A leaf tensor that a Module registers and an optimizer updates."""
 
     def __init__(self, data, name: str | None = None):
         super().__init__(data, requires_grad=True, name=name)

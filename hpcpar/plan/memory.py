@@ -97,18 +97,15 @@ def _backward_peak(plan, layers, waiting: float, gradients: float, all_gradients
 
 
 def rank_memory(plan, rank: int, held: int) -> Memory:
-    """Pipeline rank ``rank``'s memory with ``held`` micro-batches in flight.
-
-    Parameters: this rank's elements x the compute dtype's bytes; optimizer state: Adam's two
-    moments (SGD's momentum) over the master elements (a ZeRO-1 shard: 1/dp, padded), plus float32
-    masters under fp16/bf16; buffers: DDP's flat buckets (the gradients' home), or ZeRO's flat
-    gradient and parameter buffers. The peak: the micro-batches in flight under the schedule keep
-    the bytes each layer keeps for backward (less what recomputation drops) and a stage's received
-    input and sent output where its layers do not keep them, and the graph's and the engine's own
-    objects; at the end of its forward one of them runs its backward from the last layer down,
-    freeing each layer's kept bytes as it makes its gradients and temporaries (``_backward_peak``).
-    Gradients exist from the start where earlier backwards of the step made them; plus a weight
-    gradient before it is summed in and a pipeline's gradients on their way."""
+    """Pipeline rank ``rank``'s memory with ``held`` micro-batches in flight: its parameters; Adam's
+    moments (SGD's momentum) over the master elements (a ZeRO-1 shard: 1/dp, padded) and float32
+    masters under fp16/bf16; DDP's buckets or ZeRO's flat buffers; and the step's peak. At the peak
+    the micro-batches in flight keep what each layer keeps for backward (less what recomputation
+    drops), a stage's received input and sent output where its layers do not, and the graph's and
+    the engine's objects, while one of them runs its backward from the last layer down, freeing
+    each layer's kept bytes as it makes its gradients and temporaries (``_backward_peak``); plus
+    the gradients earlier backwards made, a weight gradient before it is summed in and a
+    pipeline's gradients on their way."""
     lay, job = plan.layout, plan.job
     d, master = plan.dtype_bytes, plan.master_bytes
     params = plan.rank_parameters(rank)

@@ -33,10 +33,6 @@ class DeviceError(RuntimeError):
     """The device (or a dtype on it) cannot be used; the message is one line naming the fix."""
 
 
-def cupy_available() -> bool:
-    return _cupy is not None
-
-
 def cupy_module():
     """The ``cupy`` module, or None without a working CuPy."""
     return _cupy

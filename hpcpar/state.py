@@ -1,26 +1,15 @@
 """What a rank holds, as pieces of global tensors, and the protocol by which objects save and load them.
 
 A ``Piece`` is a hyperslab of one global tensor (``model/<param>`` or ``optim/<param>/<state>``)
-and the local array holding it. Every layout reduces to pieces: a data-parallel replica offers
-whole tensors, a tensor-parallel shard a block of columns or rows, a ZeRO-1 rank or a parameter
+and the local array holding it: a data-parallel replica offers whole tensors, a tensor-parallel
+shard a block (its ``Tensor.global_shape`` and ``global_start``), ZeRO-1 and the parameter
 server runs of the flattened parameters (cut into row-major slabs here).
 
-Anything that has state in a checkpoint implements ``Checkpointable``:
-
-- ``checkpoint_pieces()`` -> (pieces, scalars: integer step counts, an optimizer's
-  ``weight_decay/<param>``): what this rank saves;
-- ``load_plan(saved)`` -> ``LoadPlan``: the slabs this rank will read (``Read``: key, global
-  shape, slab, and where the values go) and what to do once they are all in (``finish``).
-
-The checkpoint package (``hpcpar.checkpoint``) knows only this protocol. It checks every read
-of every rank against the checkpoint before anything is assigned, reads them all, and only
-then assigns and finishes: a load that fails leaves every object as it was. Models (every
-``Module``), pipelines, optimizers, ZeRO-1 and the parameter server implement it; a plain list
-of (name, parameter) pairs is wrapped in ``ParameterList``.
-
-A parameter that is a shard of a larger tensor says so with two attributes set by the layer
-that sharded it: ``global_shape`` and ``global_start`` (the index of its first element in the
-global tensor). Without them a parameter is its whole tensor.
+Anything with state in a checkpoint implements ``Checkpointable``: ``checkpoint_pieces()``, what
+this rank saves (pieces, and scalars such as step counts), and ``load_plan(saved)``, the slabs it
+reads (``Read``) and what to do once all are in. The checkpoint package knows only this protocol,
+which is why any layout loads a checkpoint of any other; a plain list of (name, parameter) pairs
+is wrapped in ``ParameterList``. docs/architecture.md ("The checkpoint protocol") has the rest.
 """
 from __future__ import annotations
 
@@ -163,11 +152,9 @@ class Together(Checkpointable):
 def global_slab(param) -> tuple[tuple, Slab]:
     """(global shape, slab) of a parameter: the whole tensor unless it is a shard."""
     local = tuple(param.shape)
-    shape = getattr(param, "global_shape", None)
-    if shape is None:  # the common case, without building a start of zeros (a load asks this per tensor)
+    if param.global_shape is None:  # the common case, without building a start of zeros (a load asks this per tensor)
         return local, tuple([(0, n) for n in local])
-    start = getattr(param, "global_start", (0,) * len(local))
-    return tuple(shape), tuple([(s, s + n) for s, n in zip(start, local)])
+    return tuple(param.global_shape), tuple([(s, s + n) for s, n in zip(param.global_start, local)])
 
 
 def row_of(rows: int, row: int, shape: tuple) -> tuple[tuple, Slab]:

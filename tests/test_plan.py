@@ -332,7 +332,7 @@ def test_the_last_stage_s_predicted_peak_covers_its_input_s_gradient_and_the_cop
     complete): the tracemalloc peak, 281 KB, was 1.6 times the prediction, which missed the input's
     gradient beside the copy the input keeps as its ``grad`` (autograd copies a leaf's first gradient)."""
     from hpcpar.plan.memory import rank_memory
-    from hpcpar.plan.predict import in_flight
+    from hpcpar.plan.schedule import in_flight
 
     (tmp_path / "cnn.toml").write_text(CNN_JOB)
     plan = StepPlan(validate(load_job(str(tmp_path / "cnn.toml")), 4), machines.load_machine("dgx-a100"))

@@ -32,7 +32,7 @@ class WeightGradients:
 
     def deferrable(self, fn) -> tuple:
         """Indices of ``fn``'s inputs whose gradient waits for ``compute``."""
-        return tuple(i for i in getattr(type(fn), "weight_inputs", ()) if i < len(fn.parents)
+        return tuple(i for i in fn.weight_inputs if i < len(fn.parents)
                      and fn.parents[i].requires_grad and fn.parents[i].is_leaf)
 
     def record(self, fn, grad, inputs: tuple) -> None:

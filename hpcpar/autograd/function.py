@@ -81,11 +81,17 @@ class Function(ABC):
 
     ``op`` names the op in the precision policy (``precision.POLICY``), which decides the dtype of
     its output when an input is 16-bit; a Function that names none keeps the compute dtype.
+
+    ``weight_inputs`` lists the inputs whose gradient a zero-bubble pipeline may compute later
+    (``autograd.deferred``); ``grad_inputs``, set on an op by a backward split in two passes,
+    narrows the gradients its ``backward`` makes to those inputs (None: all that require one).
     """
 
     __slots__ = ("parents", "__dict__")
     op: str | None = None
     precision_rule: str = precision.COMPUTE
+    weight_inputs: tuple = ()
+    grad_inputs: frozenset | None = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -6,13 +6,10 @@
     kept.by_op      # the same bytes, each buffer under the first op that held it
 
 An op of the graph holds two kinds of arrays until its backward has run: what its Function
-saved on itself for backward, and the arrays of its leaf inputs (``parents`` that are Tensors:
-parameters, stage inputs, constants). A non-leaf input is linked by its ``GraphNode``, which holds
-no array, so an intermediate that no backward reads is freed once the forward drops it. Both
-kinds are counted. A view counts as the whole buffer it views (that buffer stays alive), and each
-buffer once. Counting happens when an op joins the graph (``Function.attach`` calls ``note``), so
-only ops made inside the block are seen; the tally holds references to what it counted until the
-block ends, and after that only the totals.
+saved on itself, and the arrays of its leaf inputs (parameters, stage inputs, constants); a
+non-leaf input is linked by its ``GraphNode``, which holds no array. Both are counted, each
+buffer once, a view as the whole buffer it keeps alive. Ops are counted as they join the graph
+(``Function.attach`` calls ``note``), so only ops made inside the block are seen.
 """
 from __future__ import annotations
 
@@ -53,7 +50,8 @@ def _arrays_of(fn):
 
 
 class KeptForBackward:
-    """The running tally of one ``kept_for_backward`` block."""
+    """The running tally of one ``kept_for_backward`` block. It holds references to what it counted
+    (so that ids stay unique) until the block ends, and after that only the totals."""
 
     def __init__(self, exclude=()):
         self._excluded = {id(owner(getattr(t, "data", t))) for t in exclude}

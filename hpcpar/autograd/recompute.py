@@ -3,24 +3,12 @@
     y = recompute(block, x, params=block.parameters(), context=replay_dropout_key())
 
 runs ``block(x)`` without recording a graph, so none of the activations inside it stay alive;
-the op it leaves in the graph keeps ``x``'s array only. Its backward puts back what the first run's
-randomness depended on (the state of the generators listed in ``random``; ``context``, made at
-the forward: the GPT's is ``nn.dropout_keys.replay_dropout_key()``, the dropout key then in
-force), runs ``block`` again on ``x`` with the graph on, restores the generators to where they
-were, and runs that graph's backward with the gradient of ``y``: the parameters inside get their gradients as
-without recomputation (the same ops on the same values, so the same numbers), ``x`` its gradient.
-This is ``torch.utils.checkpoint`` (the reentrant variant) and Megatron-LM's ``CheckpointFunction``.
-
-What the rerun repeats, it repeats in full: a tensor-parallel region re-issues its forward
-communication (Megatron does the same). Inside a zero-bubble pipeline's first backward pass
-(``autograd.deferred``) the rerun graph's weight gradients are deferred like any others: the
-recomputation happens in B, the W action runs the deferred GEMMs of the rerun graph.
-
-``params`` matters only when no input needs a gradient: the output still does if a parameter
-inside the region does. ``random`` lists NumPy Generators, or objects with ``get_state()`` and
-``set_state(state)`` (NumPy's RandomState). ``context`` is for state the region reads that is
-gone by backward without being random: a context manager, made when the forward runs, that the
-rerun runs inside (e.g. one that re-enters a context variable's value at forward time).
+the op it leaves in the graph keeps ``x``'s array only. Its backward puts back what the first
+run's randomness depended on, runs ``block`` again on ``x`` with the graph on, and runs that
+graph's backward with the gradient of ``y``: the parameters inside get the gradients they get
+without recomputation (the same ops on the same values), ``x`` its gradient. This is
+``torch.utils.checkpoint`` (the reentrant variant) and Megatron-LM's ``CheckpointFunction``; how
+it meets tensor parallelism and zero-bubble pipelines is in docs/architecture.md (``autograd``).
 """
 from __future__ import annotations
 
@@ -32,7 +20,15 @@ from .function import Function, enable_grad, is_grad_enabled, no_grad
 
 
 def recompute(function, *inputs, params=(), random=(), context=None):
-    """``function(*inputs)`` (one Tensor out), keeping only ``inputs`` for backward; see the module."""
+    """``function(*inputs)`` (one Tensor out), keeping only ``inputs`` for backward.
+
+    ``params`` matters only when no input needs a gradient: the output still does if a parameter
+    inside the region does. ``random`` lists the random sources the region draws from, NumPy
+    Generators or objects with ``get_state()`` and ``set_state(state)`` (NumPy's RandomState):
+    the rerun starts them where the forward did and leaves them where they were. ``context`` is
+    for state the region reads that is gone by backward without being random: a context manager,
+    made when the forward runs, that the rerun runs inside (the GPT's is
+    ``nn.dropout_keys.replay_dropout_key()``, the dropout key then in force)."""
     if not is_grad_enabled():
         return function(*inputs)
     return Recompute.run(function, inputs, params, random, context)

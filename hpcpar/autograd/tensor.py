@@ -13,9 +13,15 @@ class Tensor:
 
     ``grad`` of a leaf accumulates over backward calls until zeroed (as in PyTorch); the
     gradients of intermediate tensors live only during ``backward``.
+
+    A shard of a larger tensor (a tensor-parallel parameter) carries the whole tensor's
+    ``global_shape`` and the index of its first element there, ``global_start``; a whole tensor
+    has None for both. Initialisation, the gradient norm and checkpoints read them.
     """
 
     __array_priority__ = 100  # ndarray <op> Tensor defers to Tensor's reflected operators
+    global_shape: tuple | None = None
+    global_start: tuple | None = None
 
     def __init__(self, data, requires_grad: bool = False, name: str | None = None):
         if isinstance(data, Tensor):
@@ -114,9 +120,6 @@ class Tensor:
             raise ValueError("grad hooks are for leaf tensors (parameters and stage inputs)")
         self._grad_hooks.append(hook)
 
-    def clear_grad_hooks(self) -> None:
-        self._grad_hooks.clear()
-
     # ----- backward -----------------------------------------------------------------
     def backward(self, grad=None) -> None:
         """Accumulate d(self)/d(leaf) into every leaf that requires a gradient.
@@ -124,32 +127,13 @@ class Tensor:
         A non-scalar output needs an explicit upstream ``grad`` (pipeline stages pass the
         gradient received from the next stage).
         """
-        if not self.requires_grad:
-            raise RuntimeError("backward() on a tensor that does not require grad (was it made under no_grad()?)")
-        if grad is None:
-            if self.data.size != 1:
-                raise ValueError(
-                    f"backward() of a non-scalar tensor of shape {self.shape} needs an explicit grad of that shape")
-            grad = self.xp.ones_like(self.data)
-        elif isinstance(grad, Tensor):
-            grad = grad.data
-        grad = precision.like(grad, self.data.dtype)
-        if tuple(grad.shape) != self.shape:
-            raise ValueError(f"backward(): grad has shape {tuple(grad.shape)} but the tensor has shape {self.shape}")
-
+        grad = self._output_gradient(grad)
         if self.is_leaf:
             self._accumulate(grad)
             return
         root = self._node
         order = _topological_order(root)
-        # How many graph edges still have to deliver a gradient to each tensor; a leaf's
-        # gradient is final (and its hooks fire) when its count reaches zero.
-        pending: dict[int, int] = {}
-        for node in order:
-            for parent in node._fn.parents:
-                if parent.requires_grad:
-                    pending[id(parent)] = pending.get(id(parent), 0) + 1
-
+        pending = _consumer_counts(order)
         grads = {id(root): grad}
         weights = deferred.active()  # zero-bubble pipelines: weight gradients left for later
         later: set[int] = set()  # leaves some op will accumulate into when the deferred work runs
@@ -185,6 +169,22 @@ class Tensor:
                     parent._accumulate(leaf_grad)
             # The graph is single-use: release what this op saved as soon as it is spent.
             node._fn = None
+
+    def _output_gradient(self, grad):
+        """``backward``'s ``grad`` as an array of this tensor's shape and dtype (ones for a scalar)."""
+        if not self.requires_grad:
+            raise RuntimeError("backward() on a tensor that does not require grad (was it made under no_grad()?)")
+        if grad is None:
+            if self.data.size != 1:
+                raise ValueError(
+                    f"backward() of a non-scalar tensor of shape {self.shape} needs an explicit grad of that shape")
+            grad = self.xp.ones_like(self.data)
+        elif isinstance(grad, Tensor):
+            grad = grad.data
+        grad = precision.like(grad, self.data.dtype)
+        if tuple(grad.shape) != self.shape:
+            raise ValueError(f"backward(): grad has shape {tuple(grad.shape)} but the tensor has shape {self.shape}")
+        return grad
 
     def _accumulate(self, grad) -> None:
         if grad.dtype != self.data.dtype:
@@ -253,6 +253,17 @@ def _topological_order(root: GraphNode) -> list:
             if parent._fn is not None and id(parent) not in visited:
                 stack.append((parent, False))
     return order
+
+
+def _consumer_counts(order: list) -> dict[int, int]:
+    """{id(tensor): how many graph edges deliver a gradient to it} over the nodes ``order``: a
+    leaf's gradient is final (and its hooks fire) when backward has counted that many down."""
+    pending: dict[int, int] = {}
+    for node in order:
+        for parent in node._fn.parents:
+            if parent.requires_grad:
+                pending[id(parent)] = pending.get(id(parent), 0) + 1
+    return pending
 
 
 def _ops():

@@ -124,13 +124,39 @@ def torch_step(config: GPTConfig, batch_size: int, device: str = "cpu", precisio
     hpcpar's float32 masters; fp16 with a GradScaler)."""
     try:
         import torch
-        from torch import nn
-        from torch.nn import functional as F
     except ImportError:
         return None
     if device == "cpu":
         torch.set_num_threads(1)
     torch.manual_seed(config.seed)
+    model = torch_gpt(config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batches = _batches(config, batch_size)
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0) if precision == "fp16" else None
+
+    def step():
+        ids, targets = (torch.from_numpy(a).to(device) for a in next(batches))
+        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+            loss = model(ids, targets)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+
+    return step
+
+
+def torch_gpt(config: GPTConfig):
+    """hpcpar's GPT written in PyTorch (an ``nn.Module`` whose forward returns the loss)."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
     C, nh = config.n_embd, config.n_head
 
     class Block(nn.Module):
@@ -162,26 +188,7 @@ def torch_step(config: GPTConfig, batch_size: int, device: str = "cpu", precisio
             logits = self.ln_f(x) @ self.wte.weight.T
             return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
-    model = TorchGPT().to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batches = _batches(config, batch_size)
-    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    scaler = torch.amp.GradScaler(device, init_scale=1024.0) if precision == "fp16" else None
-
-    def step():
-        ids, targets = (torch.from_numpy(a).to(device) for a in next(batches))
-        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
-            loss = model(ids, targets)
-        if scaler is None:
-            loss.backward()
-            optimizer.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        optimizer.zero_grad()
-
-    return step
+    return TorchGPT()
 
 
 def _function_classes(cls=Function):

@@ -2,6 +2,7 @@
 verified loads into any layout, exact resume. See writer.py and reader.py."""
 from .reader import load, load_latest
 from .manifest import CheckpointDamaged, CheckpointError, latest_step, list_steps, read_manifest
-from .writer import save, wait
+from .async_save import wait
+from .writer import save
 
 __all__ = ["CheckpointDamaged", "CheckpointError", "latest_step", "list_steps", "load", "load_latest", "read_manifest", "save", "wait"]

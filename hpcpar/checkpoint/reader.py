@@ -1,36 +1,17 @@
-"""Loading a checkpoint into any layout: each rank reads exactly the slabs it now holds.
+"""Loading a checkpoint into any layout, as a transaction over all ranks: each rank reads exactly
+the slabs it now holds.
 
 The objects being loaded say what they need through the checkpoint protocol (``hpcpar.state``):
-a ``LoadPlan`` of reads (key, global shape, slab, dtype) and what to do once all are in. A
-load is a transaction over all ranks:
+a ``LoadPlan`` of reads (key, global shape, slab, dtype) and what to do once all are in. Every
+rank first checks every read against the manifest (a mismatch is a ``CheckpointError``) and the
+files it needs; then reads its pieces into host memory or straight into the destinations that
+offer themselves, checking every MiB against its CRC-32 (damage is a ``CheckpointDamaged``, on
+which ``load_latest`` tries the previous step); only when every rank got that far are the values
+assigned and the plans finished. A failure on any rank is the same error on every rank and
+leaves the model, the optimizer and every ``extra`` as they were.
 
-1. every rank checks every read of its plans against the manifest: the tensor exists, with
-   that global shape and a dtype of the same kind (float, integer, bool: the precision may
-   change), the slab lies inside it, and (``strict``) every model tensor
-   lands on some rank. A mismatch is a ``CheckpointError``;
-2. every file the load needs is checked for presence and size, and every byte it reads
-   against the CRC-32 of its MiB in the manifest (each MiB by one of the ranks reading it,
-   so replicas share the work). Damage is a ``CheckpointDamaged``, on which ``load_latest``
-   tries the previous step;
-3. only when every rank got this far (all values in host memory, the ``extra`` states
-   restored, and put back if any rank failed) are the values assigned and the plans finished.
-
-Any failure before step 3 raises the same error on every rank and leaves the model, the
-optimizer and every ``extra`` (scaler, data position, random streams) exactly as they were.
-
-Tensors are read without HDF5: a piece is a byte range of its shard's flat dataset (offsets
-in the manifest). A piece that is exactly what a read wants, into a destination that offers
-itself (``Read.target``: a parameter, an optimizer's current state), is copied straight into
-it at step 3 from the file's pages, mapped (the page cache's own pages, nothing read twice),
-whose MiBs were checked at step 2 in the same mapping: no new memory, one copy (native, with
-streaming stores; ``fastcopy``). Any other piece is read into an array of its own at step 2
-(pieces that lie end to end in one request) and checked from there; a rank that now holds
-part of a piece (another layout) copies its part out. The chunks are checked last file and
-last MiB first, so that the copy, which goes first to last, finds the bytes checked last
-still in the cache. ``index.h5`` stays the global view for other readers. Checkpoints of
-format 1 (a dataset per piece) load through h5py. (A file that changes between its check and
-step 3 is reported as damage after the load began, or, cut short while being copied, ends
-the process with SIGBUS.) Those bytes are ``source``'s: this module runs the transaction.
+The bytes (mapping, checking, copying) are ``source``'s; this module runs the transaction.
+docs/architecture.md has the order of the checks and the copies, and why.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The file side of a save: small files written and fsynced by a thread (``DurableFile``), flat
 datasets allocated in a shard file and filled with ``pwritev`` at their offsets, the free space
-of each rank's file system and the check that the planned bytes fit, and which old steps
-retention removes.
+of each rank's file system and the check that the planned bytes fit.
 
 ``writer`` runs the save as a transaction over the ranks; this module writes and measures its files.
 """
@@ -111,9 +110,3 @@ def space_shortfalls(spaces: list, load: list, everyone: list) -> list[str]:
             f"{fs['bytes']} bytes (data and a margin for metadata), {fs['free']} bytes are free"
             for (host, _), fs in need.items() if fs["bytes"] > fs["free"]]
 
-
-def retired_steps(steps: list[int], written: int, keep: int) -> list[int]:
-    """The steps a save of ``written`` removes: all but the last ``keep`` up to and including it.
-    Steps above it are left alone (another run's, or a run that went further before a restart)."""
-    mine = [s for s in steps if s <= written]
-    return mine[:-keep] if keep > 0 else []

@@ -1,50 +1,21 @@
-"""Sharded, atomic HDF5 checkpoints written by every rank in parallel.
+"""Sharded, atomic HDF5 checkpoints written by every rank in parallel: a save as a transaction.
 
     save("ckpt", step, model, optimizer, ctx, extra={"schedule": schedule, "data": batches})
 
-1. Every rank lists the pieces it holds; one small all-gather of their descriptions lets
-   each (tensor, slab) be written by exactly one of the ranks holding it, chosen to even
-   out the bytes per rank (replicas share the writing; nothing goes through rank 0).
-   Each rank checks that its file system has room for what it will write (plus a margin);
-   if any has not, the save fails on every rank, naming the rank and the numbers, before a
-   byte is written.
-2. Each rank writes its pieces to ``step-N.tmp/shard-R.h5``, end to end in one flat
-   dataset per dtype (one HDF5 call per dtype, the data itself by plain file writes at the
-   dataset's offset), and fsyncs it while reading it back for the CRC-32 of each MiB. The
-   rank with the fewest bytes also writes ``index.h5`` (a virtual dataset per tensor at its
-   global shape) from the plan alone, in a thread.
-3. Rank 0 gathers the file facts (names, sizes, CRC-32s), writes ``manifest.json``, renames
-   the folder to ``step-N``, points ``latest`` at it, fsyncs the root, and keeps the last
-   ``keep`` steps up to this one (never a step above it: those belong to another run).
-A crash at any moment leaves at worst a ``.tmp`` folder that nothing reads; a write error on
-any rank raises the same ``CheckpointError`` on every rank, removes the ``.tmp`` folder and
-leaves ``latest`` as it was.
-
-``extra`` maps names to objects with ``state_dict()`` (schedule, loss scaler, sampler: the
-same on every rank), NumPy Generators (random streams, saved per rank), or plain JSON values.
-With ``asynchronous=True`` the state is first copied to host memory, then written and
-committed by a background thread on its own communicator; call ``wait()`` before the next
-save (``save`` does) and before exit (registered with atexit by the first such save; a save
-that fails there ends the process with status 1). A thread may call MPI only
-where MPI gives ``MPI.THREAD_MULTIPLE``: with less, asynchronous saves are made synchronous
-with one warning (the run stays correct, training just waits for the write). With
-``collective=True``, where h5py is built against parallel HDF5, all ranks write one
-``shared.h5`` with ``driver="mpio"`` instead of a file each, a dataset per piece (PyPI's
-h5py is serial: then it is a clear error).
-
-This module runs the save as a transaction over the ranks; ``save_plan`` makes the plan (who
-writes which piece, the manifest's tensor table, the bytes of ``index.h5``) and ``save_files``
-writes and measures the files (small fsynced files, flat datasets filled with ``pwritev``, the
-free-space check, the steps retention removes).
+Every rank describes its pieces; one all-gather makes the plan (``save_plan``: each piece written
+by one of the ranks holding it, the bytes evened out) and checks each file system's free space,
+refusing on every rank before a byte is written. Each rank then writes ``step-N.tmp/shard-R.h5``
+(``save_files``), one rank ``index.h5``, and rank 0 commits (``commit``): the manifest, the
+folder's rename, ``latest``, retention. A crash leaves at worst a ``.tmp`` folder nothing reads;
+an error on any rank is the same ``CheckpointError`` on every rank, and ``latest`` stays.
+``asynchronous=True`` writes in the background (``async_save``). docs/architecture.md has the
+format and the reasons.
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
-import sys
-import threading
 import time
 
 import h5py
@@ -53,13 +24,13 @@ import numpy as np
 from .. import log
 from ..backend import to_host
 from ..runtime.waiting import wait_politely
-from .manifest import (FORMAT, INDEX, LATEST, MANIFEST, SHARED_FILE, VERSION, CheckpointError, chunk_checksums,
-                       fsync_path, fsync_together, list_steps, shard_filename, step_dirname, sync_and_checksum)
-from .save_files import (DurableFile, allocate_flat_dataset, free_space, retired_steps, space_shortfalls,
-                         write_array)
-from .reader import raise_if_any
-from .save_plan import Plan, index_image
 from ..state import checkpointable
+from . import async_save, commit
+from .manifest import (FORMAT, INDEX, LATEST, SHARED_FILE, VERSION, CheckpointError, chunk_checksums, shard_filename,
+                       step_dirname, sync_and_checksum)
+from .reader import raise_if_any
+from .save_files import DurableFile, allocate_flat_dataset, free_space, space_shortfalls, write_array
+from .save_plan import Plan, index_image
 
 logger = log.get_logger(__name__)
 
@@ -247,76 +218,16 @@ class SaveJob:
         return DurableFile(os.path.join(self.tmp_dir, INDEX), self.plan.index)
 
     def _commit(self, gathered: list) -> None:
+        """Rank 0: the manifest from every rank's file facts, then the atomic publication and retention."""
         files, rank_state = {}, {}
         for rank, facts in enumerate(gathered):
             files.update(facts["files"])
             rank_state[str(rank)] = facts["rank_state"]
-
         manifest = {"format": FORMAT, "version": VERSION, "step": self.step, "layout": self.layout,
                     "created": time.time(), "tensors": self.tensors, "scalars": self.scalars,
                     "files": files, "extra": self.shared_extra, "rank_state": rank_state}
-        # The folder's rename makes the manifest appear atomically; it and the folder's entries
-        # must be on disk first (the two fsyncs at once). dumps uses the C encoder, dump(f) Python's.
-        with open(os.path.join(self.tmp_dir, MANIFEST), "w") as f:
-            f.write(json.dumps(manifest, sort_keys=True))
-        fsync_together(os.path.join(self.tmp_dir, MANIFEST), self.tmp_dir)
-        latest_tmp = self.latest_ready.path()  # written before the rename: a full disk fails here, nothing renamed
-        replaced = self.step_dir + ".old"
-        if os.path.exists(self.step_dir):  # re-saving a step: the old copy goes once the new one is in place
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.rename(self.step_dir, replaced)
-        os.rename(self.tmp_dir, self.step_dir)
-        os.replace(latest_tmp, os.path.join(self.root, LATEST))
-        fsync_path(self.root)  # both renames at once (a crash between them leaves the previous latest)
-        shutil.rmtree(replaced, ignore_errors=True)
-        if self.keep:
-            for old in retired_steps(list_steps(self.root), self.step, self.keep):
-                shutil.rmtree(os.path.join(self.root, step_dirname(old)), ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------------------
-# Entry points
-# ----------------------------------------------------------------------------------------
-_pending: list = []
-_async_comm = {}
-_exit_registered: list = []
-
-
-class AsyncSave:
-    def __init__(self, thread: threading.Thread, job: SaveJob):
-        self.thread, self.job, self.error = thread, job, None
-
-    def __str__(self) -> str:
-        return f"{self.job.step_dir} (being written in the background)"
-
-    def wait(self) -> str:
-        self.thread.join()
-        if self in _pending:
-            _pending.remove(self)
-        if self.error is not None:
-            raise self.error
-        return self.job.step_dir
-
-
-def wait() -> None:
-    """Block until every asynchronous save of this process is committed."""
-    for handle in list(_pending):
-        handle.wait()
-
-
-def wait_at_exit() -> None:
-    """``wait`` as the process ends (atexit, registered by the first asynchronous save, not on
-    import). Python prints an error raised here and still exits with status 0, so a job whose
-    last checkpoint failed looked like a success: the failure is one line on stderr and the
-    process ends with status 1 at once (the error reached every rank, so every rank does)."""
-    try:
-        wait()
-    except BaseException as error:  # noqa: BLE001 - reported, then the status says it
-        sys.stdout.flush()
-        sys.stderr.write(f"hpcpar: a checkpoint saved in the background failed while the process was ending; "
-                         f"that step is not committed ({type(error).__name__}: {error})\n")
-        sys.stderr.flush()
-        os._exit(1)
+        commit.publish(manifest, self.tmp_dir, self.step_dir, self.root, self.latest_ready)
+        commit.retire(self.root, self.step, self.keep)
 
 
 _warned_threads = []
@@ -340,28 +251,18 @@ def save(root: str, step: int, model, optimizer, ctx, extra: dict | None = None,
     """Write a checkpoint of ``model`` and ``optimizer`` (Checkpointables of ``hpcpar.state``, or
     (name, param) pairs; ``optimizer`` may be None); collective over ``ctx.world``.
 
+    ``extra`` maps names to objects with ``state_dict()`` (schedule, loss scaler, sampler: the same
+    on every rank), NumPy Generators (random streams, saved per rank), or plain JSON values; ``keep``
+    the steps retention keeps. ``asynchronous=True`` copies the state to host memory and returns
+    while a thread writes it (``async_save``), synchronously with one warning where MPI threads
+    cannot call MPI. ``collective=True``, where h5py is built against parallel HDF5, has all ranks
+    write one ``shared.h5`` with ``driver="mpio"``, a dataset per piece (PyPI's h5py is serial:
+    then it is a clear error).
+
     Returns the committed step folder, or an ``AsyncSave`` whose ``wait()`` returns it.
     """
-    wait()  # one save at a time: the previous asynchronous one must be committed first
+    async_save.wait()  # one save at a time: the previous asynchronous one must be committed first
     if asynchronous and not threads_may_call_mpi():
         asynchronous = False
     job = SaveJob(root, step, model, optimizer, ctx, extra, keep, copy=asynchronous, collective=collective)
-    if not asynchronous:
-        return job.run(ctx.world.mpi)
-    comm = _async_comm.get(id(ctx.world.mpi))
-    if comm is None:  # the writer thread gets its own communicator: no mixing with training's collectives
-        comm = _async_comm[id(ctx.world.mpi)] = ctx.world.mpi.Dup()
-
-    def write():
-        try:
-            job.run(comm)
-        except BaseException as error:  # noqa: BLE001 - re-raised by wait() on the caller's thread
-            handle.error = error
-
-    thread = threading.Thread(target=write, name=f"hpcpar-checkpoint-{step}", daemon=False)
-    handle = AsyncSave(thread, job)
-    if not _exit_registered:
-        _exit_registered.append(atexit.register(wait_at_exit))
-    _pending.append(handle)
-    thread.start()
-    return handle
+    return async_save.start(job, ctx) if asynchronous else job.run(ctx.world.mpi)

@@ -61,19 +61,7 @@ def prepare(out: str, paths: list[str] | None = None, max_mb: float | None = 8, 
         raise ValueError(f"{out!r} {problem}")
     if paths:
         for path in paths:
-            if os.path.isdir(path):
-                raise IsADirectoryError(f"{path!r} is a folder; give its files (e.g. {path}/*.txt)")
-            problem = input_problem(path)
-            if problem == "does not exist":
-                raise FileNotFoundError(f"no such file {path!r}")
-            if problem:
-                raise ValueError(f"{path!r} {problem}; give a text file")
-            if os.path.exists(out) and os.path.samefile(path, out):
-                raise ValueError(f"{out!r} is both the output and one of the text files; write another file")
-            compressed = compression_of(path)
-            if compressed:
-                raise ValueError(f"{path!r} is {compressed[0]}-compressed; tokens are the bytes of plain text: "
-                                 f"decompress it first ({compressed[1]} {path})")
+            check_text_file(path, out)
         source = f"{len(paths)} file(s) given"
     else:
         paths = stdlib_files()
@@ -87,7 +75,29 @@ def prepare(out: str, paths: list[str] | None = None, max_mb: float | None = 8, 
     attrs = {"format": FORMAT, "vocab_size": VOCAB_SIZE, "source": source, "num_files": len(used),
              "num_tokens": len(tokens), "val_fraction": val_fraction,
              "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
+    write_token_file(out, tokens, n_val, used, attrs)
+    return {**attrs, "train_tokens": len(tokens) - n_val, "val_tokens": n_val}
 
+
+def check_text_file(path: str, out: str) -> None:
+    """Raise the error that says why ``path`` cannot be read as text into ``out``, if there is one."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path!r} is a folder; give its files (e.g. {path}/*.txt)")
+    problem = input_problem(path)
+    if problem == "does not exist":
+        raise FileNotFoundError(f"no such file {path!r}")
+    if problem:
+        raise ValueError(f"{path!r} {problem}; give a text file")
+    if os.path.exists(out) and os.path.samefile(path, out):
+        raise ValueError(f"{out!r} is both the output and one of the text files; write another file")
+    compressed = compression_of(path)
+    if compressed:
+        raise ValueError(f"{path!r} is {compressed[0]}-compressed; tokens are the bytes of plain text: "
+                         f"decompress it first ({compressed[1]} {path})")
+
+
+def write_token_file(out: str, tokens, n_val: int, used: list[str], attrs: dict) -> None:
+    """``out`` with the last ``n_val`` tokens as ``val``, written to ``OUT.tmp``, fsynced and renamed."""
     folder = os.path.dirname(os.path.abspath(out))
     os.makedirs(folder, exist_ok=True)
     tmp = f"{out}.tmp"
@@ -109,7 +119,6 @@ def prepare(out: str, paths: list[str] | None = None, max_mb: float | None = 8, 
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-    return {**attrs, "train_tokens": len(tokens) - n_val, "val_tokens": n_val}
 
 
 def ensure_prepared(path: str, comm=None, announce=None, **options) -> None:

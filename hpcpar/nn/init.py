@@ -81,8 +81,8 @@ def initialize(module, seed: int) -> None:
             continue
         # A tensor-parallel shard draws the whole tensor and keeps its block, so every layout
         # starts from the same model.
-        full_shape = getattr(param, "global_shape", param.shape)
+        full_shape = param.shape if param.global_shape is None else param.global_shape
         values = generate(seed, name, full_shape, rule)
-        start = getattr(param, "global_start", (0,) * len(full_shape))
+        start = (0,) * len(full_shape) if param.global_start is None else param.global_start
         values = values[tuple(slice(s, s + n) for s, n in zip(start, param.shape))]
         param.data[...] = to_device(values.astype(param.dtype), param.xp)

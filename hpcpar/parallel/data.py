@@ -7,14 +7,11 @@
     ddp.finish_grad_sync()         # wait for every bucket; grads now hold the dp mean
     optimizer.step()
 
-How it works (as PyTorch DDP): parameters are grouped, in reverse registration order
-(roughly the order backward finishes them), into flat buckets of about ``bucket_mb``.
-A grad hook copies each final gradient into its bucket; when a bucket is full it is
-launched — but buckets are launched strictly in index order, so every rank issues the
-same sequence of collectives even when gradients finish in a different order or a
-parameter gets no gradient at all (``finish_grad_sync`` fills those with zeros and
-launches what is left). Gradients are averaged over ``ctx.dp`` only, so this composes
-with pipeline and tensor parallelism.
+As PyTorch DDP: parameters go, in reverse registration order (roughly the order backward finishes
+them), into flat buckets of about ``bucket_mb``; a grad hook copies each final gradient into its
+bucket, and buckets launch strictly in index order, so every rank issues the same collectives
+whatever order gradients finish in (``finish_grad_sync`` zero-fills those that never came).
+Gradients are averaged over ``ctx.dp`` only, so this composes with pipeline and tensor parallelism.
 """
 from __future__ import annotations
 
@@ -96,7 +93,7 @@ class DistributedDataParallel(ParameterHolder):
         # the parameters every tensor-parallel rank holds whole (LayerNorms, row-parallel biases)
         # under a compressor that ranks a whole bucket: in buckets without the shards, which
         # differ from rank to rank, or each tp rank sends other entries of them and they drift apart.
-        whole = (frozenset(id(p) for p in self.params if getattr(p, "global_shape", None) is None)
+        whole = (frozenset(id(p) for p in self.params if p.global_shape is None)
                  if self.compression.whole_bucket and ctx.tp_size > 1 else frozenset())
         for b, indices in enumerate(plan_buckets(self.params, bucket_bytes, frozenset(map(id, alone)), whole)):
             members = [self.params[i] for i in indices]

@@ -13,7 +13,7 @@ def counts_toward_norm(param, ctx, owns=None) -> bool:
     (LayerNorm, row-parallel bias) by tp rank 0 only, a weight tied across pipeline stages by
     its lowest holder (``owns(param)``).
     """
-    sharded = hasattr(param, "global_shape") and tuple(param.global_shape) != param.shape
+    sharded = param.global_shape is not None and tuple(param.global_shape) != param.shape
     return (sharded or ctx.tp_rank == 0) and (owns is None or owns(param))
 
 

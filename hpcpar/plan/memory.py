@@ -1,33 +1,17 @@
 """Memory per rank: parameters, gradients, optimizer state, activations in flight, buffers.
 
-Per pipeline rank (the largest is reported):
-
-- parameters: this rank's elements x the compute dtype's bytes;
-- optimizer state: Adam's two moments (SGD's momentum) over the master elements (a ZeRO-1
-  shard: 1/dp, padded), plus float32 masters under fp16/bf16;
-- communication buffers: DDP's flat buckets (the gradients' home), or ZeRO's flat gradient
-  and parameter buffers;
-- the step peak, taken when things are alive together rather than as the sum of each part's
-  maximum: the micro-batches in flight on this rank under the schedule (``peak_activations`` of
-  the schedule itself: 1F1B holds p - r, GPipe m) keep the bytes each layer keeps for backward
-  (``model.Layer``, less what recomputation drops) and a stage's received input and sent output
-  where its first and last layers do not keep them themselves, and the graph's and the pipeline
-  engine's own objects; at the end of its forward (the loss's temporaries on top of all that) one
-  of them runs its backward from the last layer down, freeing each layer's kept bytes as it makes
-  its gradients and its temporaries, a block's in two steps (``_backward_peak``,
-  ``model.Layer.backward_steps``). Gradients exist from the start where earlier backwards of the
-  step made them (accumulating micro-batches); plus a weight gradient before it is summed in and a
-  pipeline's receive buffers.
-
-``activation_peak`` is what ``hpcpar compare`` measures with tracemalloc during one
-``train_step`` (gradients + activations + temporaries at that moment); ``param_state`` what it
-reports as parameters + optimizer state.
+Per pipeline rank (the largest is reported): parameters, optimizer state and masters, the
+communication buffers, and the step's peak, taken when things are alive together rather than as
+the sum of each part's maximum (``rank_memory`` says how). ``activation_peak`` is what ``hpcpar
+compare`` measures with tracemalloc during one ``train_step`` (gradients + activations +
+temporaries at that moment); ``param_state`` what it reports as parameters + optimizer state.
+docs/planner.md has the equations.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schedule import schedule_of
+from .schedule import in_flight, schedule_of
 from .traffic import bucket_bytes, builds_ddp
 
 
@@ -113,6 +97,15 @@ def _backward_peak(plan, layers, waiting: float, gradients: float, all_gradients
 
 
 def rank_memory(plan, rank: int, held: int) -> Memory:
+    """Pipeline rank ``rank``'s memory with ``held`` micro-batches in flight: its parameters; Adam's
+    moments (SGD's momentum) over the master elements (a ZeRO-1 shard: 1/dp, padded) and float32
+    masters under fp16/bf16; DDP's buckets or ZeRO's flat buffers; and the step's peak. At the peak
+    the micro-batches in flight keep what each layer keeps for backward (less what recomputation
+    drops), a stage's received input and sent output where its layers do not, and the graph's and
+    the engine's objects, while one of them runs its backward from the last layer down, freeing
+    each layer's kept bytes as it makes its gradients and temporaries (``_backward_peak``); plus
+    the gradients earlier backwards made, a weight gradient before it is summed in and a
+    pipeline's gradients on their way."""
     lay, job = plan.layout, plan.job
     d, master = plan.dtype_bytes, plan.master_bytes
     params = plan.rank_parameters(rank)
@@ -172,8 +165,6 @@ def _float32_bucket_copies(plan, params) -> list:
 
 def memory_per_rank(plan) -> Memory:
     """The pipeline rank with the largest total."""
-    from .predict import in_flight
-
     held = in_flight(plan)
     return max((rank_memory(plan, r, held[r] if plan.layout.pp > 1 else 1) for r in range(plan.layout.pp)),
                key=lambda m: m.total)

@@ -254,60 +254,10 @@ def ufunc_buffers(elements: float, itemsize: int) -> float:
 # The digits CNN: (N, 1, 8, 8) -> conv 3x3 -> relu -> pool 2 -> conv 3x3 -> relu -> pool 2 -> linear
 def cnn_layers(shape: Shape) -> list[Layer]:
     n, d = shape.rows, shape.dtype_bytes
-    c = max(d, 4)  # float32 at least: conv's input-gradient columns, max pooling's fold
-    wide = 4 if d < 4 else 0  # under 16 bits NumPy's matmul multiplies float32 copies of its operands
     c1, c2 = shape.channels
-    convs = [(1, c1, 8), (c1, c2, 4)]  # (in, out, side)
     out = []
-    not_input = dict.fromkeys(RECOMPUTE, False)  # these keep no input of theirs: a stage's received input counts
-    for i, (cin, cout, side) in enumerate(convs):
-        pixels = n * side * side
-        flops = 2 * pixels * cin * 9 * cout  # one product each way
-        cols = pixels * cin * 9  # im2col
-        padded = n * cin * (side + 2) ** 2
-        runs = conv_runs(n, cin, side)
-        forward = (Work(ops=1).add("conv", flops).add("im2col", passes("im2col", cols, d)).add("strided_runs", runs)
-                   .add("copy", 2 * pixels * cout * d))
-        # the images need no gradient: the first convolution computes only its weights'
-        backward = Work(ops=1).add("copy", 2 * pixels * cout * d)
-        if i > 0:
-            (backward.add("conv", flops).add("im2col", passes("im2col", cols, d, True)).add("strided_runs", runs)
-             .add("copy", 2 * pixels * cin * d))
-        # Alive in backward beside the kept columns: the incoming gradient and its (Cout, N Ho Wo)
-        # copy; the columns' gradient (float32) to the end, with the padded fold (its strided adds
-        # buffered) and then the input gradient; last the weight gradient's product of float32
-        # copies (under 16 bits; the transposed columns are cast through NumPy's buffers as well).
-        grads = 2 * pixels * cout * d
-        weight_gemm = (pixels * cout + cols) * wide + (min(cols, 8192) * (d + wide) if wide else 0)
-        fold = padded * c + max(ufunc_buffers(pixels * cin, c), pixels * cin * c)
-        input_grad = cols * c + max(fold, pixels * cout * wide) if i > 0 else 0
-        last = grads + (cols + pixels * cin) * c * (i > 0) + weight_gemm
-        out.append(Layer(f"net.{3 * i}", [(f"net.{3 * i}.weight", cout * cin * 9, False), (f"net.{3 * i}.bias", cout, False)],
-                         forward, backward, Work().add("conv", flops),
-                         # the columns; its input is the pooling's output (the images for the first, which
-                         # are float32: in another precision the first op casts them, and keeps that copy)
-                         saved_bytes=cols * d + (n * 64 * d if i == 0 and d != 4 else 0),
-                         output_elements=pixels * cout, keeps_input=not_input, keeps_output=False,
-                         workspace_bytes=max(grads + input_grad, last),
-                         # the padded input to the end; the product (of float32 copies under 16 bits,
-                         # rounded to a copy) and then the output's transposed copy
-                         forward_temporaries=padded * d + (cols * wide + pixels * cout * (wide + d) if wide
-                                                           else 2 * pixels * cout * d)))
-        out.append(Layer(f"net.{3 * i + 1}", [], Work(ops=1).add("copy", 3 * pixels * cout * d),
-                         Work(ops=1).add("copy", 4 * pixels * cout * d), Work(), saved_bytes=pixels * cout * d,
-                         # the incoming gradient, the mask, the product
-                         workspace_bytes=pixels * cout * (2 * d + 1), output_elements=pixels * cout, keeps_input=not_input))
-        pooled = pool_rows(n, cout, side)
-        out.append(Layer(f"net.{3 * i + 2}", [],
-                         Work(ops=1).add("pool", passes("pool", pixels * cout, d)).add("pool_rows", pooled),
-                         Work(ops=1).add("pool", passes("pool", pixels * cout, d, True)).add("pool_rows", pooled), Work(),
-                         # its output; its input is the ReLU's output, kept there
-                         saved_bytes=pixels * cout / 4 * d, keeps_input=not_input, output_elements=pixels * cout / 4,
-                         # the fold (float32 at least) rounded to a copy; the incoming gradient, a tap's
-                         # masks and gradient beside it, its strided add buffered
-                         workspace_bytes=pixels * cout * (c + (d if d < c else 0)) + pixels * cout / 4 * (2 * d + 2)
-                         + ufunc_buffers(pixels * cout / 4, c),
-                         forward_temporaries=ufunc_buffers(pixels * cout / 4, d)))  # each tap's strided maximum
+    for i, (cin, cout, side) in enumerate([(1, c1, 8), (c1, c2, 4)]):  # (in, out, side)
+        out += cnn_conv_stage(shape, i, cin, cout, side)
     features = 4 * c2
     out.append(Layer("net.6", [], Work(ops=1), Work(ops=1), Work(), 0.0, 0.0, n * features))
     out.append(Layer("net.7", [("net.7.weight", features * 10, False), ("net.7.bias", 10, False)],
@@ -315,6 +265,64 @@ def cnn_layers(shape: Shape) -> list[Layer]:
                      Work(ops=3).add("gemm", 2 * n * features * 10).add("cross_entropy", passes("cross_entropy", n * 10, max(d, 4), True)),
                      Work(ops=1).add("gemm", 2 * n * features * 10), saved_bytes=(n * features + n * 10) * d,
                      workspace_bytes=n * 10 * d, output_elements=0))
+    return out
+
+
+def cnn_conv_stage(shape: Shape, i: int, cin: int, cout: int, side: int) -> list[Layer]:
+    """The CNN's ``i``-th convolution (``cin`` -> ``cout`` channels on ``side`` x ``side`` images),
+    its ReLU and its 2 x 2 max pooling: layers ``net.3i`` to ``net.3i+2``."""
+    n, d = shape.rows, shape.dtype_bytes
+    c = max(d, 4)  # float32 at least: conv's input-gradient columns, max pooling's fold
+    wide = 4 if d < 4 else 0  # under 16 bits NumPy's matmul multiplies float32 copies of its operands
+    not_input = dict.fromkeys(RECOMPUTE, False)  # these keep no input of theirs: a stage's received input counts
+    out = []
+    pixels = n * side * side
+    flops = 2 * pixels * cin * 9 * cout  # one product each way
+    cols = pixels * cin * 9  # im2col
+    padded = n * cin * (side + 2) ** 2
+    runs = conv_runs(n, cin, side)
+    forward = (Work(ops=1).add("conv", flops).add("im2col", passes("im2col", cols, d)).add("strided_runs", runs)
+               .add("copy", 2 * pixels * cout * d))
+    # the images need no gradient: the first convolution computes only its weights'
+    backward = Work(ops=1).add("copy", 2 * pixels * cout * d)
+    if i > 0:
+        (backward.add("conv", flops).add("im2col", passes("im2col", cols, d, True)).add("strided_runs", runs)
+         .add("copy", 2 * pixels * cin * d))
+    # Alive in backward beside the kept columns: the incoming gradient and its (Cout, N Ho Wo)
+    # copy; the columns' gradient (float32) to the end, with the padded fold (its strided adds
+    # buffered) and then the input gradient; last the weight gradient's product of float32
+    # copies (under 16 bits; the transposed columns are cast through NumPy's buffers as well).
+    grads = 2 * pixels * cout * d
+    weight_gemm = (pixels * cout + cols) * wide + (min(cols, 8192) * (d + wide) if wide else 0)
+    fold = padded * c + max(ufunc_buffers(pixels * cin, c), pixels * cin * c)
+    input_grad = cols * c + max(fold, pixels * cout * wide) if i > 0 else 0
+    last = grads + (cols + pixels * cin) * c * (i > 0) + weight_gemm
+    out.append(Layer(f"net.{3 * i}", [(f"net.{3 * i}.weight", cout * cin * 9, False), (f"net.{3 * i}.bias", cout, False)],
+                     forward, backward, Work().add("conv", flops),
+                     # the columns; its input is the pooling's output (the images for the first, which
+                     # are float32: in another precision the first op casts them, and keeps that copy)
+                     saved_bytes=cols * d + (n * 64 * d if i == 0 and d != 4 else 0),
+                     output_elements=pixels * cout, keeps_input=not_input, keeps_output=False,
+                     workspace_bytes=max(grads + input_grad, last),
+                     # the padded input to the end; the product (of float32 copies under 16 bits,
+                     # rounded to a copy) and then the output's transposed copy
+                     forward_temporaries=padded * d + (cols * wide + pixels * cout * (wide + d) if wide
+                                                       else 2 * pixels * cout * d)))
+    out.append(Layer(f"net.{3 * i + 1}", [], Work(ops=1).add("copy", 3 * pixels * cout * d),
+                     Work(ops=1).add("copy", 4 * pixels * cout * d), Work(), saved_bytes=pixels * cout * d,
+                     # the incoming gradient, the mask, the product
+                     workspace_bytes=pixels * cout * (2 * d + 1), output_elements=pixels * cout, keeps_input=not_input))
+    pooled = pool_rows(n, cout, side)
+    out.append(Layer(f"net.{3 * i + 2}", [],
+                     Work(ops=1).add("pool", passes("pool", pixels * cout, d)).add("pool_rows", pooled),
+                     Work(ops=1).add("pool", passes("pool", pixels * cout, d, True)).add("pool_rows", pooled), Work(),
+                     # its output; its input is the ReLU's output, kept there
+                     saved_bytes=pixels * cout / 4 * d, keeps_input=not_input, output_elements=pixels * cout / 4,
+                     # the fold (float32 at least) rounded to a copy; the incoming gradient, a tap's
+                     # masks and gradient beside it, its strided add buffered
+                     workspace_bytes=pixels * cout * (c + (d if d < c else 0)) + pixels * cout / 4 * (2 * d + 2)
+                     + ufunc_buffers(pixels * cout / 4, c),
+                     forward_temporaries=ufunc_buffers(pixels * cout / 4, d)))  # each tap's strided maximum
     return out
 
 

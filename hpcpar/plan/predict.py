@@ -3,23 +3,12 @@
     plan = StepPlan(job, machine)      # job: validated for its world (its parallel section is the layout)
     prediction = plan.predict()        # .step_s, .memory, .traffic, .breakdown()
 
-Step time (docs/planner.md has the equations):
-
-- compute of a layer = sum over op families of units / rate, plus ops x the fixed cost of an
-  op, the rates from the machine file; tensor-parallel collectives run inside the layer and add
-  to its forward and backward;
-- pp = 1: micro-batches x (forward + backward), then the data-parallel all-reduce of the
-  buckets less what hides behind the last backward (the machine's ``overlap``), then the
-  optimizer;
-- pp > 1: hpcpar's own schedule simulator (``parallel.pipeline.schedules.simulate``) executes
-  the schedule with each virtual stage's predicted F, B and W times and the point-to-point time
-  of one activation, giving the pipeline's makespan and bubble for every schedule; then the
-  gradient synchronisation (not overlapped in a pipeline) and the optimizer;
-- a collective costs latency + wire bytes / bandwidth, the line of its op and group size when
-  the machine file has one, else the intra- or inter-node link by where the group's ranks sit
-  (rank order: tp fastest, then dp, then pp; ``ranks_per_node`` ranks per node);
-- k ranks computing at once on a node: compute runs slower by the machine's measured
-  ``concurrency[k]`` (shared cores, memory bandwidth; more ranks than cores), or ``k / cores``.
+Work becomes time with the machine file's measured rates (``work_seconds``), a collective costs
+latency + wire bytes / bandwidth (``collective_seconds``); a step adds them up as the engines run
+them: with pp = 1 micro-batches, then the exposed part of the gradient all-reduce, then the
+optimizer; with pp > 1 hpcpar's own schedule simulator (``parallel.pipeline.schedules.simulate``)
+runs the schedule with each virtual stage's predicted times, giving the makespan and the bubble
+of every schedule alike. docs/planner.md has the equations.
 """
 from __future__ import annotations
 
@@ -32,7 +21,7 @@ from ..parallel.pipeline.schedules import simulate
 from .machine import Machine
 from .memory import Memory, memory_per_rank
 from .model import FP_BYTES, Layer, Work, layers, shape_of
-from .schedule import peaks_of, schedule_of
+from .schedule import schedule_of
 from .traffic import Traffic, bucket_bytes, builds_ddp, stage_parameters, step_traffic
 
 ELEMENTWISE_RATE = {"gemm": "gemm_flops", "attention": "attention_flops", "conv": "conv_flops"}
@@ -108,6 +97,9 @@ class Prediction:
 
 
 def work_seconds(work: Work, machine: Machine, precision: str) -> float:
+    """Seconds of ``work``: per op family units / the machine's rate, plus ops x the fixed cost of an
+    op; the machine's ``model_factor`` scales it (its measured ``concurrency[k]`` slows it down where
+    k ranks compute at once on a node: ``StepPlan.slowdown``)."""
     c = machine.compute_for(precision)
     seconds = work.ops * c.op_overhead_s
     for family, units in work.units.items():
@@ -156,6 +148,9 @@ class StepPlan:
         return span > per_node
 
     def collective_seconds(self, comm: str, op: str, nbytes: float) -> float:
+        """latency + wire bytes / bandwidth of ``op`` over ``comm``: the machine file's line for that op
+        and group size when it has one, else the intra- or inter-node link by where the group's ranks
+        sit (rank order: tp fastest, then dp, then pp; ``ranks_per_node`` ranks per node)."""
         key = (comm, op, nbytes)
         if key not in self._collective_cache:
             self._collective_cache[key] = self._collective_seconds(comm, op, nbytes)
@@ -322,11 +317,3 @@ class StepPlan:
             seconds += sum(self.collective_seconds(c, "allreduce", 8) for c in ("tp", "pp")) + (
                 self.collective_seconds("dp", "allreduce", 8) if job.parallel.zero else 0.0)
         return seconds
-
-
-def in_flight(plan: StepPlan) -> list[int]:
-    """Per pipeline rank, the (micro-batch, virtual stage) activations held at once under the schedule."""
-    lay = plan.layout
-    if lay.pp == 1:
-        return [1]
-    return list(peaks_of(lay.schedule, lay.pp, lay.micro_batches, lay.chunks))

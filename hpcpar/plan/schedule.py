@@ -18,3 +18,12 @@ def schedule_of(name: str, p: int, m: int, v: int) -> tuple:
 def peaks_of(name: str, p: int, m: int, v: int) -> tuple:
     """Per pipeline rank, the (micro-batch, virtual stage) activations it holds at once (to W for ZB-H1)."""
     return tuple(peak_activations([list(a) for a in schedule_of(name, p, m, v)], held_until="W"))
+
+
+def in_flight(plan) -> list[int]:
+    """Per pipeline rank of ``plan`` (a StepPlan), the (micro-batch, virtual stage) activations held
+    at once under the schedule."""
+    lay = plan.layout
+    if lay.pp == 1:
+        return [1]
+    return list(peaks_of(lay.schedule, lay.pp, lay.micro_batches, lay.chunks))

@@ -12,8 +12,7 @@ def wants_grad(fn, i: int) -> bool:
 
     ``fn.grad_inputs``, when set, narrows that to some inputs (a backward split in two passes,
     ``hpcpar.autograd.deferred``)."""
-    wanted = getattr(fn, "grad_inputs", None)
-    return fn.parents[i].requires_grad and (wanted is None or i in wanted)
+    return fn.parents[i].requires_grad and (fn.grad_inputs is None or i in fn.grad_inputs)
 
 
 def normalize_axes(axis, ndim: int) -> tuple:

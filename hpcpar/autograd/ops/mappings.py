@@ -9,9 +9,10 @@ when the group has one rank (or is None); the sharded layers built on them are i
     scatter_to_tp    keep this rank's slice of the last axis; all-gather backward
     gather_from_tp   all-gather along the last axis; keep the slice backward
 
-Sequence parallelism (Korthikanti et al., 2022) replaces each all-reduce by a reduce-scatter and an
-all-gather along the sequence (``gather_sequence``, ``reduce_scatter_sequence``, below);
-``enter_tp``/``leave_tp`` pick the pair a layer needs.
+Sequence parallelism (Korthikanti et al., 2022) splits the activations outside the sharded regions
+along the sequence: ``gather_sequence`` entering a region and ``reduce_scatter_sequence`` leaving
+it replace the all-reduces, the same bytes, while those activations take 1/tp of the memory.
+``enter_tp``/``leave_tp`` pick the pair a layer needs; the sharded layers are ``nn.tensor_parallel``'s.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Communication as differentiable ops (Megatron-LM's ``mappings.py``): tensor and sequence parallelism.
 
 Each op takes the tensor-parallel communicator as an argument and returns its input unchanged
-when the group has one rank (or is None); the sharded layers built on them are in
-``hpcpar.nn.tensor_parallel``:
+when the group has one rank (or is None):
 
     copy_to_tp       identity forward, all-reduce (sum) backward   -- entering a parallel region
     reduce_from_tp   all-reduce (sum) forward, identity backward   -- leaving it

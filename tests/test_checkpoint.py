@@ -205,10 +205,10 @@ ctx = hpcpar.init(device="cpu")
 run = DataParallelRun(ctx)
 checkpoint.save({root!r}, 1, run.model, run.optimizer, ctx, extra=run.extra())
 real_sync = save_module.sync_and_checksum
-def dying_sync(path):
+def dying_sync(path, *rest):
     if ctx.rank == 1 and "step-00000002.tmp" in path:
         os._exit(9)   # killed in the middle of the save: its shard is written, nothing committed
-    return real_sync(path)
+    return real_sync(path, *rest)
 save_module.sync_and_checksum = dying_sync
 run.train(range(1))
 checkpoint.save({root!r}, 2, run.model, run.optimizer, ctx, extra=run.extra())

@@ -281,10 +281,10 @@ run = DataParallelRun(ctx)
 run.train(range(1))
 checkpoint.save({root!r}, 1, run.model, run.optimizer, ctx, extra=run.extra())
 real = writer.sync_and_checksum
-def dying(path):
+def dying(path, *rest):
     if ctx.rank == 1 and "step-00000002.tmp" in path:
         os.kill(os.getpid(), signal.SIGKILL)  # its shard written, not yet synced: nothing committed
-    return real(path)
+    return real(path, *rest)
 writer.sync_and_checksum = dying
 run.train(range(1, 2))
 handle = checkpoint.save({root!r}, 2, run.model, run.optimizer, ctx, extra=run.extra(), asynchronous={asynchronous})

@@ -36,14 +36,15 @@ EXPORT_BLOCK_BYTES = 64 << 20  # export copies big tensors in row blocks of abou
 # ----------------------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------------------
-def check(step_dir: str, checksums: bool = True) -> list[str]:
-    """Every problem of one step folder, one line each naming the file (empty when valid)."""
+def check(step_dir: str, nonfinite: list | None = None, checksums: bool = True) -> list[str]:
+    """Every problem of one step folder, one line each naming the file (empty when valid); a
+    ``nonfinite`` list gets the tensor pieces holding inf or NaN (``verify_files``)."""
     try:
         manifest = read_manifest(step_dir)
     except CheckpointError as error:
         return [str(error)]
     if checksums:
-        problems = verify_files(step_dir, manifest)
+        problems = verify_files(step_dir, manifest, nonfinite=nonfinite)
     else:
         problems = []
         for name, facts in sorted(manifest["files"].items()):
@@ -229,14 +230,17 @@ def provenance_lines(extra: dict) -> list[str]:
 
 def verify(args) -> int:
     step_dir = resolve_step_dir(args.path)
-    problems = check(step_dir)
-    for line in problems:
+    nonfinite: list = []
+    problems = check(step_dir, nonfinite)
+    for line in problems + nonfinite:
         print(line)
-    if problems:
-        print(f"hpcpar ckpt verify: {step_dir} is NOT valid ({len(problems)} problem(s))", file=sys.stderr)
+    if problems or nonfinite:
+        what = [f"{len(problems)} problem(s)"] if problems else []
+        what += [f"{len(nonfinite)} tensor piece(s) with inf or NaN"] if nonfinite else []
+        print(f"hpcpar ckpt verify: {step_dir} is NOT valid ({', '.join(what)})", file=sys.stderr)
         return 1
     manifest = read_manifest(step_dir)
-    print(f"{step_dir}: valid ({len(manifest['files'])} files checked (size, CRC-32), "
+    print(f"{step_dir}: valid ({len(manifest['files'])} files checked (size, CRC-32, every float finite), "
           f"{len(manifest['tensors'])} virtual datasets with all sources present)")
     return 0
 

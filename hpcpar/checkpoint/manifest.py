@@ -15,13 +15,15 @@ No pickle anywhere: arrays live in HDF5, everything else is JSON.
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import os
 import re
 import threading
 
 import numpy as np
 
-from .crc import crc32
+from .crc import crc32, crc32_chunks_and_nonfinite
 
 FORMAT = "hpcpar-checkpoint"
 VERSION = 2  # 2: flat datasets per dtype, pieces at byte offsets, CRC-32 per MiB of each file
@@ -42,6 +44,11 @@ class CheckpointDamaged(CheckpointError):
     """The checkpoint's files are damaged: missing, truncated, a wrong checksum, an unreadable
     manifest. ``load_latest`` falls back to the previous step on this error only; any other
     ``CheckpointError`` (a tensor of another shape, name or dtype) is a mismatch, never skipped."""
+
+
+class NonFiniteCheckpoint(CheckpointError):
+    """A save refused because a floating tensor holds inf or NaN: nothing was committed, ``latest``
+    still names the previous step (a diverged run never replaces good checkpoints)."""
 
 
 def step_dirname(step: int) -> str:
@@ -67,16 +74,28 @@ def chunk_checksums(data) -> list[str]:
     return [f"{crc32(view[at: at + CHUNK_BYTES]):08x}" for at in range(0, len(view), CHUNK_BYTES)]
 
 
-def file_chunk_checksums(path: str) -> list[str]:
-    crcs, block = [], np.empty(CHUNK_BYTES, dtype=np.uint8)
-    with open(path, "rb", buffering=0) as f:
-        while size := f.readinto(block):
-            crcs.append(f"{crc32(block[:size]):08x}")
-    return crcs
+def file_chunk_checksums(path: str, floats: list = ()) -> tuple[list[str], list[int]]:
+    """(CRC-32 of each MiB of the file, how many values of each float range are inf or NaN), in
+    one pass over the file's pages (``crc.crc32_chunks_and_nonfinite``); ``floats``: (first byte,
+    element count, dtype name) of the float pieces it holds, sorted by first byte."""
+    if not os.path.getsize(path):
+        return [], [0] * len(floats)
+    with open(path, "rb") as f:
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError:  # a file system that cannot map files: read it whole instead
+            crcs, bad = crc32_chunks_and_nonfinite(np.fromfile(f, dtype=np.uint8), CHUNK_BYTES, list(floats))
+        else:
+            with mapped:
+                data = np.frombuffer(mapped, dtype=np.uint8)
+                crcs, bad = crc32_chunks_and_nonfinite(data, CHUNK_BYTES, list(floats))
+                del data  # the mapping closes only once no array refers to it
+    return [f"{c:08x}" for c in crcs], bad
 
 
-def sync_and_checksum(path: str) -> dict:
-    """fsync a just-written file and take its size and the CRC-32 of each MiB, the two at once.
+def sync_and_checksum(path: str, floats: list = ()) -> dict:
+    """fsync a just-written file and take its size, the CRC-32 of each MiB and the count of inf
+    and NaN values in each of its ``floats`` ranges (``file_chunk_checksums``), all at once.
 
     The CRCs read the file back from the page cache while fsync pushes it to the disk; both
     release the GIL, so a thread for the fsync saves the shorter of the two from a save.
@@ -84,11 +103,11 @@ def sync_and_checksum(path: str) -> dict:
     errors: list = []  # a failed fsync fails the save: the file may not be on the disk
     syncing = threading.Thread(target=_sync_into, args=(path, errors))
     syncing.start()
-    crcs = file_chunk_checksums(path)
+    crcs, bad = file_chunk_checksums(path, floats)
     syncing.join()
     if errors:
         raise errors[0]
-    return {"bytes": os.path.getsize(path), "chunks": crcs}
+    return {"bytes": os.path.getsize(path), "chunks": crcs, "nonfinite": bad}
 
 
 def fsync_path(path: str) -> None:
@@ -139,9 +158,11 @@ def read_manifest(step_dir: str) -> dict:
     return manifest
 
 
-def verify_files(step_dir: str, manifest: dict, names=None, checksums: bool = True) -> list[str]:
+def verify_files(step_dir: str, manifest: dict, names=None, checksums: bool = True,
+                 nonfinite: list | None = None) -> list[str]:
     """Problems with the listed files (all by default): missing, wrong size, wrong checksum
-    (``checksums=False``: presence and size only)."""
+    (``checksums=False``: presence and size only). A ``nonfinite`` list gets a line for each
+    tensor piece holding inf or NaN, found in the same pass as the checksums."""
     problems = []
     for name, facts in sorted(manifest["files"].items()):
         if names is not None and name not in names:
@@ -152,10 +173,28 @@ def verify_files(step_dir: str, manifest: dict, names=None, checksums: bool = Tr
         elif os.path.getsize(path) != facts["bytes"]:
             problems.append(f"{path}: {os.path.getsize(path)} bytes, the manifest says {facts['bytes']} (truncated?)")
         elif checksums and "chunks" in facts:
-            problems += chunk_problems(path, file_chunk_checksums(path), facts["chunks"], 0)
+            floats = float_pieces(manifest, name) if nonfinite is not None else []
+            crcs, bad = file_chunk_checksums(path, [(start, size, dtype) for start, size, dtype, _ in floats])
+            problems += chunk_problems(path, crcs, facts["chunks"], 0)
+            if nonfinite is not None:
+                nonfinite += [f"{key}: {n} of {size} values are inf or NaN ({path})"
+                              for (_, size, _, key), n in zip(floats, bad) if n]
         elif checksums and file_checksum(path) != facts["crc32"]:
             problems.append(f"{path}: checksum {file_checksum(path)} != {facts['crc32']} in the manifest (damaged)")
     return problems
+
+
+def float_pieces(manifest: dict, name: str) -> list[tuple[int, int, str, str]]:
+    """(first byte, elements, dtype, tensor key) of each floating piece that the shard ``name``
+    holds (format 2: in its flat datasets), by first byte."""
+    blobs, pieces = manifest["files"][name].get("blobs", {}), []
+    for key, table in manifest["tensors"].items():
+        dtype = np.dtype(table["dtype"])
+        for piece in table["pieces"]:
+            if dtype.kind == "f" and piece.get("file") == name and blobs.get(piece.get("dataset")) is not None:
+                size = math.prod(b - a for a, b in piece["slab"])
+                pieces.append((blobs[piece["dataset"]] + piece["start"] * dtype.itemsize, size, dtype.name, key))
+    return sorted(pieces)
 
 
 def chunk_problems(path: str, found: list[str], expected: list[str], first: int) -> list[str]:

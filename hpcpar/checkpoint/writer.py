@@ -26,8 +26,8 @@ from ..backend import to_host
 from ..runtime.waiting import wait_politely
 from ..state import checkpointable
 from . import async_save, commit
-from .manifest import (FORMAT, INDEX, LATEST, SHARED_FILE, VERSION, CheckpointError, chunk_checksums, shard_filename,
-                       step_dirname, sync_and_checksum)
+from .manifest import (FORMAT, INDEX, LATEST, SHARED_FILE, VERSION, CheckpointError, NonFiniteCheckpoint, chunk_checksums,
+                       latest_step, shard_filename, step_dirname, sync_and_checksum)
 from .reader import raise_if_any
 from .save_files import DurableFile, allocate_flat_dataset, free_space, space_shortfalls, write_array
 from .save_plan import Plan, index_image
@@ -150,18 +150,25 @@ class SaveJob:
         error = None
         if self.rank == 0:
             failed = [f["error"] for f in gathered if f["error"]]
+            nonfinite = [entry for f in gathered for entry in f.get("nonfinite", ())]
             try:
                 if failed:  # nothing is committed: the previous checkpoint stays the latest
                     raise CheckpointError("; ".join(failed))
+                if nonfinite:
+                    raise NonFiniteCheckpoint(f"non-finite values (inf or NaN) in {len(nonfinite)} tensor "
+                                              f"piece(s), first {', '.join(nonfinite[:3])}; latest stays "
+                                              f"{latest_name(self.root)}")
                 self._commit(gathered)
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
-                error = str(exc) if isinstance(exc, CheckpointError) else f"rank 0: {type(exc).__name__}: {exc}"
+                error = (type(exc).__name__ if isinstance(exc, CheckpointError) else "CheckpointError",
+                         str(exc) if isinstance(exc, CheckpointError) else f"rank 0: {type(exc).__name__}: {exc}")
                 shutil.rmtree(self.tmp_dir, ignore_errors=True)
                 self.latest_ready.discard()
         wait_politely(comm.Ibarrier())  # while rank 0 commits
         error = comm.bcast(error, root=0)
         if error:
-            raise CheckpointError(f"checkpoint {self.step_dir} was not committed: {error}")
+            kind = NonFiniteCheckpoint if error[0] == NonFiniteCheckpoint.__name__ else CheckpointError
+            raise kind(f"checkpoint {self.step_dir} was not committed: {error[1]}")
         self.seconds = time.perf_counter() - start
         return self.step_dir
 
@@ -188,7 +195,11 @@ class SaveJob:
                     write_array(fd, arrays, offsets[dtype])
         finally:
             os.close(fd)
-        facts["files"][name] = sync_and_checksum(path) | {"blobs": offsets}
+        floats = float_ranges(self.pieces, offsets)
+        measured = sync_and_checksum(path, [(start, size, dtype) for start, size, dtype, _ in floats])
+        facts["nonfinite"] = [f"{key} ({bad} of {size})" for (_, size, _, key), bad in
+                              zip(floats, measured.pop("nonfinite")) if bad]
+        facts["files"][name] = measured | {"blobs": offsets}
 
     def _write_shared_file(self, comm, facts: dict) -> None:
         """All pieces in one file written collectively (``driver="mpio"``, parallel HDF5 only).
@@ -206,8 +217,10 @@ class SaveJob:
                                                dtype=table["dtype"])
                     if (key, slab) in mine:
                         dataset[...] = mine[(key, slab)]
+        facts["nonfinite"] = nonfinite_in_memory(self.pieces)
         if self.rank == 0:
             facts["files"][SHARED_FILE] = sync_and_checksum(path)
+            del facts["files"][SHARED_FILE]["nonfinite"]
 
     # ----- the index writer and rank 0 --------------------------------------------------
     def _write_index(self) -> "DurableFile":
@@ -228,6 +241,34 @@ class SaveJob:
                     "files": files, "extra": self.shared_extra, "rank_state": rank_state}
         commit.publish(manifest, self.tmp_dir, self.step_dir, self.root, self.latest_ready)
         commit.retire(self.root, self.step, self.keep)
+
+
+def float_ranges(pieces: list, offsets: dict) -> list[tuple[int, int, str, str]]:
+    """(first byte in the shard file, elements, dtype, key) of each floating piece ``_write_shard``
+    lays out (one flat dataset per dtype from ``offsets``, its pieces end to end), by first byte."""
+    ranges, ends = [], dict(offsets)
+    for piece, array in pieces:
+        dtype = array.dtype.name
+        if array.dtype.kind == "f" and ends[dtype] is not None:
+            ranges.append((ends[dtype], array.size, dtype, piece.key))
+        if ends[dtype] is not None:
+            ends[dtype] += array.nbytes
+    return sorted(ranges)
+
+
+def nonfinite_in_memory(pieces: list) -> list[str]:
+    """The floating pieces holding inf or NaN, checked in memory (the collective file's path)."""
+    found = []
+    for piece, array in pieces:
+        if array.dtype.kind == "f" and (bad := array.size - int(np.count_nonzero(np.isfinite(array)))):
+            found.append(f"{piece.key} ({bad} of {array.size})")
+    return found
+
+
+def latest_name(root: str) -> str:
+    """The step folder ``latest`` names, for messages ("none": no committed step yet)."""
+    step = latest_step(root)
+    return "none" if step is None else step_dirname(step)
 
 
 _warned_threads = []

@@ -63,6 +63,8 @@ def test_bench_ckpt_compares_save_and_load_with_raw_files():
     assert all(positive(row[-1]) for row in rows)
     header, rows = table(output, "blocks training ms")
     assert rows[0][:2] == ["async", "save"] and all(positive(cell) for cell in rows[0][2:])
+    header, rows = table(output, "save s")
+    assert rows[0][:2] == ["finite", "check"] and all(positive(cell) for cell in rows[0][2:4])
     assert "shard bytes by rank" in output
 
 

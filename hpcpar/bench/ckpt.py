@@ -14,6 +14,7 @@ folder), removed at the end.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 from dataclasses import replace
 import os
@@ -26,6 +27,7 @@ from mpi4py import MPI
 
 from ..cli import at_least
 from .. import checkpoint
+from ..checkpoint import writer
 from ..checkpoint.manifest import shard_filename, step_dirname
 from ..runtime.context import init
 from ..runtime.failfast import UsageError
@@ -111,10 +113,24 @@ def async_save(root: str, step: int, model, optimizer, ctx) -> tuple[float, floa
     return returned - start, time.perf_counter() - returned
 
 
+@contextlib.contextmanager
+def without_finite_check():
+    """Saves that leave out the check for inf and NaN: the shard's read-back pass then computes the
+    CRC-32s alone (the same native call with no float ranges), the baseline of the check's cost."""
+    ranges = writer.float_ranges
+    writer.float_ranges = lambda pieces, offsets: []
+    try:
+        yield
+    finally:
+        writer.float_ranges = ranges
+
+
 def measure(ctx, folder: str, repeats: int, zero: bool, device: str, config=BENCH_CONFIG) -> dict:
     """Every row's times, ``repeats`` times:
 
-    - **save**: ``hpcpar.checkpoint.save`` (shard files, fsync, index.h5, manifest, atomic commit);
+    - **save**: ``hpcpar.checkpoint.save`` (shard files, fsync, index.h5, manifest, atomic commit,
+      every float checked finite in the pass that computes the CRC-32s); **save without the finite
+      check**: the same save, in the same repeat, with that check left out;
     - **async save**: the same with ``asynchronous=True``: how long training is blocked (the
       snapshot to host memory, in ms), and the background write's own time (the writer thread
       joined at once), next to the raw write;
@@ -133,7 +149,7 @@ def measure(ctx, folder: str, repeats: int, zero: bool, device: str, config=BENC
     model, optimizer = build(ctx, zero, device, config)
     root = os.path.join(folder, "ckpt")
     raw_path = os.path.join(folder, f"raw-{ctx.rank:05d}.bin")
-    times = {"save": [], "raw write": [], "load": [], "raw read": [], "raw read into": [], "async blocks": [],
+    times = {"save": [], "save without the finite check": [], "raw write": [], "load": [], "raw read": [], "raw read into": [], "async blocks": [],
              "async writes": []}
     held = sum(p.data.nbytes for p in model.parameters())
     held += optimizer.state_bytes() if zero else sum(v.nbytes for s in optimizer.state.values()
@@ -143,6 +159,9 @@ def measure(ctx, folder: str, repeats: int, zero: bool, device: str, config=BENC
         blocks, writes = async_save(os.path.join(folder, "async"), repeat, model, optimizer, ctx)
         times["async blocks"].append(comm.allreduce(blocks, op=MPI.MAX))
         times["async writes"].append(comm.allreduce(writes, op=MPI.MAX))
+        with without_finite_check():
+            times["save without the finite check"].append(
+                timed(comm, lambda: checkpoint.save(root, repeat, model, optimizer, ctx)))
         times["save"].append(timed(comm, lambda: checkpoint.save(root, repeat, model, optimizer, ctx)))
         step_dir = os.path.join(root, step_dirname(repeat))
         written = os.path.getsize(os.path.join(step_dir, shard_filename(ctx.rank)))
@@ -210,6 +229,12 @@ def run(args) -> None:
     print(format_table(["", "blocks training ms", "background write s", "raw write s", "raw/background"], background,
                        "asynchronous save: training waits for the snapshot to host memory only; the writer thread "
                        "then writes, fsyncs and commits (timed alone)"), flush=True)
+    check = result["save"] - result["save without the finite check"]
+    print(format_table(["", "save s", "save without the check s", "check s", "check / save"],
+                       [["finite check", result["save"], result["save without the finite check"], check,
+                         check / result["save"]]],
+                       "the check for inf and NaN, fused into the read-back pass of the CRC-32s"), flush=True)
+    print()
     print(f"shard bytes by rank: {', '.join(human_bytes(b) for b in shards)} (step folder "
           f"{human_bytes(result['folder_bytes'])} with index.h5 and manifest.json)\n"
           f"bytes each rank loads: {', '.join(human_bytes(b) for b in held)}; raw read reads as many bytes "

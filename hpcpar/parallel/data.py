@@ -7,14 +7,11 @@
     ddp.finish_grad_sync()         # wait for every bucket; grads now hold the dp mean
     optimizer.step()
 
-How it works (as PyTorch DDP): parameters are grouped, in reverse registration order
-(roughly the order backward finishes them), into flat buckets of about ``bucket_mb``.
-A grad hook copies each final gradient into its bucket; when a bucket is full it is
-launched — but buckets are launched strictly in index order, so every rank issues the
-same sequence of collectives even when gradients finish in a different order or a
-parameter gets no gradient at all (``finish_grad_sync`` fills those with zeros and
-launches what is left). Gradients are averaged over ``ctx.dp`` only, so this composes
-with pipeline and tensor parallelism.
+As PyTorch DDP: gradients are copied into flat buckets in reverse registration order, and the
+buckets are launched strictly in index order, so every rank issues the same collectives
+(docs/architecture.md, the ``parallel`` package). Strategies reach it through
+``parallel.grad_sync``; gradients are averaged over ``ctx.dp`` only, so it composes with
+pipeline and tensor parallelism.
 """
 from __future__ import annotations
 

@@ -53,4 +53,3 @@ def test_the_pipeline_engine_keeps_no_step_on_itself(ctx):
     assert set(vars(pipe)) == before and len(calls) == 2 and pipe.stats["step_s"] > 0
     pipe.train_step(*batch())
     assert pipe._last_step is not first
-

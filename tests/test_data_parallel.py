@@ -180,7 +180,7 @@ def test_one_replica_has_no_gradient_all_reduce_and_unused_parameters_still_get_
     from hpcpar.train.build import build
     from hpcpar.train.config_load import load_job
     from hpcpar.train.loop import start_context, train_one_step
-    from hpcpar.train.strategies.allreduce import zero_unused_grads
+    from hpcpar.parallel.grad_sync import zero_unused_grads
     from hpcpar.train.validate import validate
     if MPI.COMM_WORLD.Get_size() != 1:
         pytest.skip("one replica: the job's grid is the whole world")

@@ -7,11 +7,11 @@
     ddp.finish_grad_sync()         # wait for every bucket; grads now hold the dp mean
     optimizer.step()
 
-As PyTorch DDP: parameters go, in reverse registration order (roughly the order backward finishes
-them), into flat buckets of about ``bucket_mb``; a grad hook copies each final gradient into its
-bucket, and buckets launch strictly in index order, so every rank issues the same collectives
-whatever order gradients finish in (``finish_grad_sync`` zero-fills those that never came).
-Gradients are averaged over ``ctx.dp`` only, so this composes with pipeline and tensor parallelism.
+As PyTorch DDP: gradients are copied into flat buckets in reverse registration order, and the
+buckets are launched strictly in index order, so every rank issues the same collectives
+(docs/architecture.md, the ``parallel`` package). Strategies reach it through
+``parallel.grad_sync``; gradients are averaged over ``ctx.dp`` only, so it composes with
+pipeline and tensor parallelism.
 """
 from __future__ import annotations
 

@@ -4,19 +4,12 @@
     loss.backward()          # no DDP wrapper: the gradient reduction happens in step()
     opt.step()
 
-Weight decay stays per parameter (groups and ``no_decay`` patterns, by name): the wrapped
-optimizer gets it as ``DecayRuns`` along the shard, one run per stretch of equal decay.
-
-All parameters are laid end to end in one flat buffer (padded to a multiple of the dp
-size) and each parameter's array becomes a view into it. Each dp rank owns one contiguous
-1/dp shard and keeps optimizer state (Adam's two moments, momentum, ...) for that shard
-only. A step is: reduce-scatter the flat gradient (each rank receives the dp mean of its
-shard), run the wrapped optimizer on the shard, all-gather the updated shards back into
-the flat buffer — so every parameter is updated in place. Traffic equals one all-reduce
-(reduce-scatter + all-gather); optimizer memory falls by the dp size.
-
-In a checkpoint each rank saves its shard's state as slabs of the per-parameter tensors
-``optim/<name>/<key>`` (``hpcpar.state``), so it loads into any layout, with or without ZeRO.
+The parameters become views into one flat buffer; each dp rank keeps the optimizer state of
+its contiguous 1/dp shard only. A step reduce-scatters the flat gradient, steps the shard and
+all-gathers the shards back in place: one all-reduce's traffic, optimizer memory divided by dp.
+Weight decay stays per parameter, as ``DecayRuns`` along the shard. A checkpoint holds each
+shard's state as slabs of the per-parameter tensors ``optim/<name>/<key>`` (``hpcpar.state``),
+so it loads into any layout, with or without ZeRO.
 """
 from __future__ import annotations
 

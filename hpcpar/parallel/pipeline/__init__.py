@@ -8,5 +8,6 @@ __all__ = ["SCHEDULES", "Action", "DeadlockError", "ScheduleError", "SimResult",
            "theoretical_bubble", "zero_bubble_h1"]
 from .engine import PipelineParallel
 from .partition import PARTITION_METHODS, PartitionError, measure_layer_costs, partition
+from .stages import Stages
 
-__all__ += ["PipelineParallel", "PARTITION_METHODS", "PartitionError", "measure_layer_costs", "partition"]
+__all__ += ["PipelineParallel", "PARTITION_METHODS", "PartitionError", "measure_layer_costs", "partition", "Stages"]

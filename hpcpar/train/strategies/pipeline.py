@@ -1,12 +1,15 @@
-"""Pipeline parallelism (pp > 1): ``PipelineParallel`` runs the schedule, tp inside its layers, dp around it."""
+"""Pipeline parallelism (pp > 1): ``PipelineParallel`` runs the schedule, tp inside its layers, dp around it.
+
+Built in the order each part needs the one before: the stages (this rank's layers), the
+gradient sync and precision over their parameters, the engine (handed both), the update.
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from ...autograd import Tensor, no_grad
 from ...backend import to_host
-from ...parallel.pipeline import PipelineParallel
-from .ingredients import make_gradient_compressor
+from ...parallel.pipeline import PipelineParallel, Stages
 from .synchronous import SynchronousStrategy
 
 
@@ -20,18 +23,17 @@ class Pipeline(SynchronousStrategy):
         if p.partition == "balanced":  # the stages are cut by measured time on one micro-batch
             inputs, _ = data(ctx)[0].batch_at(0)
             sample = inputs[: max(1, len(inputs) // p.micro_batches)]
-        self.pipe = PipelineParallel(model, ctx, schedule=p.schedule, micro_batches=p.micro_batches,
-                                     chunks=p.chunks, partition=p.partition, bucket_mb=p.bucket_mb,
-                                     dp_average=not p.zero, sample_input=sample,
-                                     compression=make_gradient_compressor(p))
-        self.build_update(self.pipe.named_parameters(), owns_for_norm=self.pipe.owns_for_norm)
-        self.pipe.backward_loss = self.precision.backward  # the last stage's backward seeded with the scale
+        stages = Stages(model, ctx, chunks=p.chunks, partition=p.partition, sample_input=sample)
+        # The engine runs its whole schedule under no_sync: nothing to overlap with.
+        self.build_gradient_sync(stages, overlap=False, alone=stages.tied.params())
+        self.build_precision(stages.named_parameters())
+        self.pipe = PipelineParallel(stages, ctx, schedule=p.schedule, micro_batches=p.micro_batches,
+                                     loss_fn=getattr(model, "loss_from_logits", None), grad_sync=self.grad_sync,
+                                     backward_loss=self.precision.backward)  # seeded with the loss scale
+        self.build_update(owns_for_norm=self.pipe.owns_for_norm)
 
     def named_parameters(self) -> list:
         return self.pipe.named_parameters()
-
-    def data_parallel(self):
-        return self.pipe.ddp
 
     def train_step(self, inputs, targets):
         tp_before = self.ctx.tp.stats.total_seconds

@@ -1,26 +1,37 @@
-"""What the synchronous strategies share: every replica steps on the dp-averaged gradients.
+"""What the synchronous strategies share: a step is engine x gradient sync x update.
 
-Subclasses (``AllReduce``, ``Pipeline``) run the step's forward and backward; the optimizer,
-mixed precision and the step's end are built here, the same for both: the optimizer is ZeRO-1
-(``parallel.zero``: state sharded over dp, gradients reduce-scattered) or a plain one on
-dp-averaged gradients, stepping float32 masters under fp16/bf16.
+Subclasses (``AllReduce``, ``Pipeline``) build the engine that runs forward and backward; the
+gradient sync (``parallel.grad_sync``: none, DDP, ZeRO-1), mixed precision and the update are
+built here, the same for both, in the order the engine needs them: gradient sync, precision,
+engine, update. The update is ZeRO-1 (``parallel.zero``: state sharded over dp, gradients
+reduce-scattered) or a plain one on dp-averaged gradients, stepping float32 masters under fp16/bf16.
 """
 from __future__ import annotations
 
 import time
 
 from ...parallel.compression_state import CompressionState
+from ...parallel.grad_sync import make_gradient_sync
 from ...parallel.zero import ZeroRedundancyOptimizer
 from ...state import Together
 from .base import Strategy
-from .ingredients import make_precision, optimizer_class, state_bytes
+from .ingredients import make_gradient_compressor, make_precision, optimizer_class, state_bytes
 from .update import ReplicatedUpdate, ShardedUpdate
 
 
 class SynchronousStrategy(Strategy):
-    def build_update(self, named, owns_for_norm) -> None:
-        """Precision, optimizer and update over this rank's parameters ``named``."""
+    def build_gradient_sync(self, holder, overlap: bool, alone=()) -> None:
+        """The gradient sync of ``holder``'s parameters, by the rule of ``parallel.grad_sync``."""
+        p = self.job.parallel
+        self.grad_sync = make_gradient_sync(holder, self.ctx, sharded=p.zero, compression=make_gradient_compressor(p),
+                                            bucket_mb=p.bucket_mb, overlap=overlap, alone=alone)
+
+    def build_precision(self, named) -> None:
+        """Mixed precision's float32 masters for this rank's parameters ``named``, or those themselves."""
         self.precision = make_precision(self.job, named)
+
+    def build_update(self, owns_for_norm) -> None:
+        """Optimizer and update over the precision's masters."""
         masters = self.precision.named_master_parameters()
         cls, options = optimizer_class(self.job)
         if self.job.parallel.zero:
@@ -59,7 +70,7 @@ class SynchronousStrategy(Strategy):
     def data_parallel(self):
         """The DDP that reduces gradients over dp, with its buckets and compressor (None: ZeRO-1,
         or one replica without compression)."""
-        return None
+        return self.grad_sync.ddp
 
     def checkpoint_target(self) -> tuple:
         """The float32 masters, the optimizer and, when the compressor carries error feedback

@@ -221,19 +221,19 @@ def build(process: Process, mesh: Mesh) -> ParallelContext:
     return ctx
 
 
-def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto", comm: MPI.Comm | None = None,
-         **process_options) -> ParallelContext:
-    """Factor the world (``comm``, default COMM_WORLD) into dp x pp x tp and build the communicators.
+def init(*sizes, device: str = "auto", comm: MPI.Comm | None = None, **options) -> ParallelContext:
+    """Factor the world (``comm``, default COMM_WORLD) into the grid and build its communicators.
 
-    Raises LayoutError on every rank, before any communication, when the layout does not fit.
-    Then ``process.setup`` (``process_options``: ``wait_policy``, ``tune_allocator``, ``shm``,
-    ``node_size``, ``backend``, ``device_nonblocking``, ``runtime``, ``fail_fast``; see
-    docs/architecture.md, runtime) and ``build``; rank 0 warns (PlacementWarning) when tensor
-    parallelism crosses nodes but would fit inside them.
+    ``sizes``: the axes' sizes (``GRID``: dp, pp, tp) in table order or by name, as
+    ``AxisTable.resolve`` takes them (dp, unset, fills the world). Raises LayoutError on every
+    rank, before any communication, when the layout does not fit. Then ``process.setup`` (the
+    other ``options``: ``wait_policy``, ``tune_allocator``, ``shm``, ``node_size``, ``backend``,
+    ``device_nonblocking``, ``runtime``, ``fail_fast``; docs/architecture.md, runtime) and
+    ``build``.
     """
     world = comm if comm is not None else MPI.COMM_WORLD
-    mesh = GRID.resolve(world.Get_size(), dp=dp, pp=pp, tp=tp)
-    return build(setup(world, device, **process_options), mesh)
+    mesh = GRID.resolve(world.Get_size(), *sizes, **{name: options.pop(name) for name in GRID.names if name in options})
+    return build(setup(world, device, **options), mesh)
 
 
 def open_contexts() -> list:

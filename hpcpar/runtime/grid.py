@@ -52,7 +52,7 @@ class AxisTable:
         given = dict(zip(self.names, positional))
         for name, value in named.items():
             if name not in self.names or name in given:
-                raise TypeError(f"{name!r} is {'given twice' if name in given else 'not an axis of ' + str(self.names)}")
+                raise TypeError(f"{name!r}: " + ("given twice" if name in given else f"not an axis of {self.names}"))
             given[name] = value
         return tuple(given[name] if name in given else unset(name) for name in self.names)
 

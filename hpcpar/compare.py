@@ -315,7 +315,7 @@ def report(job, results, skipped, cpus: str, steps: int) -> str:
     m = job.model
     model = (f"GPT layers {m.n_layer}, width {m.n_embd}, heads {m.n_head}, context {m.block_size}"
              if m.kind == "gpt" else "digits CNN")
-    headers = [f"layout {' x '.join(GRID.names)}", unit, "speed-up", "efficiency", "comm" if nodes == 1 else "comm (inter-node)",
+    headers = [f"layout {' x '.join(GRID.spelt)}", unit, "speed-up", "efficiency", "comm" if nodes == 1 else "comm (inter-node)",
                "bubble", "params+opt MB/rank", "activations MB/rank", "MB sent/step"]
     headers += ["step vs fp32", "activations vs fp32"] if versus else []
     text = format_table(headers + (["across nodes"] if nodes > 1 else []), rows,

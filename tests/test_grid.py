@@ -1,8 +1,11 @@
 """The grid as a table of axes (hpcpar.runtime.grid): a fourth axis is one entry in a table.
 
 "cp" below is an axis nothing uses (limit 1): a table with it builds contexts whose
-coordinates, labels and communicators are those of the dp x pp x tp grid with a zero inserted.
+coordinates and communicators are those of the dp x pp x tp grid with a zero inserted, and
+whose labels are the same (an axis that cannot vary is not spelt).
 """
+from dataclasses import replace
+
 import pytest
 
 from hpcpar import compare
@@ -11,6 +14,7 @@ from hpcpar.train.config import ParallelSection
 
 CP = Axis("cp", "slice", "context", "context-parallel slices of the sequence", limit=1)
 WITH_CP = AxisTable(GRID.axes + (CP,), rank_order=("pp", "dp", "cp", "tp"), fill="dp")
+USED_CP = AxisTable(GRID.axes + (replace(CP, limit=None),), rank_order=WITH_CP.rank_order, fill="dp")
 
 
 def test_a_fourth_axis_of_size_one_changes_nothing_but_adds_its_zero():
@@ -18,7 +22,8 @@ def test_a_fourth_axis_of_size_one_changes_nothing_but_adds_its_zero():
         assert [m.sizes + (1,) for m in GRID.factorisations(world)] == [m.sizes for m in WITH_CP.factorisations(world)]
         for mesh in GRID.factorisations(world):
             four = WITH_CP.mesh(*mesh.sizes)
-            assert four.label() == mesh.label() + "x1" and four.world_size == world
+            assert four.label() == mesh.label() and four.words() == mesh.words() and four.world_size == world
+            assert USED_CP.mesh(*mesh.sizes).label() == mesh.label() + "x1"
             for rank in range(world):
                 pp, dp, tp = mesh.coordinates(rank)
                 assert four.coordinates(rank) == (pp, dp, 0, tp)
@@ -77,6 +82,7 @@ def test_contexts_of_a_table_with_a_fourth_axis(world):
         assert both.allgather_object(rank) == next(g for g in mesh.groups("dp", "tp") if rank in g)
         assert ctx.across("cp") is ctx.cp and set(ctx.communicators()) == {"world", *WITH_CP.names, "dp*tp"}
         assert ctx.grid_table() == mesh.format() and "cp (slice)" in ctx.grid_table()
+        assert ctx.mesh.label() == GRID.mesh(*mesh.sizes[:3]).label() == "x".join(map(str, mesh.sizes[:3]))
         assert ctx.pp_prev == (None if ctx.pp_rank == 0 else ctx.pp_rank - 1)
         assert set(ctx.crossing_axes) <= set(WITH_CP.names)
         with pytest.raises(AttributeError):

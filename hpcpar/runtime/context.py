@@ -228,8 +228,8 @@ def init(*sizes, device: str = "auto", comm: MPI.Comm | None = None, **options) 
     ``AxisTable.resolve`` takes them (dp, unset, fills the world). Raises LayoutError on every
     rank, before any communication, when the layout does not fit. Then ``process.setup`` (the
     other ``options``: ``wait_policy``, ``tune_allocator``, ``shm``, ``node_size``, ``backend``,
-    ``device_nonblocking``, ``runtime``, ``fail_fast``; docs/architecture.md, runtime) and
-    ``build``.
+    ``device_nonblocking``, ``runtime``, ``fail_fast``, described there) and ``build`` (rank 0
+    warns, PlacementWarning, when tensor parallelism crosses nodes but would fit inside them).
     """
     world = comm if comm is not None else MPI.COMM_WORLD
     mesh = GRID.resolve(world.Get_size(), *sizes, **{name: options.pop(name) for name in GRID.names if name in options})

@@ -3,7 +3,7 @@
 ``GRID`` is hpcpar's table (dp, pp, tp); a ``Mesh`` is a table with a size per axis. Everything
 here is arithmetic on sizes, so every rank reaches the same answer without communicating
 (``context.py`` builds the communicators along the axes). Layouts are spelt in table order
-(``2x1x4``: dp 2, pp 1, tp 4); ranks are numbered in ``rank_order``, the last axis fastest
+(``2x1x4``: dp 2, pp 1, tp 4; an axis nothing uses yet, limit 1, is left out); ranks are numbered in ``rank_order``, the last axis fastest
 (why tp is fastest, then dp, then pp: docs/architecture.md, runtime).
 """
 from __future__ import annotations
@@ -23,6 +23,11 @@ class Axis:
     help: str  # the job key's meaning
     limit: int | None = None  # the largest size anything supports (1: an axis nothing uses yet)
 
+    @property
+    def varies(self) -> bool:
+        """Whether its size can exceed 1: only such axes are spelt in labels (``Mesh.label``)."""
+        return self.limit is None or self.limit > 1
+
 
 @dataclass(frozen=True)
 class AxisTable:
@@ -37,6 +42,11 @@ class AxisTable:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(axis.name for axis in self.axes)
+
+    @property
+    def spelt(self) -> tuple[str, ...]:
+        """The axes a label spells, in order ("dp x pp x tp"): those whose size can exceed 1."""
+        return tuple(axis.name for axis in self.axes if axis.varies)
 
     def axis(self, name: str) -> Axis:
         for axis in self.axes:
@@ -127,8 +137,12 @@ class Mesh:
         return _product(self.sizes)
 
     def label(self) -> str:
-        """The layout as hpcpar spells it: "2x1x4" (sizes in table order)."""
-        return "x".join(map(str, self.sizes))
+        """The layout as hpcpar spells it: "2x1x4" (the sizes of the ``spelt`` axes)."""
+        return "x".join(str(self.size(name)) for name in self.table.spelt)
+
+    def words(self) -> str:
+        """The layout in words: "dp 2 x pp 1 x tp 4" (the ``spelt`` axes)."""
+        return " x ".join(f"{name} {self.size(name)}" for name in self.table.spelt)
 
     def stride(self, name: str) -> int:
         """How far apart in world rank two neighbours along ``name`` are."""

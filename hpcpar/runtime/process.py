@@ -120,10 +120,21 @@ class Process:
 def setup(world: MPI.Comm, device: str = "auto", wait_policy: str | None = None, tune_allocator: bool = True,
           shm: bool | None = None, node_size: int | None = None, backend: str = "auto",
           device_nonblocking: bool | None = None, runtime=None, fail_fast: bool = True) -> Process:
-    """Set this process up on ``world`` (collective): the options and their defaults are ``init``'s.
+    """Set this process up on ``world`` (collective; ``init``'s options).
 
     With a GPU the device is chosen by node-local rank before anything allocates on it; rank 0
-    logs which device it uses and why when it was "auto"."""
+    logs which device it uses and why when it was "auto". Process-wide settings happen here,
+    never on import (hpcpar.host.apply): glibc's allocator is tuned unless
+    ``tune_allocator=False`` or HPCPAR_MALLOC_TUNING=0; on CPUs each rank's BLAS gets its share
+    of the node's cores; with several ranks an uncaught exception aborts the job
+    (failfast.install_for_init) unless ``fail_fast=False`` or HPCPAR_FAIL_FAST=0. ``shm``
+    (default HPCPAR_SHM) attaches the shared-memory collectives (hpcpar.runtime.shm) on CPUs;
+    ``node_size`` (default HPCPAR_NODE_SIZE) cuts nodes into pretend nodes for them
+    (hpcpar.runtime.nodes). ``backend`` ("auto", "mpi", "nccl": ``nccl.choose_backend``) picks
+    what moves device buffers on the grid's communicators (world and node stay on MPI);
+    ``device_nonblocking`` overrides the table of MPI libraries that take device buffers in
+    non-blocking collectives (``device_transport.DEVICE_NONBLOCKING``); ``runtime``: the NCCL
+    runtime (default CuPy's; tests pass a double)."""
     log.ensure_configured()  # rank 0's log lines on stdout, unless the application set up its own
     requested_device, device = device, agreed_device(world, device)
     use_shm, shm_node_size = shm_setting(shm), nodes.node_size_setting(node_size)

@@ -297,7 +297,7 @@ class Job:
         p = self.parallel
         head = f"# job {self.source}"
         if self.world_size is not None:
-            head += f", {self.world_size} ranks as " + " x ".join(f"{n} {v}" for n, v in p.grid_sizes().items())
+            head += f", {self.world_size} ranks as {GRID.mesh(**p.grid_sizes()).words()}"
             if p.mode == "ps":
                 head += f" + {p.servers} server(s)"
         lines = [head]

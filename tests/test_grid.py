@@ -30,15 +30,19 @@ def test_a_fourth_axis_of_size_one_changes_nothing_but_adds_its_zero():
             for name in GRID.names:
                 assert four.groups(name) == mesh.groups(name)
             assert four.groups("cp") == [[rank] for rank in range(world)]
+            assert four.format() == mesh.format()  # no row for an axis that cannot vary
             zeros = f"{'cp (slice)':<13}" + " ".join([f"{0:>2}"] * world)
-            assert four.format() == mesh.format().replace("\ntp (shard)", f"\n{zeros}\ntp (shard)")
+            assert USED_CP.mesh(*mesh.sizes).format() == mesh.format().replace("\ntp (shard)", f"\n{zeros}\ntp (shard)")
     assert WITH_CP.resolve(8, pp=2, tp=2).sizes == (2, 2, 2, 1)
     with pytest.raises(LayoutError, match="cp must be at most 1, got 2"):
         WITH_CP.resolve(8, cp=2)
-    with pytest.raises(LayoutError, match="dp x pp x tp x cp = 3 x 1 x 1 x 1 = 3 does not equal the world size 4"):
+    with pytest.raises(LayoutError, match="dp x pp x tp = 3 x 1 x 1 = 3 does not equal the world size 4"):
         WITH_CP.resolve(4, dp=3)
-    with pytest.raises(LayoutError, match=r"not divisible by pp x tp x cp = 3 x 1 x 1 = 3"):
+    with pytest.raises(LayoutError, match=r"not divisible by pp x tp = 3 x 1 = 3; launch a multiple of 3 ranks or "
+                                          r"change pp/tp"):
         WITH_CP.resolve(4, pp=3)
+    with pytest.raises(LayoutError, match="not divisible by pp x tp x cp = 3 x 1 x 1 = 3"):
+        USED_CP.resolve(4, pp=3)
 
 
 def test_groups_of_a_product_of_axes_agree_on_the_other_axes():
@@ -81,7 +85,7 @@ def test_contexts_of_a_table_with_a_fourth_axis(world):
         assert both is ctx.across("dp", "tp") and both.name == "dp*tp"
         assert both.allgather_object(rank) == next(g for g in mesh.groups("dp", "tp") if rank in g)
         assert ctx.across("cp") is ctx.cp and set(ctx.communicators()) == {"world", *WITH_CP.names, "dp*tp"}
-        assert ctx.grid_table() == mesh.format() and "cp (slice)" in ctx.grid_table()
+        assert ctx.grid_table() == mesh.format() and "cp (slice)" not in ctx.grid_table()
         assert ctx.mesh.label() == GRID.mesh(*mesh.sizes[:3]).label() == "x".join(map(str, mesh.sizes[:3]))
         assert ctx.pp_prev == (None if ctx.pp_rank == 0 else ctx.pp_rank - 1)
         assert set(ctx.crossing_axes) <= set(WITH_CP.names)

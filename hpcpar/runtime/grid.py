@@ -74,15 +74,8 @@ class AxisTable:
         """The mesh whose product is ``world_size`` (the fill axis, unset, takes what is left), or
         LayoutError naming the numbers. Sizes as for ``mesh``; the fill axis's default is unset."""
         values = dict(zip(self.names, self.sizes(sizes, named, lambda name: None if name == self.fill else 1)))
-        for name in [n for n in self.names if n != self.fill] + [self.fill]:
-            value, limit = values[name], self.axis(name).limit
-            if value is None and name == self.fill:
-                continue
-            if not isinstance(value, int) or value < 1:
-                raise LayoutError(f"{name} must be a positive integer, got {value!r}")
-            if limit is not None and value > limit:
-                raise LayoutError(f"{name} must be at most {limit}, got {value}")
-        others = [n for n in self.names if n != self.fill]
+        self._check(values)
+        others = [n for n in self.spelt if n != self.fill]  # the axes that cannot vary are at 1 now
         product = _product(values[n] for n in others)
         if values[self.fill] is None:
             if world_size % product:
@@ -94,9 +87,20 @@ class AxisTable:
         mesh = Mesh(self, tuple(values[n] for n in self.names))
         if mesh.world_size != world_size:
             raise LayoutError(
-                f"{' x '.join(self.names)} = {' x '.join(map(str, mesh.sizes))} = {mesh.world_size} does not equal the "
+                f"{' x '.join(self.spelt)} = {mesh.label().replace('x', ' x ')} = {mesh.world_size} does not equal the "
                 f"world size {world_size}; launch {mesh.world_size} ranks or leave {self.fill} unset to fill the world")
         return mesh
+
+    def _check(self, values: dict) -> None:
+        """LayoutError unless every size given is a positive integer within its axis's limit."""
+        for name in [n for n in self.names if n != self.fill] + [self.fill]:
+            value, limit = values[name], self.axis(name).limit
+            if value is None and name == self.fill:
+                continue
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+            if limit is not None and value > limit:
+                raise LayoutError(f"{name} must be at most {limit}, got {value}")
 
     def factorisations(self, world_size: int) -> list["Mesh"]:
         """Every mesh of ``world_size`` ranks within the axes' limits, in table order lexicographically."""
@@ -166,12 +170,12 @@ class Mesh:
         return list(found.values())
 
     def format(self) -> str:
-        """The whole grid as text: a column per world rank, a row per axis (slowest first)."""
+        """The whole grid as text: a column per world rank, a row per ``spelt`` axis (slowest first)."""
         ranks = range(self.world_size)
         width = max(2, len(str(self.world_size - 1)))
         rows = [("world rank", list(ranks))]
         rows += [(f"{name} ({self.table.axis(name).role})", [self.coordinate(r, name) for r in ranks])
-                 for name in self.table.rank_order]
+                 for name in self.table.rank_order if self.table.axis(name).varies]
         return "\n".join(f"{label:<13}" + " ".join(f"{v:>{width}}" for v in values) for label, values in rows)
 
 

@@ -91,7 +91,7 @@ class DataSection:
 def _size_key(axis: Axis):
     """The job key of a grid axis's size (``parallel.tp``): the fill axis's is unset by default."""
     if axis.name == GRID.fill:
-        others = " x ".join(name for name in GRID.names if name != GRID.fill)
+        others = " x ".join(name for name in GRID.spelt if name != GRID.fill)
         return _key(None, INTEGER, f"{axis.help}; unset: world size / ({others})", check=at_least(1))
     limit = at_least(1) if axis.limit is None else in_range(1, axis.limit + 1)
     return _key(1, INTEGER, axis.help, check=limit)

@@ -43,16 +43,16 @@ logger = log.get_logger(__name__)
 
 
 def factorisations(n: int) -> list[tuple[int, ...]]:
-    """The grid's layouts of n ranks as sizes in table order: pure strategies first, then hybrids."""
-    layouts = [mesh.sizes for mesh in GRID.factorisations(n)]
-    pure = [sizes for axis in range(len(GRID.axes)) for sizes in layouts if sizes[axis] == n] if n > 1 else layouts
+    """The grid's layouts of n ranks (their ``Mesh.shape``): pure strategies first, then hybrids."""
+    layouts = [mesh.shape for mesh in GRID.factorisations(n)]
+    pure = [shape for axis in range(len(GRID.spelt)) for shape in layouts if shape[axis] == n] if n > 1 else layouts
     return pure + [layout for layout in layouts if layout not in pure]
 
 
 def label(layout) -> str:
     """"2x1x1 pure data": the sizes and which kind of parallelism the layout is."""
     mesh = GRID.mesh(*layout)
-    kinds = [axis.kind for axis, size in zip(GRID.axes, mesh.sizes) if size > 1]
+    kinds = [GRID.axis(name).kind for name, size in mesh.by_name().items() if size > 1]
     kind = "one rank" if not kinds else (f"pure {kinds[0]}" if len(kinds) == 1 else "hybrid")
     return f"{mesh.label()} {kind}"
 
@@ -138,7 +138,7 @@ def measure(job, comm, steps: int) -> dict:
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
     comm_share, idle_share, inter_share = (gather(statistics.fmean(s[k] for s in shares), MPI.SUM) / ctx.world_size
                                            for k in (0, 1, 2))
-    figures = {"layout": list(ctx.mesh.sizes), "precision": job.train.precision, "ranks": ctx.world_size, "step_s": step_s,
+    figures = {"layout": list(ctx.mesh.shape), "precision": job.train.precision, "ranks": ctx.world_size, "step_s": step_s,
             "tokens_per_s": tokens / step_s,
             "compute_share": 1.0 - comm_share - idle_share, "comm_share": comm_share, "bubble_share": idle_share,
             "inter_node_share": inter_share, "nodes": ctx.topology.nodes, "across_nodes": ctx.crossing_axes,
@@ -154,7 +154,7 @@ def layouts_to_measure(job, world_size: int, steps: int, precisions) -> tuple[li
     every rank, before anything runs. JobError when the one-rank baseline of a precision is
     refused (a parameter-server job's, say): every speed-up is measured against it."""
     runs, skipped = [], []
-    baseline = GRID.mesh().sizes  # one rank
+    baseline = GRID.mesh().shape  # one rank
     layouts = [baseline] + (factorisations(world_size) if world_size > 1 else [])
     for layout, precision in [(layout, precision) for layout in layouts for precision in precisions]:
         try:

@@ -20,7 +20,7 @@ from .runtime.topology import PlacementWarning
 
 def add_arguments(parser) -> None:
     others = " x ".join(name for name in GRID.spelt if name != GRID.fill)
-    for axis in GRID.axes:  # --dp, --pp, --tp
+    for axis in map(GRID.axis, GRID.spelt):  # --dp, --pp, --tp
         fill = axis.name == GRID.fill
         parser.add_argument(f"--{axis.name}", type=int, default=None if fill else 1,
                             help=f"{axis.help} (default: the world / ({others}))" if fill else axis.help)
@@ -36,7 +36,7 @@ def run(args) -> None:
     # checked before any rank waits on another, and agreed: a node's own device or NCCL can differ
     # ValueError: a variable of the environment init reads (HPCPAR_DEVICE=gpu was a traceback)
     with agreed_verdict("hpcpar info", (LayoutError, RuntimeError, ValueError)):
-        sizes = {name: getattr(args, name) for name in GRID.names}
+        sizes = {name: getattr(args, name) for name in GRID.spelt}
         GRID.resolve(MPI.COMM_WORLD.Get_size(), **sizes)
         shm_setting(), node_size_setting(), device_nonblocking_supported("MPICH", ())  # (a library named: no query)
         world = MPI.COMM_WORLD  # the device and the backend as init will find them (the same on every rank)
@@ -72,7 +72,7 @@ def print_info(sizes: dict, device="auto", comm_backend="auto") -> None:
         f"hpcpar        {__import__('hpcpar').__version__}",
         f"MPI library   {MPI.Get_library_version().splitlines()[0].strip()}",
         f"MPI standard  {'.'.join(map(str, MPI.Get_version()))} (mpi4py {mpi4py.__version__})",
-        f"world size    {ctx.world_size}   layout " + " ".join(f"{n}={ctx.mesh.size(n)}" for n in GRID.spelt),
+        f"world size    {ctx.world_size}   layout " + " ".join(f"{n}={v}" for n, v in ctx.mesh.by_name().items()),
         f"device        {backend.device_choice(device, ctx.device).removeprefix('device ')}   CUDA-aware MPI: "
         f"{'yes' if ctx.cuda_aware else 'no (GPU buffers staged through host)'}",
         *(f"comm {name:<8} {describe_backend(comm, ctx.device)}" for name, comm in ctx.communicators().items()),

@@ -1,8 +1,8 @@
 """The grid as a table of axes (hpcpar.runtime.grid): a fourth axis is one entry in a table.
 
-"cp" below is an axis nothing uses (limit 1): a table with it builds contexts whose
-coordinates and communicators are those of the dp x pp x tp grid with a zero inserted, and
-whose labels are the same (an axis that cannot vary is not spelt).
+"cp" below is an axis nothing uses (limit 1): a table with it builds contexts with a cp
+communicator of one rank and a cp coordinate of 0, and whose coordinates, labels and other
+communicators are those of the dp x pp x tp grid (an axis that cannot vary is not spelt).
 """
 from dataclasses import replace
 
@@ -25,8 +25,9 @@ def test_a_fourth_axis_of_size_one_changes_nothing_but_adds_its_zero():
             assert four.label() == mesh.label() and four.words() == mesh.words() and four.world_size == world
             assert USED_CP.mesh(*mesh.sizes).label() == mesh.label() + "x1"
             for rank in range(world):
-                pp, dp, tp = mesh.coordinates(rank)
-                assert four.coordinates(rank) == (pp, dp, 0, tp)
+                assert four.coordinates(rank) == mesh.coordinates(rank) and four.coordinate(rank, "cp") == 0
+                assert USED_CP.mesh(*mesh.sizes).coordinates(rank) == mesh.coordinates(rank)[:2] + (0,) + \
+                    mesh.coordinates(rank)[2:]
             for name in GRID.names:
                 assert four.groups(name) == mesh.groups(name)
             assert four.groups("cp") == [[rank] for rank in range(world)]
@@ -55,7 +56,8 @@ def test_groups_of_a_product_of_axes_agree_on_the_other_axes():
 
 
 def test_the_job_keys_compare_and_the_labels_come_from_the_table():
-    assert list(ParallelSection.__dataclass_fields__)[:len(GRID.names)] == list(GRID.names)
+    assert list(ParallelSection.__dataclass_fields__)[:len(GRID.spelt)] == list(GRID.spelt) == ["dp", "pp", "tp"]
+    assert WITH_CP.spelt == GRID.spelt and USED_CP.spelt == GRID.spelt + ("cp",)
     assert ParallelSection(pp=2, tp=2).grid_sizes() == {"dp": None, "pp": 2, "tp": 2}
     assert ParallelSection(dp=2, pp=2).grid_ranks() == 4 and ParallelSection(pp=2).grid_ranks() is None
     assert compare.factorisations(4) == [(4, 1, 1), (1, 4, 1), (1, 1, 4), (1, 2, 2), (2, 1, 2), (2, 2, 1)]
@@ -75,9 +77,9 @@ def test_contexts_of_a_table_with_a_fourth_axis(world):
     rank = world.Get_rank()
     for mesh in WITH_CP.factorisations(world.Get_size()):
         ctx = build(setup(world, "cpu"), mesh)
-        assert (ctx.pp_rank, ctx.dp_rank, ctx.cp_rank, ctx.tp_rank) == mesh.coordinates(rank)
-        assert (ctx.cp_size, ctx.cp.size, ctx.cp.rank) == (1, 1, 0)
-        assert ctx.layout == {**mesh.by_name(), "world": world.Get_size()} and ctx.layout["cp"] == 1
+        assert (ctx.pp_rank, ctx.dp_rank, ctx.tp_rank) == mesh.coordinates(rank)
+        assert (ctx.cp_rank, ctx.cp_size, ctx.cp.size, ctx.cp.rank) == (0, 1, 1, 0)
+        assert ctx.layout == {**GRID.mesh(*mesh.shape).by_name(), "world": world.Get_size()}
         for name in WITH_CP.names:
             assert getattr(ctx, name).size == mesh.size(name)
             assert getattr(ctx, name).allgather_object(rank) == next(g for g in mesh.groups(name) if rank in g)
@@ -86,7 +88,7 @@ def test_contexts_of_a_table_with_a_fourth_axis(world):
         assert both.allgather_object(rank) == next(g for g in mesh.groups("dp", "tp") if rank in g)
         assert ctx.across("cp") is ctx.cp and set(ctx.communicators()) == {"world", *WITH_CP.names, "dp*tp"}
         assert ctx.grid_table() == mesh.format() and "cp (slice)" not in ctx.grid_table()
-        assert ctx.mesh.label() == GRID.mesh(*mesh.sizes[:3]).label() == "x".join(map(str, mesh.sizes[:3]))
+        assert ctx.mesh.label() == GRID.mesh(*mesh.shape).label() == "x".join(map(str, mesh.sizes[:3]))
         assert ctx.pp_prev == (None if ctx.pp_rank == 0 else ctx.pp_rank - 1)
         assert set(ctx.crossing_axes) <= set(WITH_CP.names)
         with pytest.raises(AttributeError):

@@ -204,7 +204,8 @@ def build(process: Process, mesh: Mesh) -> ParallelContext:
         _topology.warn_about_placement(process.topology, mesh)
     order = mesh.table.rank_order
     cart = world.Create_cart([mesh.size(name) for name in order], periods=[False] * len(order), reorder=False)
-    assert tuple(cart.Get_coords(cart.Get_rank())) == mesh.coordinates(world.Get_rank())
+    placed = dict(zip(order, cart.Get_coords(cart.Get_rank())))
+    assert tuple(placed[name] for name in mesh.table.spelt_order) == mesh.coordinates(world.Get_rank())
     slices = {name: cart.Sub([other == name for other in order]) for name in mesh.names}
     prev_stage, next_stage = slices["pp"].Shift(0, 1) if "pp" in slices else (MPI.PROC_NULL, MPI.PROC_NULL)
     ctx = ParallelContext(world=process.communicator(world, "world"), mesh=mesh,

@@ -3,8 +3,9 @@
 ``GRID`` is hpcpar's table (dp, pp, tp); a ``Mesh`` is a table with a size per axis. Everything
 here is arithmetic on sizes, so every rank reaches the same answer without communicating
 (``context.py`` builds the communicators along the axes). Layouts are spelt in table order
-(``2x1x4``: dp 2, pp 1, tp 4; an axis nothing uses yet, limit 1, is left out); ranks are numbered in ``rank_order``, the last axis fastest
-(why tp is fastest, then dp, then pp: docs/architecture.md, runtime).
+(``2x1x4``: dp 2, pp 1, tp 4); ranks are numbered in ``rank_order``, the last axis fastest
+(why tp, then dp, then pp: docs/architecture.md, runtime). An axis nothing uses yet (limit 1)
+has a communicator and a coordinate (0) but is not spelt: no job key, label, row or digit.
 """
 from __future__ import annotations
 
@@ -25,8 +26,15 @@ class Axis:
 
     @property
     def varies(self) -> bool:
-        """Whether its size can exceed 1: only such axes are spelt in labels (``Mesh.label``)."""
+        """Whether its size can exceed 1: only such axes are spelt."""
         return self.limit is None or self.limit > 1
+
+
+def _product(values) -> int:
+    result = 1
+    for value in values:
+        result *= value
+    return result
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,7 @@ class AxisTable:
     fill: str  # the axis whose size, left unset, fills the world
 
     def __post_init__(self):
-        if sorted(self.rank_order) != sorted(self.names) or self.fill not in self.names:
+        if sorted(self.rank_order) != sorted(self.names) or self.fill not in self.spelt:
             raise ValueError(f"rank order {self.rank_order} and fill {self.fill!r} must name the axes {self.names}")
 
     @property
@@ -45,8 +53,13 @@ class AxisTable:
 
     @property
     def spelt(self) -> tuple[str, ...]:
-        """The axes a label spells, in order ("dp x pp x tp"): those whose size can exceed 1."""
+        """The axes whose size can exceed 1, in table order: the job keys, "dp x pp x tp"."""
         return tuple(axis.name for axis in self.axes if axis.varies)
+
+    @property
+    def spelt_order(self) -> tuple[str, ...]:
+        """The ``spelt`` axes in rank order, slowest first: the coordinates and the grid table."""
+        return tuple(name for name in self.rank_order if name in self.spelt)
 
     def axis(self, name: str) -> Axis:
         for axis in self.axes:
@@ -55,11 +68,11 @@ class AxisTable:
         raise ValueError(f"axis must be one of {self.names}, got {name!r}")
 
     def sizes(self, positional: tuple, named: dict, unset) -> tuple:
-        """One value per axis, in table order: ``positional`` in that order, then ``named``; the
-        axes given neither get ``unset(name)``."""
-        if len(positional) > len(self.axes):
-            raise TypeError(f"{len(positional)} sizes for the {len(self.axes)} axes {self.names}")
-        given = dict(zip(self.names, positional))
+        """One value per axis, in table order: ``positional`` in ``spelt`` order, then ``named``;
+        the axes given neither get ``unset(name)``."""
+        if len(positional) > len(self.spelt):
+            raise TypeError(f"{len(positional)} sizes for the {len(self.spelt)} axes {self.spelt}")
+        given = dict(zip(self.spelt, positional))
         for name, value in named.items():
             if name not in self.names or name in given:
                 raise TypeError(f"{name!r}: " + ("given twice" if name in given else f"not an axis of {self.names}"))
@@ -67,7 +80,7 @@ class AxisTable:
         return tuple(given[name] if name in given else unset(name) for name in self.names)
 
     def mesh(self, *sizes, **named) -> "Mesh":
-        """The mesh of the given sizes (positional in table order, or by name; absent: 1)."""
+        """The mesh of the given sizes (positional in ``spelt`` order, or by name; absent: 1)."""
         return Mesh(self, self.sizes(sizes, named, lambda name: 1))
 
     def resolve(self, world_size: int, *sizes, **named) -> "Mesh":
@@ -87,8 +100,8 @@ class AxisTable:
         mesh = Mesh(self, tuple(values[n] for n in self.names))
         if mesh.world_size != world_size:
             raise LayoutError(
-                f"{' x '.join(self.spelt)} = {mesh.label().replace('x', ' x ')} = {mesh.world_size} does not equal the "
-                f"world size {world_size}; launch {mesh.world_size} ranks or leave {self.fill} unset to fill the world")
+                f"{' x '.join(self.spelt)} = {' x '.join(map(str, mesh.shape))} = {mesh.world_size} does not equal "
+                f"the world size {world_size}; launch {mesh.world_size} ranks or leave {self.fill} unset to fill the world")
         return mesh
 
     def _check(self, values: dict) -> None:
@@ -105,18 +118,11 @@ class AxisTable:
     def factorisations(self, world_size: int) -> list["Mesh"]:
         """Every mesh of ``world_size`` ranks within the axes' limits, in table order lexicographically."""
         def split(n: int, axes: tuple[Axis, ...]) -> list[tuple]:
+            fits = [d for d in range(1, n + 1) if n % d == 0 and (axes[0].limit is None or d <= axes[0].limit)]
             if len(axes) == 1:
-                return [(n,)] if axes[0].limit is None or n <= axes[0].limit else []
-            sizes = [d for d in range(1, n + 1) if n % d == 0 and (axes[0].limit is None or d <= axes[0].limit)]
-            return [(d,) + rest for d in sizes for rest in split(n // d, axes[1:])]
+                return [(n,)] if n in fits else []
+            return [(d,) + rest for d in fits for rest in split(n // d, axes[1:])]
         return [Mesh(self, sizes) for sizes in split(world_size, self.axes)]
-
-
-def _product(values) -> int:
-    result = 1
-    for value in values:
-        result *= value
-    return result
 
 
 @dataclass(frozen=True)
@@ -133,20 +139,26 @@ class Mesh:
     def size(self, name: str) -> int:
         return self.sizes[self.table.names.index(self.table.axis(name).name)]
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The sizes of the ``spelt`` axes: (dp, pp, tp)."""
+        return tuple(self.size(name) for name in self.table.spelt)
+
     def by_name(self) -> dict[str, int]:
-        return dict(zip(self.names, self.sizes))
+        """{axis: size} of the ``spelt`` axes, as the job's keys and ``ctx.layout`` name them."""
+        return dict(zip(self.table.spelt, self.shape))
 
     @property
     def world_size(self) -> int:
         return _product(self.sizes)
 
     def label(self) -> str:
-        """The layout as hpcpar spells it: "2x1x4" (the sizes of the ``spelt`` axes)."""
-        return "x".join(str(self.size(name)) for name in self.table.spelt)
+        """The layout as hpcpar spells it: "2x1x4"."""
+        return "x".join(map(str, self.shape))
 
     def words(self) -> str:
-        """The layout in words: "dp 2 x pp 1 x tp 4" (the ``spelt`` axes)."""
-        return " x ".join(f"{name} {self.size(name)}" for name in self.table.spelt)
+        """The layout in words: "dp 2 x pp 1 x tp 4"."""
+        return " x ".join(f"{name} {size}" for name, size in self.by_name().items())
 
     def stride(self, name: str) -> int:
         """How far apart in world rank two neighbours along ``name`` are."""
@@ -157,13 +169,13 @@ class Mesh:
         return world_rank // self.stride(name) % self.size(name)
 
     def coordinates(self, world_rank: int) -> tuple[int, ...]:
-        """The coordinates of a world rank, slowest axis first (``rank_order``)."""
-        return tuple(self.coordinate(world_rank, name) for name in self.table.rank_order)
+        """The coordinates of a world rank on the ``spelt`` axes, slowest first: (pp, dp, tp)."""
+        return tuple(self.coordinate(world_rank, name) for name in self.table.spelt_order)
 
     def groups(self, *names: str) -> list[list[int]]:
         """The world ranks of every communicator along the axes ``names`` (one axis or a product
         of several): the ranks whose coordinates agree on every other axis, lowest first."""
-        others = [n for n in self.names if n not in {self.table.axis(name).name for name in names}]
+        others = [n for n in self.table.names if n not in {self.table.axis(name).name for name in names}]
         found: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
             found.setdefault(tuple(self.coordinate(rank, n) for n in others), []).append(rank)
@@ -175,7 +187,7 @@ class Mesh:
         width = max(2, len(str(self.world_size - 1)))
         rows = [("world rank", list(ranks))]
         rows += [(f"{name} ({self.table.axis(name).role})", [self.coordinate(r, name) for r in ranks])
-                 for name in self.table.rank_order if self.table.axis(name).varies]
+                 for name in self.table.spelt_order]
         return "\n".join(f"{label:<13}" + " ".join(f"{v:>{width}}" for v in values) for label, values in rows)
 
 
@@ -198,7 +210,7 @@ def mesh_of(*sizes, **named) -> Mesh:
 def resolve_layout(world_size: int, *sizes, **named) -> tuple[int, ...]:
     """``GRID``'s sizes (dp, pp, tp) whose product is ``world_size``, or raise LayoutError naming
     the numbers (``AxisTable.resolve``): pure arithmetic, so every rank reaches the same verdict."""
-    return GRID.resolve(world_size, *sizes, **named).sizes
+    return GRID.resolve(world_size, *sizes, **named).shape
 
 
 def coordinates(world_rank: int, *sizes, **named) -> tuple[int, ...]:

@@ -62,7 +62,8 @@ def discover(world: MPI.Comm, node: MPI.Comm) -> Topology:
 # The layout arguments below (``*layout``) are a Mesh, or the grid's sizes (dp, pp, tp) in order or by name.
 
 def fastest_first(mesh: Mesh) -> list[str]:
-    return list(reversed(mesh.table.rank_order))
+    """The axes that can vary (the others have one rank per communicator), fastest first."""
+    return list(reversed(mesh.table.spelt_order))
 
 
 def groups(axis: str, *layout, **sizes) -> list[list[int]]:

@@ -93,12 +93,12 @@ def _size_key(axis: Axis):
     if axis.name == GRID.fill:
         others = " x ".join(name for name in GRID.spelt if name != GRID.fill)
         return _key(None, INTEGER, f"{axis.help}; unset: world size / ({others})", check=at_least(1))
-    limit = at_least(1) if axis.limit is None else in_range(1, axis.limit + 1)
-    return _key(1, INTEGER, axis.help, check=limit)
+    return _key(1, INTEGER, axis.help, check=at_least(1) if axis.limit is None else in_range(1, axis.limit + 1))
 
 
-# parallel.dp, parallel.pp, parallel.tp: a key per axis of the grid, first in the section
-GridSizes = make_dataclass("GridSizes", [(axis.name, int | None, _size_key(axis)) for axis in GRID.axes], frozen=True)
+# parallel.dp, parallel.pp, parallel.tp: a key per axis of the grid that can vary, first in the section
+GridSizes = make_dataclass("GridSizes", [(axis.name, int | None, _size_key(axis)) for axis in GRID.axes if axis.varies],
+                           frozen=True)
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class ParallelSection(GridSizes):
 
     def grid_sizes(self) -> dict:
         """{axis: size} for the grid's axes, in table order (the fill axis None until validated)."""
-        return {name: getattr(self, name) for name in GRID.names}
+        return {name: getattr(self, name) for name in GRID.spelt}
 
     def grid_ranks(self) -> int | None:
         """The ranks the grid holds (the product of its sizes); None while the fill axis is unset."""

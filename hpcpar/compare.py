@@ -1,34 +1,15 @@
-"""``hpcpar compare JOB.toml``: the three strategies side by side, measured on your model and machine.
+"""``hpcpar compare JOB.toml``: the layouts side by side, measured on your model and machine.
 
     mpiexec -n 4 hpcpar compare jobs/gpt-dp.toml [--steps 8] [--out runs/compare]
 
-Runs the job's model and data for a few steps under one rank (the baseline), then under
-every dp x pp x tp factorisation of the world that the model allows: pure data, pure
-pipeline, pure tensor parallelism and the hybrids. For each it measures, as medians over the
-steps after two warm-up steps (the slowest rank decides a step):
-
-- throughput and the speed-up over one rank, and scaling efficiency = speed-up / ranks;
-- where the step goes, as shares that add up to 100 %: each rank splits its own step into
-  communication (time inside communication calls, pipeline sends and receives included, less
-  the pipeline idle time), idle (a pipeline stage waiting with no work: the bubble) and
-  compute (the rest); the shares are averaged over the steps and then over the ranks;
-  on several nodes the share spent communicating across nodes (part of communication: the time
-  less that on the communicators whose ranks share a node) and which communicators cross nodes;
-- parameter + optimizer-state memory per rank, and the peak of NumPy allocations during a
-  step (activations and workspace, from tracemalloc on one extra step);
-- bytes sent per step on the network (all ranks, all communicators), as ring algorithms
-  would send them (``hpcpar.runtime.stats.ring_wire_bytes``).
-
-The header states the CPUs the ranks may use (their affinity masks, capped by the cgroup's
-CPU quota) and the BLAS threads per rank; when ranks x threads on a node exceed its usable
-CPUs, a warning says the figures are distorted. Prints the table, writes ``compare.json`` and,
-with matplotlib, ``compare.png``. Layouts the job cannot run in are listed under the table with
-the reason; a job whose one-rank baseline cannot run (a parameter-server job: its servers need
-ranks of their own) is refused with one line before anything runs.
-
-The layouts run one after another in one MPI job: the first dp x pp x tp ranks split a group off
-the world, build the layout from the same job on every rank, train and free the group
-(``measure_on_first_ranks``), while the others wait in a barrier that sleeps (``runtime.waiting.wait_idle``).
+Runs the job's model and data for a few steps under one rank (the baseline), then under every
+layout of the world the model allows (``factorisations``: pure data, pipeline and tensor
+parallelism, then the hybrids), one after another in one MPI job, and reports throughput,
+speed-up, where the step goes, memory and traffic per layout (``measure``) under a header
+naming the CPUs and threads (``cpu_budget``). Prints the table, writes ``compare.json`` and,
+with matplotlib, ``compare.png``. Layouts the job cannot run in are listed under the table
+with the reason; a job whose one-rank baseline cannot run (a parameter-server job: its servers
+need ranks of their own) is refused with one line before anything runs.
 """
 from __future__ import annotations
 
@@ -43,7 +24,9 @@ from mpi4py import MPI
 from . import host, log
 from .backend import DeviceError, check_precision
 from .bench.step import traced_peak
-from .runtime.context import agreed_device, init
+from .runtime.context import init
+from .runtime.grid import GRID
+from .runtime.process import agreed_device
 from .runtime.failfast import UsageError, agreed_verdict
 from .paths import output_problem
 from .runtime.waiting import wait_idle
@@ -59,34 +42,35 @@ from .train.validate import check_machine, validate
 logger = log.get_logger(__name__)
 
 
-def factorisations(n: int) -> list[tuple[int, int, int]]:
-    """(dp, pp, tp) with product n: pure strategies first, then hybrids."""
-    layouts = [(dp, pp, n // (dp * pp)) for dp in range(1, n + 1) for pp in range(1, n + 1)
-               if n % (dp * pp) == 0]
-    pure = [(n, 1, 1), (1, n, 1), (1, 1, n)] if n > 1 else [(1, 1, 1)]
+def factorisations(n: int) -> list[tuple[int, ...]]:
+    """The grid's layouts of n ranks (their ``Mesh.shape``): pure strategies first, then hybrids."""
+    layouts = [mesh.shape for mesh in GRID.factorisations(n)]
+    pure = [shape for axis in range(len(GRID.spelt)) for shape in layouts if shape[axis] == n] if n > 1 else layouts
     return pure + [layout for layout in layouts if layout not in pure]
 
 
 def label(layout) -> str:
-    dp, pp, tp = layout
-    kinds = [name for name, size in (("data", dp), ("pipeline", pp), ("tensor", tp)) if size > 1]
+    """"2x1x1 pure data": the sizes and which kind of parallelism the layout is."""
+    mesh = GRID.mesh(*layout)
+    kinds = [GRID.axis(name).kind for name, size in mesh.by_name().items() if size > 1]
     kind = "one rank" if not kinds else (f"pure {kinds[0]}" if len(kinds) == 1 else "hybrid")
-    return f"{dp}x{pp}x{tp} {kind}"
+    return f"{mesh.label()} {kind}"
 
 
 def layout_job(job, layout, steps: int, precision: str | None = None):
-    dp, pp, tp = layout
+    mesh = GRID.mesh(*layout)
+    pp, tp = mesh.size("pp"), mesh.size("tp")
     micro = job.parallel.micro_batches if pp > 1 else 1
     if pp > 1 and micro < pp:
         micro = 2 * pp  # a pipeline needs micro-batches to fill its stages
-    parallel = replace(job.parallel, dp=dp, pp=pp, tp=tp, micro_batches=micro,
+    parallel = replace(job.parallel, **mesh.by_name(), micro_batches=micro,
                        schedule=job.parallel.schedule if pp > 1 else "1f1b", chunks=1 if pp == 1 else job.parallel.chunks,
                        sequence_parallel=job.parallel.sequence_parallel and tp > 1)  # nothing to split at tp = 1
     if parallel.schedule == "interleaved" and (interleaved_fit(pp, micro) is not None or pp * parallel.chunks > job.num_layers):
         parallel = replace(parallel, schedule="1f1b", chunks=1)
     train = replace(job.train, steps=steps + 2, eval_interval=0, sample_tokens=0,
                     precision=precision or job.train.precision)
-    return validate(replace(job, parallel=parallel, train=train), dp * pp * tp)
+    return validate(replace(job, parallel=parallel, train=train), mesh.world_size)
 
 
 def step_shares(stats: dict, inter_node_s: float = 0.0) -> tuple[float, float, float]:
@@ -106,15 +90,23 @@ def step_shares(stats: dict, inter_node_s: float = 0.0) -> tuple[float, float, f
 
 
 def measure(job, comm, steps: int) -> dict:
-    """Train ``steps`` + 2 steps of ``job`` on ``comm`` and return this layout's figures (on rank 0)."""
-    p = job.parallel
-    ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, comm=comm, **context_options(job))  # parallel.shm, backend, ...
+    """Train ``steps`` + 2 steps of ``job`` on ``comm`` and return this layout's figures (on rank 0).
+
+    As medians over the steps after two warm-up steps (the slowest rank decides a step):
+    throughput, and (in ``run``) the speed-up over one rank and scaling efficiency = speed-up /
+    ranks; where the step goes (``step_shares``: communication, idle, compute; averaged over the
+    steps and then over the ranks), on several nodes the share spent communicating across nodes
+    (the time less that on the communicators whose ranks share a node) and which communicators
+    cross nodes; parameter + optimizer-state memory per rank, and the peak of NumPy allocations
+    during a step (activations and workspace, from tracemalloc on one extra step); bytes sent
+    per step on the network, as ring algorithms would send them (``runtime.stats.ring_wire_bytes``)."""
+    ctx = init(**job.parallel.grid_sizes(), comm=comm, **context_options(job))  # parallel.shm, backend, ...
     run = build(job, ctx)
     strategy = run.strategy
     times, shares = [], []
     # Communication on the communicators that stay inside a node; on several nodes, the rest of
     # comm_s crossed nodes.
-    inside = [c for name, c in (("dp", ctx.dp), ("pp", ctx.pp), ("tp", ctx.tp)) if name not in ctx.crossing_axes]
+    inside = [c for name, c in ctx.axes.items() if name not in ctx.crossing_axes]
     several_nodes = ctx.topology.nodes > 1
     ctx.reset_stats()
     for step in range(steps + 2):
@@ -146,7 +138,7 @@ def measure(job, comm, steps: int) -> dict:
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
     comm_share, idle_share, inter_share = (gather(statistics.fmean(s[k] for s in shares), MPI.SUM) / ctx.world_size
                                            for k in (0, 1, 2))
-    figures = {"layout": [p.dp, p.pp, p.tp], "precision": job.train.precision, "ranks": ctx.world_size, "step_s": step_s,
+    figures = {"layout": list(ctx.mesh.shape), "precision": job.train.precision, "ranks": ctx.world_size, "step_s": step_s,
             "tokens_per_s": tokens / step_s,
             "compute_share": 1.0 - comm_share - idle_share, "comm_share": comm_share, "bubble_share": idle_share,
             "inter_node_share": inter_share, "nodes": ctx.topology.nodes, "across_nodes": ctx.crossing_axes,
@@ -162,12 +154,13 @@ def layouts_to_measure(job, world_size: int, steps: int, precisions) -> tuple[li
     every rank, before anything runs. JobError when the one-rank baseline of a precision is
     refused (a parameter-server job's, say): every speed-up is measured against it."""
     runs, skipped = [], []
-    layouts = [(1, 1, 1)] + (factorisations(world_size) if world_size > 1 else [])
+    baseline = GRID.mesh().shape  # one rank
+    layouts = [baseline] + (factorisations(world_size) if world_size > 1 else [])
     for layout, precision in [(layout, precision) for layout in layouts for precision in precisions]:
         try:
             runs.append(layout_job(job, layout, steps, precision))
         except JobError as error:
-            if layout == (1, 1, 1):
+            if layout == baseline:
                 raise JobError(error.source, [(key, f"{text} (in the one-rank baseline every speed-up is measured "
                                                     f"against)") for key, text in error.problems]) from None
             skipped.append((label(layout), "; ".join(text for _, text in error.problems)))
@@ -192,15 +185,15 @@ def same_job_everywhere(job, world) -> None:
 
 
 def measure_on_first_ranks(job, world, steps: int) -> dict | None:
-    """``measure`` ``job`` on the first dp x pp x tp ranks of ``world``: its figures there, None on
-    the other ranks (collective over ``world``, which they only join to split it).
+    """``measure`` ``job`` on the first ranks of ``world`` that its layout holds: its figures there,
+    None on the other ranks (collective over ``world``, which they only join to split it; they
+    then wait in a barrier that sleeps, ``runtime.waiting.wait_idle``, in ``run``).
 
     Every rank must pass the same job: a rank that builds another model (it read a job file
     another rank was rewriting, say) would call the layout's collectives with other buffers, and
     MPI would fail or hang in one of them: ``same_job_everywhere`` checks first."""
     same_job_everywhere(job, world)
-    p = job.parallel
-    group = world.Split(0 if world.Get_rank() < p.dp * p.pp * p.tp else MPI.UNDEFINED, world.Get_rank())
+    group = world.Split(0 if world.Get_rank() < job.parallel.grid_ranks() else MPI.UNDEFINED, world.Get_rank())
     if group == MPI.COMM_NULL:
         return None
     figures = measure(job, group, steps)
@@ -322,7 +315,7 @@ def report(job, results, skipped, cpus: str, steps: int) -> str:
     m = job.model
     model = (f"GPT layers {m.n_layer}, width {m.n_embd}, heads {m.n_head}, context {m.block_size}"
              if m.kind == "gpt" else "digits CNN")
-    headers = ["layout dp x pp x tp", unit, "speed-up", "efficiency", "comm" if nodes == 1 else "comm (inter-node)",
+    headers = [f"layout {' x '.join(GRID.spelt)}", unit, "speed-up", "efficiency", "comm" if nodes == 1 else "comm (inter-node)",
                "bubble", "params+opt MB/rank", "activations MB/rank", "MB sent/step"]
     headers += ["step vs fp32", "activations vs fp32"] if versus else []
     text = format_table(headers + (["across nodes"] if nodes > 1 else []), rows,

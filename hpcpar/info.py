@@ -8,7 +8,9 @@ from mpi4py import MPI
 
 from . import backend
 from .runtime.device_transport import device_nonblocking_supported, library_version, query_cuda_aware
-from .runtime.context import LayoutError, agreed_backend, agreed_device, init, resolve_layout
+from .runtime.context import init
+from .runtime.grid import GRID, LayoutError
+from .runtime.process import agreed_backend, agreed_device
 from .runtime.nccl import BACKENDS, describe_backend, nccl_available
 from .runtime.nodes import node_size_setting
 from .runtime.shm import shm_setting
@@ -17,9 +19,11 @@ from .runtime.topology import PlacementWarning
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: the world / (pp x tp))")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel shards")
+    others = " x ".join(name for name in GRID.spelt if name != GRID.fill)
+    for axis in map(GRID.axis, GRID.spelt):  # --dp, --pp, --tp
+        fill = axis.name == GRID.fill
+        parser.add_argument(f"--{axis.name}", type=int, default=None if fill else 1,
+                            help=f"{axis.help} (default: the world / ({others}))" if fill else axis.help)
     parser.add_argument("--device", default="auto", choices=backend.DEVICES,
                         help="auto: HPCPAR_DEVICE if set, else a GPU when CuPy sees one (default: auto)")
     parser.add_argument("--backend", default="auto", choices=BACKENDS,
@@ -32,11 +36,12 @@ def run(args) -> None:
     # checked before any rank waits on another, and agreed: a node's own device or NCCL can differ
     # ValueError: a variable of the environment init reads (HPCPAR_DEVICE=gpu was a traceback)
     with agreed_verdict("hpcpar info", (LayoutError, RuntimeError, ValueError)):
-        resolve_layout(MPI.COMM_WORLD.Get_size(), args.dp, args.pp, args.tp)
+        sizes = {name: getattr(args, name) for name in GRID.spelt}
+        GRID.resolve(MPI.COMM_WORLD.Get_size(), **sizes)
         shm_setting(), node_size_setting(), device_nonblocking_supported("MPICH", ())  # (a library named: no query)
         world = MPI.COMM_WORLD  # the device and the backend as init will find them (the same on every rank)
         agreed_backend(world, args.backend, agreed_device(world, args.device), query_cuda_aware(), None)
-    print_info(dp=args.dp, pp=args.pp, tp=args.tp, device=args.device, comm_backend=args.backend)
+    print_info(sizes, device=args.device, comm_backend=args.backend)
 
 
 def cupy_state(facts: dict) -> str:
@@ -49,10 +54,11 @@ def parallel_hdf5() -> bool:
     return bool(h5py.get_config().mpi)
 
 
-def print_info(dp=None, pp=1, tp=1, device="auto", comm_backend="auto") -> None:
+def print_info(sizes: dict, device="auto", comm_backend="auto") -> None:
+    """``sizes``: the grid's, by axis name (the fill axis None: it fills the world)."""
     with warnings.catch_warnings():  # the placement report below carries the warning
         warnings.simplefilter("ignore", PlacementWarning)
-        ctx = init(dp=dp, pp=pp, tp=tp, device=device, backend=comm_backend)
+        ctx = init(**sizes, device=device, backend=comm_backend)
     placement = ctx.world.gather_object((ctx.rank, os.uname().nodename, ctx.node_rank, os.getpid()))
     if ctx.rank != 0:
         return
@@ -66,7 +72,7 @@ def print_info(dp=None, pp=1, tp=1, device="auto", comm_backend="auto") -> None:
         f"hpcpar        {__import__('hpcpar').__version__}",
         f"MPI library   {MPI.Get_library_version().splitlines()[0].strip()}",
         f"MPI standard  {'.'.join(map(str, MPI.Get_version()))} (mpi4py {mpi4py.__version__})",
-        f"world size    {ctx.world_size}   layout dp={ctx.dp_size} pp={ctx.pp_size} tp={ctx.tp_size}",
+        f"world size    {ctx.world_size}   layout " + " ".join(f"{n}={v}" for n, v in ctx.mesh.by_name().items()),
         f"device        {backend.device_choice(device, ctx.device).removeprefix('device ')}   CUDA-aware MPI: "
         f"{'yes' if ctx.cuda_aware else 'no (GPU buffers staged through host)'}",
         *(f"comm {name:<8} {describe_backend(comm, ctx.device)}" for name, comm in ctx.communicators().items()),

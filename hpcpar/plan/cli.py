@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from ..paths import output_problem
+from ..runtime.grid import GRID
 from ..tables import format_table
 from .machine import MACHINES_DIR, MachineError, load_machine
 
@@ -90,7 +91,7 @@ def run(args) -> int:
     why = unmodelled(job)
     if why:
         raise _usage(f"{job.source}: {why}")
-    world = args.world or (job.parallel.dp * job.parallel.pp * job.parallel.tp if job.parallel.dp else None)
+    world = args.world or job.parallel.grid_ranks()
     if not world or world < 1:
         raise _usage("--world N is needed (the job does not set parallel.dp)")
     machine = machine_from(args.machine)
@@ -148,7 +149,7 @@ def table(job, world: int, machine, ranked, top: int) -> str:
              f"{parameter_count(job) / 1e6:,.1f} M parameters" if m.kind == "gpt" else "digits CNN")
     title = (f"hpcpar plan: {model}, global batch {job.data.batch_size}, {job.train.precision}, {world} ranks on "
              f"{machine.name} ({len(ranked.predictions)} valid layouts, planned in {ranked.seconds:.1f} s)")
-    text = format_table(["#", "layout dp x pp x tp", "step ms", unit, "memory/rank", "fits", "comm", "bubble",
+    text = format_table(["#", f"layout {' x '.join(GRID.spelt)}", "step ms", unit, "memory/rank", "fits", "comm", "bubble",
                          "MB sent/step"], rows, title)
     if top and len(ranked.predictions) > top:
         text += f"\n... {len(ranked.predictions) - top} more (--top 0 shows all)"
@@ -203,7 +204,7 @@ def dry_run(job_path: str, overrides: list, mpi_world: int, machine_path: str | 
     with agreed_verdict("hpcpar train", (JobError,)):  # a job file one node lacks: every rank says so, once
         job = load_job(job_path, overrides)
         p = job.parallel
-        world = mpi_world if mpi_world > 1 or not p.dp else p.dp * p.pp * p.tp
+        world = mpi_world if mpi_world > 1 or p.grid_ranks() is None else p.grid_ranks()
         job = validate(job, world)
     path = machine_path or (DEFAULT_MACHINE if os.path.exists(DEFAULT_MACHINE) else None)
     machine = machine_from(path) if path else None
@@ -212,7 +213,8 @@ def dry_run(job_path: str, overrides: list, mpi_world: int, machine_path: str | 
     why = unmodelled(job)
     if why:
         p = job.parallel
-        print(f"{job.source}: valid for {world} ranks, layout {p.dp}x{p.pp}x{p.tp}; nothing trained (--dry-run)")
+        layout = GRID.mesh(**p.grid_sizes()).label()
+        print(f"{job.source}: valid for {world} ranks, layout {layout}; nothing trained (--dry-run)")
         print(f"no prediction: {why}")
         return 0
     plan = StepPlan(job, machine or load_machine("dgx-a100"))  # memory and bytes do not depend on the machine

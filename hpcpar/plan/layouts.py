@@ -1,6 +1,6 @@
 """Every layout of a world for a job, predicted and ranked; and why the others are excluded.
 
-A candidate is a dp x pp x tp factorisation of the world with, for pp > 1, each schedule
+A candidate is a factorisation of the world into the grid's axes with, for pp > 1, each schedule
 hpcpar has (``gpipe``, ``1f1b``, ``interleaved`` with 2 chunks, ``zb1``) and a few micro-batch
 counts (the job's, 2 pp and 4 pp), with and without sequence parallelism when tp > 1. The job's
 own checks (``train.validate``) decide what is valid. Recomputation only buys memory, so a
@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, replace
 
 from ..nn.gpt import RECOMPUTE
+from ..runtime.grid import GRID
 from ..train.config import JobError
 from ..train.validate import validate
 from .machine import Machine
@@ -30,22 +31,19 @@ class Ranked:
     fits: dict  # id(prediction) -> bool
 
 
-def factorisations(n: int) -> list[tuple[int, int, int]]:
-    return [(dp, pp, n // (dp * pp)) for dp in range(1, n + 1) for pp in range(1, n // dp + 1) if n % (dp * pp) == 0]
-
-
 def candidates(job, world: int) -> list:
-    """(label, job) for every layout tried; labels name what changes."""
+    """A job for every layout tried."""
     p = job.parallel
     out = []
-    for dp, pp, tp in factorisations(world):
+    for mesh in GRID.factorisations(world):
+        pp, tp = mesh.size("pp"), mesh.size("tp")
         # the job's micro-batches (at least pp), and 2 pp and 4 pp: enough to see the bubble shrink
         micro = sorted({max(p.micro_batches, pp), 2 * pp, 4 * pp}) if pp > 1 else [p.micro_batches]
         schedules = SCHEDULES if pp > 1 else ("1f1b",)
         for schedule in schedules:
             for m in micro:
                 for sp in ((False, True) if tp > 1 else (False,)):
-                    parallel = replace(p, dp=dp, pp=pp, tp=tp, schedule=schedule, micro_batches=m,
+                    parallel = replace(p, **mesh.by_name(), schedule=schedule, micro_batches=m,
                                        chunks=2 if schedule == "interleaved" else 1, sequence_parallel=sp)
                     out.append(replace(job, parallel=parallel))
     return out

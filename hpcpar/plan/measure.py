@@ -25,8 +25,7 @@ def _rank_counts(communicators) -> dict:
 
 def counted_step(job, comm) -> dict | None:
     """{communicator: {op: (calls, bytes, wire)}} of one step, summed over ``comm``'s ranks (on its rank 0)."""
-    p = job.parallel
-    ctx = init(dp=p.dp, pp=p.pp, tp=p.tp, comm=comm, **context_options(job))
+    ctx = init(**job.parallel.grid_sizes(), comm=comm, **context_options(job))
     run = build(job, ctx)
     strategy = run.strategy
     tied = [(c.name, c) for c, _, _ in getattr(getattr(strategy, "pipe", None), "_tied", [])]

@@ -1,11 +1,7 @@
-"""ParallelContext: the dp x pp x tp grid of ranks and its communicators, as a value.
+"""ParallelContext: the grid of ranks (``grid.py``'s axes) and its communicators, as a value.
 
-Rank order is tp fastest, then dp, then pp, so tensor-parallel peers (which talk inside
-every layer) are neighbours and share a node, and a pipeline stage is a contiguous block::
-
-    world rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
-
-For 8 ranks as dp=2, pp=2, tp=2::
+``init`` sets the process up (``process.setup``) and then builds the grid on it (``build``).
+For 8 ranks as dp=2, pp=2, tp=2 (tp fastest, then dp, then pp)::
 
     world rank   0  1  2  3  4  5  6  7
     pp (stage)   0  0  0  0  1  1  1  1
@@ -25,90 +21,97 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-from .. import backend as arrays, host, log
-from . import failfast, nccl, nodes
+from .. import backend as arrays
 from . import topology as _topology
-from .shm import MIN_BYTES, ShmCollectives, shm_setting
-from .comm import Communicator, default_wait_policy
-from .device_transport import query_cuda_aware
-from .watchdog import answer_at_exit
+from .comm import Communicator
+from .grid import GRID, LayoutError, Mesh, coordinates, format_grid, resolve_layout
+from .process import Process, agreed, agreed_backend, agreed_device, process_settings, setup
+from .shm import MIN_BYTES, ShmCollectives
 
-
-logger = log.get_logger(__name__)
-
+__all__ = ["LayoutError", "ParallelContext", "agreed", "agreed_backend", "agreed_device", "build", "coordinates",
+           "format_grid", "init", "open_contexts", "process_settings", "resolve_layout", "single_process"]
 
 # The contexts init made and nobody closed (weakly: a dropped context is simply forgotten).
 _open: "weakref.WeakSet[ParallelContext]" = weakref.WeakSet()
 _serials = itertools.count()
 
 
-class LayoutError(ValueError):
-    """The requested dp x pp x tp layout does not fit the world."""
+class _FromProcess:
+    """An attribute of the context that is its process's (``Process``)."""
 
+    def __set_name__(self, owner, name):
+        self.name = name
 
-def resolve_layout(world_size: int, dp: int | None = None, pp: int = 1, tp: int = 1) -> tuple[int, int, int]:
-    """Return (dp, pp, tp) whose product is ``world_size``, or raise LayoutError naming the numbers.
-
-    Pure arithmetic on the world size, so every rank reaches the same verdict without waiting.
-    """
-    for name, value in (("pp", pp), ("tp", tp)) + ((("dp", dp),) if dp is not None else ()):
-        if not isinstance(value, int) or value < 1:
-            raise LayoutError(f"{name} must be a positive integer, got {value!r}")
-    if dp is None:
-        if world_size % (pp * tp):
-            raise LayoutError(
-                f"world size {world_size} is not divisible by pp x tp = {pp} x {tp} = {pp * tp}; "
-                f"launch a multiple of {pp * tp} ranks or change pp/tp")
-        dp = world_size // (pp * tp)
-    if dp * pp * tp != world_size:
-        raise LayoutError(
-            f"dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp} does not equal the world size {world_size}; "
-            f"launch {dp * pp * tp} ranks or leave dp unset to fill the world")
-    return dp, pp, tp
+    def __get__(self, ctx, owner=None):
+        return self if ctx is None else getattr(ctx.process, self.name)
 
 
 @dataclass(eq=False)  # identity: contexts are kept in a weak set
 class ParallelContext:
-    """This rank's place in the grid and the communicators along each axis."""
+    """This rank's place in the grid and the communicators along each axis.
+
+    Per axis of the mesh (dp, pp, tp), ``ctx.<axis>`` is its communicator, ``ctx.<axis>_size``
+    its size and ``ctx.<axis>_rank`` this rank's coordinate along it; ``across`` gives the
+    communicator of a product of axes."""
 
     world: Communicator
-    dp: Communicator
-    pp: Communicator
-    tp: Communicator
-    dp_size: int
-    pp_size: int
-    tp_size: int
-    dp_rank: int
-    pp_rank: int
-    tp_rank: int
-    pp_prev: int | None  # rank in ``pp`` of the previous stage (None on the first stage)
-    pp_next: int | None  # rank in ``pp`` of the next stage (None on the last stage)
-    node_rank: int  # node-local rank: picks the GPU
-    node_size: int
-    device: str  # "cpu" or "cuda"
-    cuda_aware: bool
-    wait_policy: str
+    mesh: Mesh  # the axes, their sizes and the rank order
+    axes: dict  # {axis name: Communicator}, in table order
     node: Communicator  # the ranks of this node (MPI_COMM_TYPE_SHARED): the shared-memory domain
-    topology: _topology.Topology  # the node of every world rank
-    node_cpus: int = 1  # CPUs the node's ranks may run on (affinity and cgroup quota)
-    host: dict = field(default_factory=dict)  # what init changed in the process (hpcpar.host.apply)
+    process: Process  # what the process setup found (device, backend, node, placement)
+    grid: MPI.Comm | None = None  # the cartesian communicator the axes are slices of
+    pp_prev: int | None = None  # rank in ``pp`` of the previous stage (None on the first stage)
+    pp_next: int | None = None  # rank in ``pp`` of the next stage (None on the last stage)
     shm: bool = False  # the shared-memory collectives are attached (hpcpar.runtime.shm)
-    shm_node_size: int | None = None  # pretend nodes of this many ranks for them (None: real nodes)
-    backend: str = "mpi"  # what moves device buffers on dp, pp and tp: "mpi" or "nccl" (hpcpar.runtime.nccl)
-    runtime: object = None  # the NCCL runtime when backend is "nccl" (contexts made from this one reuse it)
-    grid: MPI.Comm | None = None  # the cartesian communicator dp, pp and tp are slices of
     closed: bool = False
     serial: int = 0  # order of creation in this process
     adopted: list = field(default_factory=list, repr=False)  # what ``close`` closes first, newest first (``adopt``)
+    products: dict = field(default_factory=dict, repr=False)  # {axis names: Communicator} made by ``across``
+
+    device = _FromProcess()  # "cpu" or "cuda"
+    cuda_aware = _FromProcess()
+    wait_policy = _FromProcess()
+    node_rank = _FromProcess()  # node-local rank: picks the GPU
+    node_size = _FromProcess()
+    node_cpus = _FromProcess()  # CPUs the node's ranks may run on (affinity and cgroup quota)
+    topology = _FromProcess()  # the node of every world rank
+    host = _FromProcess()  # what init changed in the process (hpcpar.host.apply)
+    shm_node_size = _FromProcess()  # pretend nodes of this many ranks for the shared-memory collectives
+    backend = _FromProcess()  # what moves device buffers on the axes: "mpi" or "nccl" (hpcpar.runtime.nccl)
+    runtime = _FromProcess()  # the NCCL runtime when backend is "nccl" (contexts made from this one reuse it)
+
+    def __getattr__(self, name: str):
+        """``dp``, ``dp_size``, ``dp_rank`` and so on for every axis of the mesh."""
+        mesh = self.__dict__.get("mesh")
+        axis, _, what = name.rpartition("_") if name.endswith(("_size", "_rank")) else (name, "", "")
+        if mesh is None or axis not in mesh.names:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if what == "size":
+            return mesh.size(axis)
+        return mesh.coordinate(self.world.rank, axis) if what == "rank" else self.axes[axis]
+
+    def across(self, *names: str) -> Communicator:
+        """The communicator of the product of the axes ``names`` (``across("dp", "tp")``: the ranks
+        that differ only in dp and tp), one axis's own for one name. Made on first use and freed
+        by ``close``: the first call for a product is collective over the world."""
+        key = tuple(name for name in self.mesh.names if name in names)
+        if len(key) != len(set(names)) or not key:
+            raise ValueError(f"across: the axes must be among {self.mesh.names}, got {names}")
+        if len(key) == 1:
+            return self.axes[key[0]]
+        if key not in self.products:
+            remain = [name in key for name in self.mesh.table.rank_order]
+            self.products[key] = self.process.axis_communicator(self.grid.Sub(remain), "*".join(key))
+        return self.products[key]
 
     @property
     def crossing_axes(self) -> list[str]:
-        """The axes (tp, dp, pp) some of whose communicators span more than one node."""
-        return _topology.crossing_axes(self.topology, self.dp_size, self.pp_size, self.tp_size)
+        """The axes (fastest first) some of whose communicators span more than one node."""
+        return _topology.crossing_axes(self.topology, self.mesh)
 
     def placement_report(self) -> str:
         """The nodes and, per communicator, whether it crosses nodes (every rank can print it)."""
-        return _topology.report(self.topology, self.dp_size, self.pp_size, self.tp_size)
+        return _topology.report(self.topology, self.mesh)
 
     @property
     def xp(self):
@@ -132,10 +135,10 @@ class ParallelContext:
 
     @property
     def layout(self) -> dict:
-        return {"dp": self.dp_size, "pp": self.pp_size, "tp": self.tp_size, "world": self.world_size}
+        return {**self.mesh.by_name(), "world": self.world_size}
 
     def communicators(self) -> dict:
-        return {"world": self.world, "dp": self.dp, "pp": self.pp, "tp": self.tp}
+        return {"world": self.world, **self.axes, **{comm.name: comm for comm in self.products.values()}}
 
     def comm_seconds(self) -> float:
         """Seconds spent in communication so far, on all of this rank's communicators."""
@@ -168,8 +171,8 @@ class ParallelContext:
 
     def close(self) -> None:
         """Free what ``init`` made and what the context adopted: the adopted communicators and
-        contexts (newest first), then the shared-memory windows and the dp, pp, tp, node and grid
-        communicators (collective over the world: every rank closes its contexts in the same
+        contexts (newest first), then the shared-memory windows and the communicators of the axes,
+        their products, the node and the grid (collective over the world: every rank closes its contexts in the same
         order). MPI has a few thousand communicator ids per process; a program that builds
         many contexts (``hpcpar compare``'s layouts, a test suite) closes the ones it is done
         with. The context, what it adopted, and every buffer in its windows must no longer be
@@ -181,7 +184,7 @@ class ParallelContext:
             self.adopted.pop().close()
         if self.world.shm is not None:
             self.world.shm.close()
-        for communicator in (self.dp, self.pp, self.tp, self.node):
+        for communicator in [*self.axes.values(), *self.products.values(), self.node]:
             communicator.close()
         if self.grid is not None and self.grid != MPI.COMM_NULL:
             self.grid.Free()
@@ -189,160 +192,49 @@ class ParallelContext:
 
     def grid_table(self) -> str:
         """The whole grid as text (every rank can print it without communicating)."""
-        return format_grid(self.dp_size, self.pp_size, self.tp_size)
+        return self.mesh.format()
 
 
-def coordinates(world_rank: int, dp: int, pp: int, tp: int) -> tuple[int, int, int]:
-    """(pp_rank, dp_rank, tp_rank) of a world rank: tp fastest, then dp, then pp."""
-    return world_rank // (dp * tp), (world_rank // tp) % dp, world_rank % tp
-
-
-def format_grid(dp: int, pp: int, tp: int) -> str:
-    size = dp * pp * tp
-    ranks = range(size)
-    width = max(2, len(str(size - 1)))
-    rows = [("world rank", list(ranks))]
-    coords = [coordinates(r, dp, pp, tp) for r in ranks]
-    rows += [("pp (stage)", [c[0] for c in coords]), ("dp (replica)", [c[1] for c in coords]),
-             ("tp (shard)", [c[2] for c in coords])]
-    return "\n".join(f"{label:<13}" + " ".join(f"{v:>{width}}" for v in values) for label, values in rows)
-
-
-def agreed(comm: MPI.Comm, setting: str, find, advice: str) -> str:
-    """``find()`` (what ``setting`` means here: the device, the backend) as every rank of ``comm``
-    found it (one small all-gather). Each rank answers on its own node (its GPUs, CuPy, NCCL,
-    ``HPCPAR_DEVICE``): when any rank raised DeviceError, or the ranks found different answers,
-    every rank raises the same DeviceError naming the ranks. A rank that raised alone left the
-    others waiting in init's first collective forever, and ranks that went on with different
-    devices or backends would call different communication (collective)."""
-    try:
-        mine = (find(), None, MPI.Get_processor_name())
-    except arrays.DeviceError as error:
-        mine = (None, str(error), MPI.Get_processor_name())
-    everyone = comm.allgather(mine) if comm.Get_size() > 1 else [mine]
-    hosts = [host for _, _, host in everyone]
-    failed = [rank for rank, (_, error, _) in enumerate(everyone) if error is not None]
-    if failed:
-        alone = len(failed) < len(everyone)
-        where = f" (on {failfast.ranks_on_hosts(failed, hosts)}; the other ranks can use it)" if alone else ""
-        raise arrays.DeviceError(everyone[failed[0]][1] + where)
-    found = {}
-    for rank, (answer, _, _) in enumerate(everyone):
-        found.setdefault(answer, []).append(rank)
-    if len(found) > 1:
-        where = "; ".join(f"{answer} on {failfast.ranks_on_hosts(r, hosts)}" for answer, r in found.items())
-        raise arrays.DeviceError(f"{setting} means different things on different ranks: {where}; {advice}")
-    return everyone[0][0]
-
-
-def agreed_device(comm: MPI.Comm, requested: str) -> str:
-    """``backend.resolve_device(requested)``, the same on every rank of ``comm`` (``agreed``)."""
-    return agreed(comm, f"device={requested!r}", lambda: arrays.resolve_device(requested),
-                  "every rank must compute on the same kind of device: set the device (train.device, HPCPAR_DEVICE) "
-                  "alike on every node")
-
-
-def agreed_backend(comm: MPI.Comm, requested: str, device: str, cuda_aware: bool, runtime) -> str:
-    """``nccl.choose_backend``'s answer, the same on every rank of ``comm`` (``agreed``)."""
-    have_nccl = True if runtime is not None else None  # a runtime given (a test's double) stands for NCCL
-    return agreed(comm, f"parallel.backend = {requested!r}",
-                  lambda: nccl.choose_backend(requested, device, cuda_aware, have_nccl=have_nccl),
-                  "every rank must move device buffers the same way: give every node NCCL or none, or set the "
-                  "backend (parallel.backend)")
-
-
-def process_settings(world_mpi: MPI.Comm, node_size: int, tune_allocator: bool, device: str, fail_fast: bool) -> dict:
-    """What init changes in the process (hpcpar.host.apply, fail-fast), as ``ctx.host`` reports it.
-    With fail-fast wanted and ``world_mpi`` the world, a rank that ends its program also answers
-    the others' stall census while it waits for them at exit (watchdog.answer_at_exit), so that
-    a rank stalled in a collective it can no longer complete stops at once."""
-    settings = host.apply(node_size, tune_allocator, set_blas_threads=device != "cuda")
-    wanted, settings["fail_fast"] = failfast.install_for_init(fail_fast, MPI.COMM_WORLD.Get_size())
-    if wanted and world_mpi.Compare(MPI.COMM_WORLD) == MPI.IDENT:
-        answer_at_exit()
-        settings["fail_fast"] += "; a rank that ends its program answers the stall census at its exit"
-    return settings
-
-
-def init(dp: int | None = None, pp: int = 1, tp: int = 1, device: str = "auto",
-         comm: MPI.Comm | None = None, wait_policy: str | None = None, tune_allocator: bool = True,
-         shm: bool | None = None, node_size: int | None = None, backend: str = "auto",
-         device_nonblocking: bool | None = None, runtime=None, fail_fast: bool = True) -> ParallelContext:
-    """Factor the world into dp x pp x tp and build the communicators.
-
-    Raises LayoutError on every rank, before any communication, when the layout does not
-    fit. With a GPU the device is chosen by node-local rank before anything allocates on it.
-    Process-wide settings happen here, never on import (hpcpar.host.apply): glibc's allocator is
-    tuned unless ``tune_allocator=False`` or HPCPAR_MALLOC_TUNING=0; on CPUs each rank's BLAS gets
-    its share of the node's cores; with several ranks an uncaught exception aborts the job
-    (failfast.install_for_init) unless ``fail_fast=False`` or HPCPAR_FAIL_FAST=0. ``shm`` (default
-    HPCPAR_SHM) attaches the shared-memory collectives (hpcpar.runtime.shm) on CPUs; ``node_size``
-    (default HPCPAR_NODE_SIZE) cuts nodes into pretend nodes for them (hpcpar.runtime.nodes).
-    Rank 0 warns (PlacementWarning) when tensor parallelism crosses nodes but would fit inside them.
-    ``backend`` ("auto", "mpi", "nccl": ``hpcpar.runtime.nccl.choose_backend``) picks what moves
-    device buffers on the dp, pp and tp communicators (world and node stay on MPI);
-    ``device_nonblocking`` overrides the table of MPI libraries that take device buffers in
-    non-blocking collectives (``hpcpar.runtime.device_transport.DEVICE_NONBLOCKING``); ``runtime``: the
-    NCCL runtime (default CuPy's; tests pass a double). Rank 0 logs which device it uses and why.
-    """
-    world_mpi = comm if comm is not None else MPI.COMM_WORLD
-    dp, pp, tp = resolve_layout(world_mpi.Get_size(), dp, pp, tp)
-    log.ensure_configured()  # rank 0's log lines on stdout, unless the application set up its own
-    requested_device, device = device, agreed_device(world_mpi, device)
-    use_shm, shm_node_size = shm_setting(shm), nodes.node_size_setting(node_size)
-
-    node = world_mpi.Split_type(MPI.COMM_TYPE_SHARED, key=world_mpi.Get_rank())
-    node_rank, node_size = node.Get_rank(), node.Get_size()
-    # The CPUs of the node's ranks together: each rank pinned to its own core is not oversubscribed.
-    node_cpus = host.usable_cpus(set().union(*node.allgather(host.affinity())))
-    color = nodes.node_color(world_mpi, node, shm_node_size) if use_shm and device == "cpu" else None
-    topo = _topology.discover(world_mpi, node)
-    if world_mpi.Get_rank() == 0:
-        _topology.warn_about_placement(topo, dp, pp, tp)
-    if device == "cuda":
-        arrays.select_gpu(node_rank)
-    settings = process_settings(world_mpi, node_size, tune_allocator, device, fail_fast)
-
-    cuda_aware = query_cuda_aware()
-    policy = wait_policy or default_wait_policy(node_size, node_cpus)
-    chosen = agreed_backend(world_mpi, backend, device, cuda_aware, runtime)
-    if requested_device == "auto" and world_mpi.Get_rank() == 0:  # say what "auto" chose
-        logger.info(arrays.device_choice(requested_device, device) + f"; communication: {chosen}")
-    options = dict(cuda_aware=cuda_aware, wait_policy=policy, device_nonblocking=device_nonblocking)
-    make = lambda mpi_comm, name: Communicator(mpi_comm, name, **options)  # noqa: E731
-    if chosen == "nccl":
-        runtime = runtime or nccl.cupy_runtime()
-        make_axis = lambda mpi_comm, name: nccl.NcclCommunicator(mpi_comm, name, runtime=runtime, **options)  # noqa: E731
-    else:
-        make_axis = make
-
-    # dims in (pp, dp, tp) order: MPI's row-major cartesian numbering makes tp fastest.
-    cart = world_mpi.Create_cart([pp, dp, tp], periods=[False, False, False], reorder=False)
-    pp_rank, dp_rank, tp_rank = cart.Get_coords(cart.Get_rank())
-    pp_comm = cart.Sub([True, False, False])
-    prev_stage, next_stage = pp_comm.Shift(0, 1)
-    ctx = ParallelContext(
-        world=make(world_mpi, "world"),
-        dp=make_axis(cart.Sub([False, True, False]), "dp"),
-        pp=make_axis(pp_comm, "pp"),
-        tp=make_axis(cart.Sub([False, False, True]), "tp"),
-        dp_size=dp, pp_size=pp, tp_size=tp,
-        dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank,
-        pp_prev=None if prev_stage == MPI.PROC_NULL else prev_stage,
-        pp_next=None if next_stage == MPI.PROC_NULL else next_stage,
-        node_rank=node_rank, node_size=node_size,
-        device=device, cuda_aware=cuda_aware, wait_policy=policy,
-        node_cpus=node_cpus, host=settings, shm=color is not None, shm_node_size=shm_node_size,
-        node=make(node, "node"), topology=topo, backend=chosen, runtime=runtime if chosen == "nccl" else None,
-    )
-    assert (pp_rank, dp_rank, tp_rank) == coordinates(world_mpi.Get_rank(), dp, pp, tp)
-    ctx.grid, ctx.serial = cart, next(_serials)
+def build(process: Process, mesh: Mesh) -> ParallelContext:
+    """The context of ``mesh`` on the ranks of ``process.world`` (collective): a communicator per
+    axis, sliced from one cartesian communicator whose dimensions are the rank order, so MPI's
+    row-major numbering puts the ranks exactly where ``mesh.coordinates`` says."""
+    world = process.world
+    if world.Get_rank() == 0:
+        _topology.warn_about_placement(process.topology, mesh)
+    order = mesh.table.rank_order
+    cart = world.Create_cart([mesh.size(name) for name in order], periods=[False] * len(order), reorder=False)
+    placed = dict(zip(order, cart.Get_coords(cart.Get_rank())))
+    assert tuple(placed[name] for name in mesh.table.spelt_order) == mesh.coordinates(world.Get_rank())
+    slices = {name: cart.Sub([other == name for other in order]) for name in mesh.names}
+    prev_stage, next_stage = slices["pp"].Shift(0, 1) if "pp" in slices else (MPI.PROC_NULL, MPI.PROC_NULL)
+    ctx = ParallelContext(world=process.communicator(world, "world"), mesh=mesh,
+                          axes={name: process.axis_communicator(mpi, name) for name, mpi in slices.items()},
+                          node=process.communicator(process.node, "node"), process=process, grid=cart,
+                          pp_prev=None if prev_stage == MPI.PROC_NULL else prev_stage,
+                          pp_next=None if next_stage == MPI.PROC_NULL else next_stage, serial=next(_serials))
     _open.add(ctx)
-    if color is not None:
+    if process.shm_color is not None:
+        ctx.shm = True
         for communicator in ctx.communicators().values():
             if communicator.size > 1:
-                communicator.shm = ShmCollectives(communicator, color)
+                communicator.shm = ShmCollectives(communicator, process.shm_color)
     return ctx
+
+
+def init(*sizes, device: str = "auto", comm: MPI.Comm | None = None, **options) -> ParallelContext:
+    """Factor the world (``comm``, default COMM_WORLD) into the grid and build its communicators.
+
+    ``sizes``: the axes' sizes (``GRID``: dp, pp, tp) in table order or by name, as
+    ``AxisTable.resolve`` takes them (dp, unset, fills the world). Raises LayoutError on every
+    rank, before any communication, when the layout does not fit. Then ``process.setup`` (the
+    other ``options``: ``wait_policy``, ``tune_allocator``, ``shm``, ``node_size``, ``backend``,
+    ``device_nonblocking``, ``runtime``, ``fail_fast``, described there) and ``build`` (rank 0
+    warns, PlacementWarning, when tensor parallelism crosses nodes but would fit inside them).
+    """
+    world = comm if comm is not None else MPI.COMM_WORLD
+    mesh = GRID.resolve(world.Get_size(), *sizes, **{name: options.pop(name) for name in GRID.names if name in options})
+    return build(setup(world, device, **options), mesh)
 
 
 def open_contexts() -> list:

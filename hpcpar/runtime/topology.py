@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-AXES = ("tp", "dp", "pp")  # grid axes, fastest first (see hpcpar.runtime.context)
+from .grid import Mesh, mesh_of
 
 
 class PlacementWarning(UserWarning):
@@ -59,23 +59,22 @@ def discover(world: MPI.Comm, node: MPI.Comm) -> Topology:
                     hosts=tuple(placement[lead][1] for lead in leaders))
 
 
-def groups(axis: str, dp: int, pp: int, tp: int) -> list[list[int]]:
-    """The world ranks of every communicator along ``axis`` of the grid (tp fastest, then dp, then pp)."""
-    def rank(p, d, t):
-        return p * dp * tp + d * tp + t
+# The layout arguments below (``*layout``) are a Mesh, or the grid's sizes (dp, pp, tp) in order or by name.
 
-    if axis == "tp":
-        return [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)]
-    if axis == "dp":
-        return [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
-    if axis == "pp":
-        return [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
-    raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
+def fastest_first(mesh: Mesh) -> list[str]:
+    """The axes that can vary (the others have one rank per communicator), fastest first."""
+    return list(reversed(mesh.table.spelt_order))
 
 
-def crossing_axes(topo: Topology, dp: int, pp: int, tp: int) -> list[str]:
-    """The grid axes some of whose communicators span more than one node."""
-    return [axis for axis in AXES if any(topo.span(g) > 1 for g in groups(axis, dp, pp, tp))]
+def groups(axis: str, *layout, **sizes) -> list[list[int]]:
+    """The world ranks of every communicator along ``axis`` of the grid."""
+    return mesh_of(*layout, **sizes).groups(axis)
+
+
+def crossing_axes(topo: Topology, *layout, **sizes) -> list[str]:
+    """The grid axes (fastest first) some of whose communicators span more than one node."""
+    mesh = mesh_of(*layout, **sizes)
+    return [axis for axis in fastest_first(mesh) if any(topo.span(g) > 1 for g in mesh.groups(axis))]
 
 
 def _range(values) -> str:
@@ -83,15 +82,14 @@ def _range(values) -> str:
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
-def placement_table(topo: Topology, dp: int, pp: int, tp: int) -> str:
+def placement_table(topo: Topology, mesh: Mesh) -> str:
     """Per communicator: its groups, how many cross nodes, and each member's peers inside / across nodes."""
-    sizes = {"tp": tp, "dp": dp, "pp": pp}
     rows = [("communicator", "groups", "size", "nodes spanned", "groups across nodes", "peers inside / across")]
-    for axis in AXES + ("world",):
-        members = groups(axis, dp, pp, tp) if axis != "world" else [list(range(dp * pp * tp))]
+    for axis in fastest_first(mesh) + ["world"]:
+        members = mesh.groups(axis) if axis != "world" else [list(range(mesh.world_size))]
         spans = [topo.span(g) for g in members]
         split = [topo.peers(r, g) for g in members for r in g]
-        rows.append((axis, str(len(members)), str(sizes.get(axis, dp * pp * tp)), _range(spans),
+        rows.append((axis, str(len(members)), str(len(members[0])), _range(spans),
                      f"{sum(s > 1 for s in spans)} of {len(members)}",
                      f"{_range([i for i, _ in split])} / {_range([a for _, a in split])}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -110,9 +108,10 @@ def nodes_line(topo: Topology) -> str:
     return f"{topo.nodes} node{'s' if topo.nodes > 1 else ''}: " + ", ".join(parts)
 
 
-def tensor_placement_advice(topo: Topology, dp: int, pp: int, tp: int) -> str | None:
+def tensor_placement_advice(topo: Topology, mesh: Mesh) -> str | None:
     """Why tensor parallelism crossing nodes could be avoided, or None when it does not cross or must."""
-    if "tp" not in crossing_axes(topo, dp, pp, tp) or any(size % tp for size in topo.node_sizes()):
+    tp = mesh.size("tp")
+    if "tp" not in crossing_axes(topo, mesh) or any(size % tp for size in topo.node_sizes()):
         return None
     return (f"tensor parallelism crosses nodes although tp={tp} divides the ranks of every node "
             f"({'/'.join(map(str, topo.node_sizes()))}): start consecutive ranks on the same node "
@@ -120,21 +119,22 @@ def tensor_placement_advice(topo: Topology, dp: int, pp: int, tp: int) -> str | 
             "tensor inside a node, pipeline and data across")
 
 
-def report(topo: Topology, dp: int, pp: int, tp: int) -> str:
+def report(topo: Topology, *layout, **sizes) -> str:
     """The layout report: the nodes, each communicator's placement, and what crosses nodes.
     On one node, one line."""
     if topo.nodes == 1:
         return nodes_line(topo) + "; every communicator stays inside it"
-    crossing = crossing_axes(topo, dp, pp, tp)
-    summary = "across nodes: " + ", ".join(crossing) + (" (tp inside nodes)" if tp > 1 and "tp" not in crossing else "")
-    lines = [nodes_line(topo), placement_table(topo, dp, pp, tp), summary]
-    advice = tensor_placement_advice(topo, dp, pp, tp)
+    mesh = mesh_of(*layout, **sizes)
+    crossing = crossing_axes(topo, mesh)
+    inside = " (tp inside nodes)" if mesh.size("tp") > 1 and "tp" not in crossing else ""
+    lines = [nodes_line(topo), placement_table(topo, mesh), "across nodes: " + ", ".join(crossing) + inside]
+    advice = tensor_placement_advice(topo, mesh)
     if advice:
         lines.append("warning: " + advice)
     return "\n".join(lines)
 
 
-def warn_about_placement(topo: Topology, dp: int, pp: int, tp: int) -> None:
-    advice = tensor_placement_advice(topo, dp, pp, tp)
+def warn_about_placement(topo: Topology, *layout, **sizes) -> None:
+    advice = tensor_placement_advice(topo, mesh_of(*layout, **sizes))
     if advice:
         warnings.warn(advice, PlacementWarning, stacklevel=3)

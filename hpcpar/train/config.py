@@ -15,7 +15,7 @@ or ``sbatch`` is started, as for ``hpcpar data prepare --out`` — not to the jo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, make_dataclass
 from typing import Any
 
 from .. import defaults
@@ -23,6 +23,7 @@ from ..backend import DEVICES
 from ..nn.gpt import RECOMPUTE
 from ..parallel.compression import COMPRESSORS
 from ..parallel.pipeline.schedules import SCHEDULES
+from ..runtime.grid import GRID, Axis
 from . import tensorboard
 from .config_types import (BOOLEAN, INTEGER, INTEGER_PAIR, NUMBER, NUMBER_PAIR, PARTITION, RESUME, STAGE_COUNTS, STRING,
                            STRING_LIST, Check, _key, above, at_least, each, in_range, toml_key, toml_value)
@@ -87,11 +88,21 @@ class DataSection:
                              check=at_least(1), applies=TEXT_ONLY)
 
 
+def _size_key(axis: Axis):
+    """The job key of a grid axis's size (``parallel.tp``): the fill axis's is unset by default."""
+    if axis.name == GRID.fill:
+        others = " x ".join(name for name in GRID.spelt if name != GRID.fill)
+        return _key(None, INTEGER, f"{axis.help}; unset: world size / ({others})", check=at_least(1))
+    return _key(1, INTEGER, axis.help, check=at_least(1) if axis.limit is None else in_range(1, axis.limit + 1))
+
+
+# parallel.dp, parallel.pp, parallel.tp: a key per axis of the grid that can vary, first in the section
+GridSizes = make_dataclass("GridSizes", [(axis.name, int | None, _size_key(axis)) for axis in GRID.axes if axis.varies],
+                           frozen=True)
+
+
 @dataclass(frozen=True)
-class ParallelSection:
-    dp: int | None = _key(None, INTEGER, "data-parallel replicas; unset: world size / (pp x tp)", check=at_least(1))
-    pp: int = _key(1, INTEGER, "pipeline stages", check=at_least(1))
-    tp: int = _key(1, INTEGER, "tensor-parallel shards of each layer", check=at_least(1))
+class ParallelSection(GridSizes):
     schedule: str = _key(defaults.PIPELINE_SCHEDULE, STRING,
                          "pipeline schedule, with pp > 1 (zb1: ZB-H1, weight gradients deferred)",
                          choices=tuple(SCHEDULES))
@@ -142,6 +153,15 @@ class ParallelSection:
                                          applies=("parallel.mode", ("local_sgd",)))
     servers: int = _key(1, INTEGER, "parameter-server ranks (taken from the world; dp = world - servers)",
                         check=at_least(1), applies=("parallel.mode", ("ps",)))
+
+    def grid_sizes(self) -> dict:
+        """{axis: size} for the grid's axes, in table order (the fill axis None until validated)."""
+        return {name: getattr(self, name) for name in GRID.spelt}
+
+    def grid_ranks(self) -> int | None:
+        """The ranks the grid holds (the product of its sizes); None while the fill axis is unset."""
+        sizes = self.grid_sizes()
+        return None if None in sizes.values() else GRID.mesh(**sizes).world_size
 
 
 @dataclass(frozen=True)
@@ -277,7 +297,7 @@ class Job:
         p = self.parallel
         head = f"# job {self.source}"
         if self.world_size is not None:
-            head += f", {self.world_size} ranks as dp {p.dp} x pp {p.pp} x tp {p.tp}"
+            head += f", {self.world_size} ranks as {GRID.mesh(**p.grid_sizes()).words()}"
             if p.mode == "ps":
                 head += f" + {p.servers} server(s)"
         lines = [head]

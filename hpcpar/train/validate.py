@@ -21,6 +21,7 @@ from .. import defaults
 from ..checkpoint.manifest import MANIFEST, checkpoint_name_of
 from ..paths import input_problem, output_problem
 from ..parallel.pipeline.schedules import interleaved_fit
+from ..runtime.grid import GRID, LayoutError
 from .config import BYTE_VOCAB, Job, JobError
 from .config_types import toml_value
 
@@ -50,21 +51,19 @@ def validate(job: Job, world_size: int) -> Job:
 
 def _check_layout(job: Job, world_size: int) -> tuple[int | None, list]:
     """(dp, problems): dp stays None when the layout does not fit (the batch checks need it)."""
-    from ..runtime.context import LayoutError, resolve_layout
-
     p = job.parallel
     workers = world_size - p.servers if p.mode == "ps" else world_size
     if p.mode == "ps" and workers < 1:
         return None, [("parallel.servers", f"{p.servers} server(s) leave no worker among {world_size} ranks; "
                                            f"launch more than {p.servers} ranks or lower parallel.servers")]
     try:
-        dp, _, _ = resolve_layout(workers, p.dp, p.pp, p.tp)
+        mesh = GRID.resolve(workers, **p.grid_sizes())
     except LayoutError as err:
-        keys = "parallel.dp, parallel.pp, parallel.tp" if p.dp is not None else "parallel.pp, parallel.tp"
+        keys = ", ".join(f"parallel.{name}" for name, size in p.grid_sizes().items() if size is not None)  # given
         servers = (f" (mode \"ps\": the grid holds the workers, {world_size} ranks minus {p.servers} "
                    f"server(s))" if p.mode == "ps" else "")
         return None, [(keys, f"{err}{servers}")]
-    return dp, []
+    return mesh.size(GRID.fill), []
 
 
 def _check_modes(job: Job) -> list:

@@ -17,7 +17,7 @@ WITH_CP = AxisTable(GRID.axes + (CP,), rank_order=("pp", "dp", "cp", "tp"), fill
 USED_CP = AxisTable(GRID.axes + (replace(CP, limit=None),), rank_order=WITH_CP.rank_order, fill="dp")
 
 
-def test_a_fourth_axis_of_size_one_changes_nothing_but_adds_its_zero():
+def test_a_fourth_axis_of_size_one_changes_no_coordinate_group_or_label():
     for world in (1, 2, 4, 8):
         assert [m.sizes + (1,) for m in GRID.factorisations(world)] == [m.sizes for m in WITH_CP.factorisations(world)]
         for mesh in GRID.factorisations(world):

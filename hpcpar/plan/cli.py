@@ -149,8 +149,8 @@ def table(job, world: int, machine, ranked, top: int) -> str:
              f"{parameter_count(job) / 1e6:,.1f} M parameters" if m.kind == "gpt" else "digits CNN")
     title = (f"hpcpar plan: {model}, global batch {job.data.batch_size}, {job.train.precision}, {world} ranks on "
              f"{machine.name} ({len(ranked.predictions)} valid layouts, planned in {ranked.seconds:.1f} s)")
-    text = format_table(["#", f"layout {' x '.join(GRID.spelt)}", "step ms", unit, "memory/rank", "fits", "comm", "bubble",
-                         "MB sent/step"], rows, title)
+    text = format_table(["#", f"layout {' x '.join(GRID.spelt)}", "step ms", unit, "memory/rank", "fits", "comm",
+                         "bubble", "MB sent/step"], rows, title)
     if top and len(ranked.predictions) > top:
         text += f"\n... {len(ranked.predictions) - top} more (--top 0 shows all)"
     reasons: dict = {}

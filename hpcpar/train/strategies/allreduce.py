@@ -18,7 +18,7 @@ from .synchronous import SynchronousStrategy
 class AllReduce(SynchronousStrategy):
     name = "allreduce"
 
-    def __init__(self, job, ctx, model, data=None):
+    def __init__(self, job, ctx, model, precision, data=None):
         super().__init__(job, ctx, model)
         p = job.parallel
         self.ddp = None
@@ -30,7 +30,7 @@ class AllReduce(SynchronousStrategy):
         if not p.zero and (ctx.dp_size > 1 or compressor is not None):
             self.ddp = DistributedDataParallel(model, ctx, bucket_mb=p.bucket_mb, overlap=p.overlap,
                                                compression=compressor)
-        self.build_update(model.named_parameters(), owns_for_norm=lambda param: True)
+        self.build_update(precision, model.named_parameters(), owns_for_norm=lambda param: True)
 
     def named_parameters(self) -> list:
         return list(self.model.named_parameters())

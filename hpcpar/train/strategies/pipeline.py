@@ -13,18 +13,18 @@ from .synchronous import SynchronousStrategy
 class Pipeline(SynchronousStrategy):
     name = "pipeline"
 
-    def __init__(self, job, ctx, model, data):
+    def __init__(self, job, ctx, model, precision, data):
         super().__init__(job, ctx, model)
         p = job.parallel
         sample = None
         if p.partition == "balanced":  # the stages are cut by measured time on one micro-batch
-            inputs, _ = data(ctx)[0].batch_at(0)
+            inputs, _ = data.batch_at(0)
             sample = inputs[: max(1, len(inputs) // p.micro_batches)]
         self.pipe = PipelineParallel(model, ctx, schedule=p.schedule, micro_batches=p.micro_batches,
                                      chunks=p.chunks, partition=p.partition, bucket_mb=p.bucket_mb,
                                      dp_average=not p.zero, sample_input=sample,
                                      compression=make_gradient_compressor(p))
-        self.build_update(self.pipe.named_parameters(), owns_for_norm=self.pipe.owns_for_norm)
+        self.build_update(precision, self.pipe.named_parameters(), owns_for_norm=self.pipe.owns_for_norm)
         self.pipe.backward_loss = self.precision.backward  # the last stage's backward seeded with the scale
 
     def named_parameters(self) -> list:

@@ -13,14 +13,14 @@ from ...parallel.compression_state import CompressionState
 from ...parallel.zero import ZeroRedundancyOptimizer
 from ...state import Together
 from .base import Strategy
-from .ingredients import make_precision, optimizer_class, state_bytes
+from .ingredients import optimizer_class, state_bytes
 from .update import ReplicatedUpdate, ShardedUpdate
 
 
 class SynchronousStrategy(Strategy):
-    def build_update(self, named, owns_for_norm) -> None:
-        """Precision, optimizer and update over this rank's parameters ``named``."""
-        self.precision = make_precision(self.job, named)
+    def build_update(self, precision, named, owns_for_norm) -> None:
+        """The master weights of ``precision``, optimizer and update over this rank's parameters ``named``."""
+        self.precision = precision.masters(named)
         masters = self.precision.named_master_parameters()
         cls, options = optimizer_class(self.job)
         if self.job.parallel.zero:

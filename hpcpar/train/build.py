@@ -1,7 +1,7 @@
 """From a validated job and a ParallelContext to the pieces of a run: model, strategy, data, LR schedule.
 
 The strategy (``strategies``) is picked from the job: how the replicas agree decides what
-runs a step. The job's precision is read once here and handed to the model and the strategy.
+runs a step. The job's ``Precision`` goes from here to the model (its dtype) and the strategy.
 Data is built once, for the context the strategy trains in (a strategy with ``own_context``
 makes it: a parameter server's workers), and the learning-rate schedule drives the strategy's
 optimizer.
@@ -100,10 +100,9 @@ def build_data(job: Job, ctx):
 
 def build(job: Job, ctx) -> Run:
     """The run of ``job`` on ``ctx`` (collective: the strategy broadcasts parameters, splits communicators)."""
-    precision = job.precision
     model = build_model(job, ctx, compute_dtype(job))
     data = None if strategy_class(job).own_context else build_data(job, ctx)  # else for the context it makes
-    strategy = make_strategy(job, ctx, model, data[0] if data else None, precision)
+    strategy = make_strategy(job, ctx, model, data[0] if data else None, job.precision)
     if not strategy.trains:  # a parameter server: it serves, nothing else
         return Run(job, strategy, None, None, None)
     train, evaluation = data or build_data(job, strategy.ctx)

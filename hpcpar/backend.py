@@ -98,14 +98,6 @@ def device_choice(requested: str, resolved: str) -> str:
     return f"device cpu (auto: {'CuPy is not installed' if _cupy is None else no_device_reason()})"
 
 
-def check_precision(device: str, precision: str) -> None:
-    """Raise DeviceError when ``precision`` (fp32, fp16, bf16, fp64) cannot run on ``device``."""
-    if precision == "bf16" and device in ("cuda", "guard"):
-        import ml_dtypes
-
-        check_dtype(device, ml_dtypes.bfloat16)
-
-
 def check_dtype(device: str, dtype) -> None:
     """Raise DeviceError when arrays of ``dtype`` cannot live on ``device`` (bfloat16 on a CuPy without it)."""
     if device not in ("cuda", "guard") or np.dtype(dtype).name != "bfloat16":

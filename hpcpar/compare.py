@@ -22,7 +22,7 @@ from dataclasses import replace
 from mpi4py import MPI
 
 from . import host, log
-from .backend import DeviceError, check_precision
+from .backend import DeviceError
 from .bench.step import traced_peak
 from .runtime.context import init
 from .runtime.grid import GRID
@@ -31,6 +31,7 @@ from .runtime.failfast import UsageError, agreed_verdict
 from .paths import output_problem
 from .runtime.waiting import wait_idle
 from .parallel.pipeline.schedules import interleaved_fit
+from .optim import check_precision
 from .tables import format_table
 from .train.build import build
 from .train.config import JobError
@@ -69,7 +70,7 @@ def layout_job(job, layout, steps: int, precision: str | None = None):
     if parallel.schedule == "interleaved" and (interleaved_fit(pp, micro) is not None or pp * parallel.chunks > job.num_layers):
         parallel = replace(parallel, schedule="1f1b", chunks=1)
     train = replace(job.train, steps=steps + 2, eval_interval=0, sample_tokens=0,
-                    precision=precision or job.train.precision)
+                    precision=precision or job.precision.name)
     return validate(replace(job, parallel=parallel, train=train), mesh.world_size)
 
 
@@ -138,7 +139,7 @@ def measure(job, comm, steps: int) -> dict:
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
     comm_share, idle_share, inter_share = (gather(statistics.fmean(s[k] for s in shares), MPI.SUM) / ctx.world_size
                                            for k in (0, 1, 2))
-    figures = {"layout": list(ctx.mesh.shape), "precision": job.train.precision, "ranks": ctx.world_size, "step_s": step_s,
+    figures = {"layout": list(ctx.mesh.shape), "precision": job.precision.name, "ranks": ctx.world_size, "step_s": step_s,
             "tokens_per_s": tokens / step_s,
             "compute_share": 1.0 - comm_share - idle_share, "comm_share": comm_share, "bubble_share": idle_share,
             "inter_node_share": inter_share, "nodes": ctx.topology.nodes, "across_nodes": ctx.crossing_axes,
@@ -256,7 +257,7 @@ def run(args) -> int:
             check_machine(layout_job, writes=False)  # its metrics, trace and checkpoints are never written
     with agreed_verdict("hpcpar compare", (DeviceError,)):  # every rank gets here: the device as init agrees on it
         device = agreed_device(world, job.train.device)
-        for precision in sorted({run.train.precision for run in runs}):  # as training checks it, before a layout runs
+        for precision in sorted({run.precision for run in runs}, key=lambda p: p.name):  # as training checks it
             check_precision(device, precision)
     cpus, problem = cpu_budget(world)
     if problem:

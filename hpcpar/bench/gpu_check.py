@@ -122,6 +122,7 @@ def step_times(device: str, precisions=PRECISIONS, steps: int = 10, warmup: int 
     """ms/step and tokens/s of a GPT step in each precision, hpcpar on ``device`` and PyTorch on
     ``torch_device`` (same model and batch), timed in turns; a precision the device lacks gets its reason."""
     from .. import backend
+    from ..optim import check_precision, precision_named
     from .step import BENCH_CONFIG, _time_interleaved, hpcpar_step, torch_step
 
     config = config or BENCH_CONFIG
@@ -129,7 +130,7 @@ def step_times(device: str, precisions=PRECISIONS, steps: int = 10, warmup: int 
     rows = []
     for precision in precisions:
         try:
-            backend.check_precision(device, precision)
+            check_precision(device, precision_named(precision))
         except backend.DeviceError as error:
             rows.append({"precision": precision, "error": str(error)})
             continue

@@ -10,27 +10,8 @@
         clip_grad_norm(amp.master_parameters(), 1.0)
         amp.step(optimizer, loss=loss)                     # skips on an inf/NaN loss or gradient
 
-What each op computes in is ``hpcpar.autograd.precision``'s policy: 16-bit activations, float32
-statistics, a float32 loss. The scale enters as the seed gradient of backward; gradients that
-overflow the compute dtype (float16: 65504) become inf, the step is skipped and the scale backs
-off, as dynamic scaling intends. bfloat16 has float32's range and needs no scaling: pass
-``scaler=None``; a non-finite step is still skipped (and counted in ``skipped_steps``).
-
-A step is skipped when anything it would use is not finite: the loss or any master gradient, on
-any rank. ``allreduce_max`` (a max over every rank that takes part: dp replicas, pipeline stages,
-tp and ZeRO shards) turns this rank's verdict into the world's, so every rank skips together; a
-stage without the loss passes ``loss=None``. A NaN loss skips the step whatever the gradients
-look like (a float16 count that overflowed once made the loss NaN and every gradient exactly 0).
-
-On CPUs bfloat16 arrays come from ``ml_dtypes``; NumPy has no 16-bit GEMM, so matrix products
-run as float32 BLAS on upcast operands (the policy's float32 accumulation) and elementwise ops
-on 16-bit arrays are slower than in float32: on CPUs mixed precision is for correctness and
-memory, not speed. CuPy has no bfloat16, so on GPUs use float16.
-
-A data-parallel wrapper all-reduces the model's gradients between ``backward`` and ``step``. A
-pipeline seeds the last stage's backward with ``backward`` (``PipelineParallel(backward_loss=...)``);
-the gradients it passes upstream are then scaled too. ZeRO-1 can be the optimizer: its flat
-buffer then holds the float32 masters.
+What each op computes in is ``hpcpar.autograd.precision``'s policy; why a step is skipped, how
+the scale works and how DDP, pipelines and ZeRO-1 combine with it: docs/architecture.md (optim).
 """
 from __future__ import annotations
 
@@ -41,21 +22,6 @@ import numpy as np
 from ..autograd import Parameter
 from ..backend import get_array_module, to_device, to_host
 from .optimizer import named_parameter_list
-
-
-PRECISIONS = ("fp32", "fp64", "fp16", "bf16")
-
-
-def precision_dtype(name: str):
-    """The compute dtype of a precision name (``train.precision``); bf16 needs ``ml_dtypes`` on CPUs."""
-    if name == "bf16":
-        import ml_dtypes  # an ImportError names the package to install
-
-        return np.dtype(ml_dtypes.bfloat16)
-    dtypes = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16}
-    if name not in dtypes:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
-    return np.dtype(dtypes[name])
 
 
 class DynamicLossScaler:
@@ -120,7 +86,10 @@ _DEFAULT_SCALER = object()
 class MixedPrecision:
     """Master weights in ``master_dtype`` for a model (or named parameters) computing in low precision.
 
-    ``scaler`` defaults to a fresh ``DynamicLossScaler()``; ``None`` disables scaling.
+    ``scaler`` defaults to a fresh ``DynamicLossScaler()``; ``None`` disables scaling (bfloat16 has
+    float32's range and needs none; a non-finite step is still skipped and counted). The scale
+    enters as the seed gradient of backward: gradients that overflow the compute dtype (float16:
+    65504) become inf, the step is skipped and the scale backs off.
     """
 
     def __init__(self, model_or_params, scaler=_DEFAULT_SCALER, master_dtype=np.float32):
@@ -130,10 +99,8 @@ class MixedPrecision:
         self.master_dtype = np.dtype(master_dtype)
         self.model_params = [param for _, param in named]
         self.master = [(name, Parameter(param.data.astype(self.master_dtype), name=name)) for name, param in named]
-        for param, (_, master) in zip(self.model_params, self.master):
-            for attr in ("global_shape", "global_start"):  # a tensor-parallel shard's master is the same shard
-                if hasattr(param, attr):
-                    setattr(master, attr, getattr(param, attr))
+        for param, (_, master) in zip(self.model_params, self.master):  # a shard's master is the same shard
+            master.global_shape, master.global_start = param.global_shape, param.global_start
         self._model_of = {id(master): param for (_, master), param in zip(self.master, self.model_params)}
         self._unscaled = False
         self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient

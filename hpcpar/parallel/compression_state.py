@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import log
 from ..backend import to_device
-from ..optim.amp import precision_dtype
+from ..optim import precision_dtype
 from ..state import Checkpointable, LoadPlan, Piece, Read, row_of
 
 logger = log.get_logger(__name__)

@@ -415,7 +415,7 @@ def fit_model(machine: Machine, job=None) -> float:
     from ..train.validate import validate
 
     job = job or calibration_job()
-    compute = machine.compute_for(job.train.precision)
+    compute = machine.compute_for(job.precision.name)
     single_op = compute.op_overhead_s
     compute.micro_batch_overhead_s = 0.0
 

@@ -147,7 +147,7 @@ def table(job, world: int, machine, ranked, top: int) -> str:
     m = job.model
     model = (f"GPT {m.n_layer} layers, width {m.n_embd}, {m.n_head} heads, context {m.block_size}, "
              f"{parameter_count(job) / 1e6:,.1f} M parameters" if m.kind == "gpt" else "digits CNN")
-    title = (f"hpcpar plan: {model}, global batch {job.data.batch_size}, {job.train.precision}, {world} ranks on "
+    title = (f"hpcpar plan: {model}, global batch {job.data.batch_size}, {job.precision.name}, {world} ranks on "
              f"{machine.name} ({len(ranked.predictions)} valid layouts, planned in {ranked.seconds:.1f} s)")
     text = format_table(["#", f"layout {' x '.join(GRID.spelt)}", "step ms", unit, "memory/rank", "fits", "comm",
                          "bubble", "MB sent/step"], rows, title)

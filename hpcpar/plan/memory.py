@@ -158,7 +158,7 @@ def _float32_bucket_copies(plan, params) -> list:
     """Bytes of the float32 copy of each DDP bucket in flight: MPI has no bfloat16, so
     ``runtime.comm`` all-reduces a bfloat16 bucket as a float32 copy (NCCL takes it as it is)."""
     job, d = plan.job, plan.dtype_bytes
-    if not builds_ddp(job, plan.layout) or job.train.precision != "bf16" or job.parallel.backend == "nccl":
+    if not builds_ddp(job, plan.layout) or job.precision.name != "bf16" or job.parallel.backend == "nccl":
         return []
     return [n / d * 4 for n in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d))]
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 
 from ..nn.activation_memory import block_kept_bytes, embedding_kept_bytes, head_kept_bytes, keeps_input
 from ..nn.gpt import RECOMPUTE
+from ..optim import PRECISIONS
 
-FP_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 # Element accesses (reads + writes) per element of each elementwise family, forward and
 # backward, counted from the ops' code (autograd/ops): what a pass over memory costs.
 # ``hpcpar plan calibrate`` times the same ops and divides by these, so on a calibrated
@@ -96,20 +96,18 @@ class Shape:
 
     @property
     def dtype_bytes(self) -> int:
-        return FP_BYTES[self.precision]
+        return PRECISIONS[self.precision].itemsize
 
     @property
     def dtype(self):
         """The compute dtype (NumPy's, ml_dtypes' bfloat16): the activation formulas are per dtype."""
-        from ..optim import precision_dtype
-
-        return precision_dtype(self.precision)
+        return PRECISIONS[self.precision].compute_dtype
 
 
 def shape_of(job, rows: int, tp: int | None = None) -> Shape:
     m, p = job.model, job.parallel
     t = p.tp if tp is None else tp
-    return Shape(kind=m.kind, rows=rows, precision=job.train.precision, tp=t,
+    return Shape(kind=m.kind, rows=rows, precision=job.precision.name, tp=t,
                  sequence_parallel=bool(p.sequence_parallel and t > 1), block_size=m.block_size, n_layer=m.n_layer,
                  n_head=m.n_head, n_embd=m.n_embd, vocab_size=m.vocab_size, bias=m.bias, tie_weights=m.tie_weights,
                  channels=tuple(m.channels), attn_dropout=m.dropout)

@@ -20,7 +20,7 @@ from ..parallel.pipeline.partition import counts_to_bounds, min_max_bounds, unif
 from ..parallel.pipeline.schedules import simulate
 from .machine import Machine
 from .memory import Memory, memory_per_rank
-from .model import FP_BYTES, Layer, Work, layers, shape_of
+from .model import Layer, Work, layers, shape_of
 from .schedule import schedule_of
 from .traffic import Traffic, bucket_bytes, builds_ddp, stage_parameters, step_traffic
 
@@ -117,10 +117,10 @@ class StepPlan:
             raise NotModelled(why)
         self.job, self.machine, self.layout = job, machine, Layout.of(job)
         lay = self.layout
-        self.precision = job.train.precision
-        self.mixed = self.precision in ("bf16", "fp16")
-        self.dtype_bytes = FP_BYTES[self.precision]
-        self.master_bytes = 4 if self.mixed else self.dtype_bytes
+        self.precision = job.precision.name
+        self.mixed = job.precision.mixed
+        self.dtype_bytes = job.precision.itemsize
+        self.master_bytes = job.precision.master_itemsize
         self.recompute = recompute or getattr(job.model, "recompute", "none")
         self.rows = job.data.batch_size // (lay.dp * lay.micro_batches)
         self.layers = layers(shape_of(job, self.rows, lay.tp))

@@ -1,8 +1,9 @@
 """From a validated job and a ParallelContext to the pieces of a run: model, strategy, data, LR schedule.
 
 The strategy (``strategies``) is picked from the job: how the replicas agree decides what
-runs a step. Data is built for the context the strategy trains in (a parameter-server job's
-workers have a context of their own), and the learning-rate schedule drives the strategy's
+runs a step. The job's ``Precision`` goes from here to the model (its dtype) and the strategy.
+Data is built once, for the context the strategy trains in (a strategy with ``own_context``
+makes it: a parameter server's workers), and the learning-rate schedule drives the strategy's
 optimizer.
 """
 from __future__ import annotations
@@ -13,9 +14,9 @@ from .. import log
 from ..data.loader import TextBatches, TokenDataset
 from ..data.sampler import DistributedSampler
 from ..nn.gpt import GPT
-from ..optim import WarmupCosine, precision_dtype
+from ..optim import WarmupCosine
 from .config import Job, JobError
-from .strategies import Strategy, make_strategy
+from .strategies import Strategy, make_strategy, strategy_class
 from .validate import prepares_builtin_corpus
 
 logger = log.get_logger(__name__)
@@ -46,7 +47,8 @@ class Run:
         """What an exact resume needs besides parameters and optimizer state (nothing on a server).
 
         No random state: dropout masks are keyed by the step and the data position
-        (``nn.dropout_keys``); checkpoints that carry the random stream of earlier versions load."""
+        (``nn.dropout_keys``); a load restores only the states named here, so random streams a
+        checkpoint holds are left unread."""
         if not self.trains:
             return {}
         return {"schedule": self.lr_schedule, "data": self.train_data,
@@ -54,8 +56,9 @@ class Run:
 
 
 def compute_dtype(job: Job):
+    """The model's dtype in the job's precision (a JobError where bf16 lacks ``ml_dtypes``)."""
     try:
-        return precision_dtype(job.train.precision)
+        return job.precision.compute_dtype
     except ImportError:
         raise JobError(job.source, [("train.precision", "bf16 on CPUs needs ml_dtypes: pip install ml_dtypes")]) from None
 
@@ -98,17 +101,11 @@ def build_data(job: Job, ctx):
 def build(job: Job, ctx) -> Run:
     """The run of ``job`` on ``ctx`` (collective: the strategy broadcasts parameters, splits communicators)."""
     model = build_model(job, ctx, compute_dtype(job))
-    made: dict = {}
-
-    def data(data_ctx):  # built once, for the context that trains
-        if "batches" not in made:
-            made["batches"] = build_data(job, data_ctx)
-        return made["batches"]
-
-    strategy = make_strategy(job, ctx, model, data)
+    data = None if strategy_class(job).own_context else build_data(job, ctx)  # else for the context it makes
+    strategy = make_strategy(job, ctx, model, data[0] if data else None, job.precision)
     if not strategy.trains:  # a parameter server: it serves, nothing else
         return Run(job, strategy, None, None, None)
-    train, evaluation = data(strategy.ctx)
+    train, evaluation = data or build_data(job, strategy.ctx)
     s = job.lr_schedule
     lr_schedule = WarmupCosine(strategy.optimizer, warmup_steps=min(s.warmup_steps, job.train.steps),
                                total_steps=job.train.steps, min_lr=s.min_lr)

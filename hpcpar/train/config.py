@@ -21,6 +21,7 @@ from typing import Any
 from .. import defaults
 from ..backend import DEVICES
 from ..nn.gpt import RECOMPUTE
+from ..optim import PRECISIONS, Precision
 from ..parallel.compression import COMPRESSORS
 from ..parallel.pipeline.schedules import SCHEDULES
 from ..runtime.grid import GRID, Axis
@@ -193,7 +194,7 @@ class TrainSection:
                               check=at_least(0))
     seed: int = _key(0, INTEGER, "data order (and the digits train/test split)", check=at_least(0))
     precision: str = _key("fp32", STRING, "compute dtype (fp16/bf16 keep fp32 master weights)",
-                          choices=("fp32", "fp16", "bf16", "fp64"))
+                          choices=tuple(PRECISIONS))
     device: str = _key("auto", STRING, "auto = HPCPAR_DEVICE if set, else cuda when a GPU is usable, else cpu; "
                        "guard = the CuPy path on CPUs under the transfer guard", choices=DEVICES)
     metrics: str = _key("runs/{job}/metrics.jsonl", STRING, "JSONL metrics file (written by rank 0)")
@@ -275,6 +276,11 @@ class Job:
         """{section: {toml key: value}} with lists for tuples and None for unset keys."""
         return {name: {toml_key(f): list(v) if isinstance(v := getattr(section, f.name), tuple) else v
                        for f in fields(section)} for name, section in self.sections()}
+
+    @property
+    def precision(self) -> Precision:
+        """``train.precision`` decoded (compute dtype, masters, loss scaler): the one place a run reads it."""
+        return PRECISIONS[self.train.precision]
 
     @property
     def num_layers(self) -> int:

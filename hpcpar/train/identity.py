@@ -42,7 +42,7 @@ def fingerprint(job, data_identity: dict | None) -> dict:
     """The run's identity: model config, data file, optimizer kind, precision (and the hpcpar version)."""
     model = {k: v for k, v in job.to_dict()["model"].items() if job.applies(f"model.{k}") and k not in NOT_IDENTITY}
     return {"model": model, "data": data_identity or {"kind": job.data.kind},
-            "optimizer": job.optimizer.name, "precision": job.train.precision, "hpcpar": version()}
+            "optimizer": job.optimizer.name, "precision": job.precision.name, "hpcpar": version()}
 
 
 def digest(print_: dict) -> str:

@@ -19,11 +19,12 @@ import warnings
 import numpy as np
 
 from .. import checkpoint, log as logs
-from ..backend import check_precision, to_host
+from ..backend import to_host
 from ..runtime.context import agreed, init
 from ..runtime.topology import PlacementWarning
 from ..runtime.trace import Tracer
 from ..nn.dropout_keys import DropoutKey, dropout_key
+from ..optim import check_precision
 from .build import Run, build
 from . import identity
 from .config import Job, JobError
@@ -31,6 +32,7 @@ from .evaluate import evaluate, sample_text
 from .lifecycle import StopRequest, requeue_if_slurm, save_checkpoint, start, stop_reason
 from .resume import Request
 from .run_lock import take_run_lock
+from .strategies import strategy_class
 from .report import Logger
 
 logger = logs.get_logger(__name__)
@@ -176,16 +178,17 @@ def same_job_everywhere(job: Job) -> None:
 
 
 def start_context(job: Job):
-    """The context of the job's grid (a parameter-server job's grid holds the workers; the
-    servers come from the same world)."""
+    """The context of the job's grid (a strategy with ``own_context``, a parameter server, splits
+    the one its workers train in off this context of the whole world)."""
     p = job.parallel
     with warnings.catch_warnings():  # the placement report (describe) carries the warning
         warnings.simplefilter("ignore", PlacementWarning)
-        ctx = init(dp=None if p.mode == "ps" else p.dp, pp=p.pp, tp=p.tp, **context_options(job))
+        ctx = init(dp=None if strategy_class(job).own_context else p.dp, pp=p.pp, tp=p.tp, **context_options(job))
     # before anything allocates; agreed, since a node's CuPy can lack a dtype another node's has: one
     # line on every rank, never one rank leaving the others in build's first collective
-    agreed(ctx.world.mpi, f"train.precision = {job.train.precision!r}",
-           lambda: check_precision(ctx.device, job.train.precision), "give every node the same CuPy")
+    precision = job.precision
+    agreed(ctx.world.mpi, f"train.precision = {precision.name!r}",
+           lambda: check_precision(ctx.device, precision), "give every node the same CuPy")
     return ctx
 
 

@@ -24,6 +24,7 @@ from ..parallel.pipeline.schedules import interleaved_fit
 from ..runtime.grid import GRID, LayoutError
 from .config import BYTE_VOCAB, Job, JobError
 from .config_types import toml_value
+from .strategies import strategy_class
 
 
 def _divisors(n: int) -> str:
@@ -33,6 +34,7 @@ def _divisors(n: int) -> str:
 def validate(job: Job, world_size: int) -> Job:
     """Check the keys together and against ``world_size``; return the job with ``parallel.dp`` filled in."""
     dp, problems = _check_layout(job, world_size)
+    problems += strategy_class(job).check_job(job, world_size)  # what the mode itself asks
     problems += _check_modes(job)
     problems += _check_model(job)
     problems += _check_pipeline(job)
@@ -52,35 +54,25 @@ def validate(job: Job, world_size: int) -> Job:
 def _check_layout(job: Job, world_size: int) -> tuple[int | None, list]:
     """(dp, problems): dp stays None when the layout does not fit (the batch checks need it)."""
     p = job.parallel
-    workers = world_size - p.servers if p.mode == "ps" else world_size
-    if p.mode == "ps" and workers < 1:
-        return None, [("parallel.servers", f"{p.servers} server(s) leave no worker among {world_size} ranks; "
-                                           f"launch more than {p.servers} ranks or lower parallel.servers")]
+    workers = strategy_class(job).grid_ranks(job, world_size)
+    if workers < 1:  # the strategy's check_job says why (servers that take every rank)
+        return None, []
     try:
         mesh = GRID.resolve(workers, **p.grid_sizes())
     except LayoutError as err:
         keys = ", ".join(f"parallel.{name}" for name, size in p.grid_sizes().items() if size is not None)  # given
-        servers = (f" (mode \"ps\": the grid holds the workers, {world_size} ranks minus {p.servers} "
-                   f"server(s))" if p.mode == "ps" else "")
+        servers = (f" (the grid holds the {workers} of the {world_size} ranks that train)"
+                   if workers < world_size else "")
         return None, [(keys, f"{err}{servers}")]
     return mesh.size(GRID.fill), []
 
 
 def _check_modes(job: Job) -> list:
-    """Strategies and options that exclude each other."""
+    """Options that exclude each other whatever the mode (the mode's own: ``Strategy.check_job``)."""
     p, problems = job.parallel, []
-    if p.mode != "allreduce" and (p.pp > 1 or p.tp > 1):
-        problems.append(("parallel.mode", f"{toml_value(p.mode)} runs data parallel only, but pp = {p.pp} and "
-                                          f"tp = {p.tp}; set pp = tp = 1 or mode = \"allreduce\""))
-    if p.zero and p.mode != "allreduce":
-        problems.append(("parallel.zero", f"ZeRO shards optimizer state across all-reducing replicas; "
-                                          f"mode = {toml_value(p.mode)} needs zero = false"))
     if p.zero and p.compression != "none":
         problems.append(("parallel.zero", f"ZeRO reduce-scatters gradients itself and cannot use "
                                           f"compression = {toml_value(p.compression)}; set one of them off"))
-    if p.compression != "none" and p.mode != "allreduce":
-        problems.append(("parallel.compression", f"compression hooks into the gradient all-reduce; mode = "
-                                                 f"{toml_value(p.mode)} needs compression = \"none\""))
     return problems
 
 
@@ -216,14 +208,17 @@ def _check_memory(job: Job) -> list[tuple[str, str]]:
 
 
 # Packages a job may need beyond hpcpar's own dependencies: (key, its value, module, the extra naming it)
-OPTIONAL_PACKAGES = (("train.precision", "bf16", "ml_dtypes", "bf16"), ("data.kind", "digits", "sklearn", "digits"))
+OPTIONAL_PACKAGES = (("data.kind", "digits", "sklearn", "digits"),)
 
 
 def _check_packages(job: Job) -> list[tuple[str, str]]:
-    """The optional package a job's settings need, where it is not installed (found, not imported)."""
+    """The optional package a job's settings need, where it is not installed (found, not imported);
+    the precision's is its own (``Precision.package``, the extra named like the precision)."""
+    needs = [(key, value, module, extra) for key, value, module, extra in OPTIONAL_PACKAGES if job.get(key) == value]
+    if job.precision.package is not None:
+        needs.insert(0, ("train.precision", job.precision.name, job.precision.package, job.precision.name))
     return [(key, f"{toml_value(value)} needs the {module} package: pip install 'hpcpar[{extra}]'")
-            for key, value, module, extra in OPTIONAL_PACKAGES
-            if job.get(key) == value and importlib.util.find_spec(module) is None]
+            for key, value, module, extra in needs if importlib.util.find_spec(module) is None]
 
 
 # The paths a run writes: (key, whether it is a folder)

@@ -1,4 +1,4 @@
-"""How the replicas agree: one ``Strategy`` per way, picked from the job by ``make_strategy``.
+"""How the replicas agree: one ``Strategy`` per way, picked from the job by ``strategy_class``.
 
 | strategy | chosen when | module |
 |---|---|---|
@@ -28,11 +28,17 @@ def strategy_name(job) -> str:
     return "pipeline" if mode == "allreduce" and job.parallel.pp > 1 else mode
 
 
-def make_strategy(job, ctx, model, data) -> Strategy:
-    """The strategy of ``job`` on ``ctx`` for ``model``; ``data(ctx)`` gives (train, eval) batches
-    of a context (the pipeline cuts balanced stages on a sample of them). Collective."""
-    return STRATEGIES[strategy_name(job)](job, ctx, model, data)
+def strategy_class(job) -> type[Strategy]:
+    """The ``Strategy`` subclass of ``job``: what the loop and validation ask before one is built."""
+    return STRATEGIES[strategy_name(job)]
+
+
+def make_strategy(job, ctx, model, data=None, precision=None) -> Strategy:
+    """The strategy of ``job`` on ``ctx`` for ``model``. ``data``: the train batches of ``ctx`` (a
+    pipeline cuts balanced stages on a sample of them; None for a strategy with ``own_context``);
+    ``precision``: the job's ``Precision`` (None: ``job.precision``). Collective."""
+    return strategy_class(job)(job, ctx, model, job.precision if precision is None else precision, data)
 
 
 __all__ = ["AllReduce", "LocalSGDStrategy", "ParameterServerStrategy", "Pipeline", "STRATEGIES", "Strategy",
-           "make_strategy", "strategy_name"]
+           "make_strategy", "strategy_class", "strategy_name"]

@@ -15,10 +15,10 @@ from .synchronous import SynchronousStrategy
 class AllReduce(SynchronousStrategy):
     name = "allreduce"
 
-    def __init__(self, job, ctx, model, data=None):
+    def __init__(self, job, ctx, model, precision, data=None):
         super().__init__(job, ctx, model)
         self.build_gradient_sync(model, overlap=job.parallel.overlap)
-        self.build_precision(model.named_parameters())
+        self.build_precision(precision, model.named_parameters())
         self.build_update(owns_for_norm=lambda param: True)
 
     @property

@@ -1,23 +1,11 @@
 """The Strategy interface: how the data-parallel replicas agree, from a job to a finished step.
 
-A strategy owns, for one way of agreeing:
-
-- building what runs a step from the job: the engine (DDP, the pipeline, a parameter server,
-  local SGD), the optimizer, mixed precision;
-- ``train_step(inputs, targets) -> loss``: forward, backward and the gradient exchange of one
-  step on this dp replica's rows of the global batch (the loss stays on the device: a 0-d array);
-- ``finish_step(max_norm, loss) -> taken``: clipping, the optimizer step (under fp16/bf16
-  skipped everywhere when the loss or a gradient is not finite on any rank), clearing the
-  gradients;
-- what it contributes to a checkpoint (``save``, ``load``: through the checkpoint protocol of
-  ``hpcpar.state``, so ``hpcpar.checkpoint`` knows nothing of strategies); a resume keeps the
-  weight decay of each parameter the job asks for (``weight_decays``), or fails on every rank;
-- the extra processes it serves (``trains`` is False on a parameter server's server ranks,
-  which run ``serve`` instead of the loop), and the end of training (``finish_training``).
-
-``stats`` says where the last step's time went: ``compute_s``, ``comm_s``, ``idle_s`` (the
-pipeline bubble), which add up to ``step_s``; under fp16/bf16 also ``skipped_steps``, the
-steps skipped so far in this process.
+A strategy builds what runs a step from the job (the engine, the optimizer, the precision's
+master weights), runs a step (``train_step``, ``finish_step``), evaluates, contributes to
+checkpoints through the protocol of ``hpcpar.state``, serves (a parameter server's server ranks)
+and ends training. Before anything is built it answers what its mode asks of the job and the
+world (``grid_ranks``, ``check_job``, ``own_context``). docs/architecture.md (the Strategy)
+describes each part.
 """
 from __future__ import annotations
 
@@ -29,6 +17,7 @@ import numpy as np
 from ... import checkpoint
 from ...nn.dropout_keys import offset_dropout_key
 from ..config import JobError
+from ..config_types import toml_value
 from ...runtime.trace import NO_TRACE
 
 
@@ -66,11 +55,23 @@ class Strategy(ABC):
     name: str = ""
     trains: bool = True  # False on ranks that only serve (parameter servers)
     trace = NO_TRACE  # a Tracer when the job writes one (use_trace)
+    own_context = False  # True: its ranks train in a context it splits off the world's (parameter server)
 
     def __init__(self, job, ctx, model):
         self.job, self.ctx, self.model = job, ctx, model
         self.world_ctx = ctx  # the ranks a checkpoint is collective over
         self.stats: dict = {}
+
+    # ----- what the mode asks of a job, before anything is built ------------------------
+    @classmethod
+    def grid_ranks(cls, job, world_size: int) -> int:
+        """How many of the world's ranks the job's grid holds (the others serve it)."""
+        return world_size
+
+    @classmethod
+    def check_job(cls, job, world_size: int) -> list:
+        """(key, problem) pairs: what this way of agreeing cannot run with (``validate`` reports them)."""
+        return []
 
     # ----- a training step ------------------------------------------------------------
     @property
@@ -90,15 +91,6 @@ class Strategy(ABC):
         ``loss``: what ``train_step`` returned. Under mixed precision a non-finite loss or
         gradient on any rank skips the step everywhere; full precision takes every step.
         """
-
-    def local_train_step(self, inputs, targets, backward):
-        """Forward and backward with no gradient exchange (the exchange is the step's finish)."""
-        start = time.perf_counter()
-        loss = accumulate_gradients(self.model, inputs, targets, self.job.parallel.micro_batches, backward,
-                                    trace=self.trace)
-        elapsed = time.perf_counter() - start
-        self.stats = {"step_s": elapsed, "compute_s": elapsed, "comm_s": 0.0, "idle_s": 0.0}
-        return loss
 
     def evaluate_loss(self, inputs, targets) -> float:
         """The mean loss of a batch, forward only (every rank of the replica gets it)."""
@@ -202,3 +194,31 @@ class Strategy(ABC):
 
     def shutdown(self) -> None:
         """The end of training on every rank."""
+
+
+class DataParallelOnly(Strategy):
+    """A strategy whose replicas each hold the whole model and run its plain forward and
+    backward (a parameter server, local SGD): no pipeline, tensor parallelism, ZeRO or compression."""
+
+    @classmethod
+    def check_job(cls, job, world_size: int) -> list:
+        p, problems, mode = job.parallel, [], toml_value(job.parallel.mode)
+        if p.pp > 1 or p.tp > 1:
+            problems.append(("parallel.mode", f"{mode} runs data parallel only, but pp = {p.pp} and "
+                                              f"tp = {p.tp}; set pp = tp = 1 or mode = \"allreduce\""))
+        if p.zero:
+            problems.append(("parallel.zero", f"ZeRO shards optimizer state across all-reducing replicas; "
+                                              f"mode = {mode} needs zero = false"))
+        if p.compression != "none":
+            problems.append(("parallel.compression", f"compression hooks into the gradient all-reduce; mode = "
+                                                     f"{mode} needs compression = \"none\""))
+        return problems
+
+    def local_train_step(self, inputs, targets, backward):
+        """Forward and backward with no gradient exchange (the exchange is the step's finish)."""
+        start = time.perf_counter()
+        loss = accumulate_gradients(self.model, inputs, targets, self.job.parallel.micro_batches, backward,
+                                    trace=self.trace)
+        elapsed = time.perf_counter() - start
+        self.stats = {"step_s": elapsed, "compute_s": elapsed, "comm_s": 0.0, "idle_s": 0.0}
+        return loss

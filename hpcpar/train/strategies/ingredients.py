@@ -1,11 +1,8 @@
-"""What every strategy builds from a job the same way: the optimizer class, mixed precision, compression."""
+"""What every strategy builds from a job the same way: the optimizer class, the compressor."""
 from __future__ import annotations
 
-from ...optim import SGD, Adam, AdamW, DynamicLossScaler, MixedPrecision
+from ...optim import SGD, Adam, AdamW
 from ...parallel.compression import make_compressor
-from .update import FullPrecision
-
-MIXED = ("fp16", "bf16")
 
 
 def optimizer_class(job):
@@ -16,18 +13,6 @@ def optimizer_class(job):
         return SGD, dict(lr=o.lr, momentum=o.momentum, **decay)
     cls = AdamW if o.name == "adamw" else Adam
     return cls, dict(lr=o.lr, betas=tuple(o.betas), **decay)
-
-
-def make_precision(job, named):
-    """float32 masters for ``named`` under fp16/bf16, else the parameters themselves."""
-    if job.train.precision not in MIXED:
-        return FullPrecision(named)
-    return MixedPrecision(named, scaler=loss_scaler(job))
-
-
-def loss_scaler(job):
-    """fp16 scales the loss; bf16 has float32's range and needs no scaling (None)."""
-    return DynamicLossScaler() if job.train.precision == "fp16" else None
 
 
 def make_gradient_compressor(parallel):

@@ -14,17 +14,17 @@ from ... import checkpoint
 from ...parallel.local_sgd import LocalSGD
 from ...parallel.local_sgd_state import LocalSGDReplicas
 from ...state import Together
-from .base import Strategy
-from .ingredients import make_precision, optimizer_class, state_bytes
+from .base import DataParallelOnly
+from .ingredients import optimizer_class, state_bytes
 
 
-class LocalSGDStrategy(Strategy):
+class LocalSGDStrategy(DataParallelOnly):
     name = "local_sgd"
 
-    def __init__(self, job, ctx, model, data=None):
+    def __init__(self, job, ctx, model, precision, data=None):
         super().__init__(job, ctx, model)
         p = job.parallel
-        self.precision = make_precision(job, model.named_parameters())
+        self.precision = precision.masters(model.named_parameters())
         cls, options = optimizer_class(job)
         self._optimizer = cls(self.precision.named_master_parameters(), **options)
         self.local = LocalSGD(model, ctx, self._optimizer, local_steps=p.local_steps,

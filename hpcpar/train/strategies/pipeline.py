@@ -16,17 +16,17 @@ from .synchronous import SynchronousStrategy
 class Pipeline(SynchronousStrategy):
     name = "pipeline"
 
-    def __init__(self, job, ctx, model, data):
+    def __init__(self, job, ctx, model, precision, data):
         super().__init__(job, ctx, model)
         p = job.parallel
         sample = None
         if p.partition == "balanced":  # the stages are cut by measured time on one micro-batch
-            inputs, _ = data(ctx)[0].batch_at(0)
+            inputs, _ = data.batch_at(0)
             sample = inputs[: max(1, len(inputs) // p.micro_batches)]
         stages = Stages(model, ctx, chunks=p.chunks, partition=p.partition, sample_input=sample)
         # The engine runs its whole schedule under no_sync: nothing to overlap with.
         self.build_gradient_sync(stages, overlap=False, alone=stages.tied.params())
-        self.build_precision(stages.named_parameters())
+        self.build_precision(precision, stages.named_parameters())
         self.pipe = PipelineParallel(stages, ctx, schedule=p.schedule, micro_batches=p.micro_batches,
                                      loss_fn=getattr(model, "loss_from_logits", None), grad_sync=self.grad_sync,
                                      backward_loss=self.precision.backward)  # seeded with the loss scale

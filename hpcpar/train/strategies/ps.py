@@ -13,28 +13,39 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from ... import checkpoint
 from ...parallel.ps import ParameterServer
 from ..config import JobError
-from .base import Strategy
-from .ingredients import MIXED, loss_scaler, optimizer_class, state_bytes
+from .base import DataParallelOnly
+from .ingredients import optimizer_class, state_bytes
 
 
-class ParameterServerStrategy(Strategy):
+class ParameterServerStrategy(DataParallelOnly):
     name = "ps"
+    own_context = True  # the workers' context is split off the world's, without the servers
 
-    def __init__(self, job, ctx, model, data=None):
+    def __init__(self, job, ctx, model, precision, data=None):
         super().__init__(job, ctx, model)
         p = job.parallel
         cls, options = optimizer_class(job)
-        mixed = job.train.precision in MIXED
         self.ps = ParameterServer(model.named_parameters(), ctx, cls, servers=p.servers, staleness=p.staleness,
-                                  max_grad_norm=job.optimizer.grad_clip, master_dtype=np.float32 if mixed else None,
-                                  scaler=loss_scaler(job) if mixed else None, **options)
+                                  max_grad_norm=job.optimizer.grad_clip, master_dtype=precision.master_dtype,
+                                  scaler=precision.scaler(), **options)
         self.trains = self.ps.is_worker
         self.ctx = self.ps.ctx  # the workers' own context (dp = world - servers); None on a server
+
+    @classmethod
+    def grid_ranks(cls, job, world_size: int) -> int:
+        return world_size - job.parallel.servers  # the workers
+
+    @classmethod
+    def check_job(cls, job, world_size: int) -> list:
+        p, problems = job.parallel, super().check_job(job, world_size)
+        if cls.grid_ranks(job, world_size) < 1:
+            problems.insert(0, ("parallel.servers", f"{p.servers} server(s) leave no worker among {world_size} "
+                                                    f"ranks; launch more than {p.servers} ranks or lower "
+                                                    f"parallel.servers"))
+        return problems
 
     @property
     def optimizer(self):

@@ -15,7 +15,7 @@ from ...parallel.grad_sync import make_gradient_sync
 from ...parallel.zero import ZeroRedundancyOptimizer
 from ...state import Together
 from .base import Strategy
-from .ingredients import make_gradient_compressor, make_precision, optimizer_class, state_bytes
+from .ingredients import make_gradient_compressor, optimizer_class, state_bytes
 from .update import ReplicatedUpdate, ShardedUpdate
 
 
@@ -26,9 +26,10 @@ class SynchronousStrategy(Strategy):
         self.grad_sync = make_gradient_sync(holder, self.ctx, sharded=p.zero, compression=make_gradient_compressor(p),
                                             bucket_mb=p.bucket_mb, overlap=overlap, alone=alone)
 
-    def build_precision(self, named) -> None:
-        """Mixed precision's float32 masters for this rank's parameters ``named``, or those themselves."""
-        self.precision = make_precision(self.job, named)
+    def build_precision(self, precision, named) -> None:
+        """The master weights of ``precision`` (an ``optim.Precision``) for this rank's parameters ``named``:
+        float32 masters under fp16/bf16, else those parameters themselves."""
+        self.precision = precision.masters(named)
 
     def build_update(self, owns_for_norm) -> None:
         """Optimizer and update over the precision's masters."""

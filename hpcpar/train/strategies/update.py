@@ -5,54 +5,14 @@
     norm = update.clip(max_norm)      # optional: the global norm over dp, tp and pp
     taken = update.step(loss)         # False when mixed precision found a non-finite loss or gradient
 
-``precision`` is a ``MixedPrecision`` (float32 masters, loss scaling) or ``FullPrecision``
-(the model's own parameters): the same interface, so neither update branches on it.
+``precision`` is the run's ``optim.MasterWeights``: ``MixedPrecision`` (float32 masters, loss
+scaling) or ``FullPrecision`` (the model's own parameters), so neither update branches on it.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ...parallel.grad_norm import clip_grad_norm_parallel, counts_toward_norm, sum_over_model_parallel
-
-
-class FullPrecision:
-    """``MixedPrecision``'s interface when the model's parameters are the ones the optimizer steps.
-
-    Every step is taken: fp32 and fp64 have no overflow to recover from, so ``step`` checks
-    neither the loss nor the gradients (no extra collective per step, as PyTorch without amp),
-    and a loss that turned NaN shows in the log instead of being skipped silently.
-    """
-
-    scaler = None
-
-    def __init__(self, named):
-        self.named = list(named)
-
-    def named_master_parameters(self) -> list:
-        return list(self.named)
-
-    def model_parameter(self, master):
-        return master
-
-    def backward(self, loss) -> None:
-        loss.backward()
-
-    def unscale_grads(self) -> None:
-        pass
-
-    def step(self, optimizer, allreduce_max=None, loss=None, **step_options) -> bool:
-        """``optimizer.step(**step_options)``; ``allreduce_max`` and ``loss`` are unused (every step is taken)."""
-        optimizer.step(**step_options)
-        return True
-
-    def copy_to_model(self) -> None:
-        pass
-
-    def master_bytes(self) -> int:
-        return 0  # no copy beside the model's parameters
-
-    def metrics(self) -> dict:
-        return {}  # nothing is skipped
 
 
 class ReplicatedUpdate:

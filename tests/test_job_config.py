@@ -187,8 +187,9 @@ def unblocking(fifo):
     try:
         yield
     finally:
-        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # the writer's open returns
-        writer.join()
+        while writer.is_alive():  # until the writer has opened: a reader gone before its open would block it forever
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # the writer's open returns
+            writer.join(timeout=0.05)
 
 
 # --- validate: the keys together and the world -------------------------------------------------------------

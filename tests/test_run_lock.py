@@ -79,7 +79,7 @@ def test_a_metrics_file_on_the_lock_is_refused(tmp_path, token_file):
     proc = start_train(tmp_path, token_file, f'train.metrics="{tmp_path}/ckpt/run.lock"')
     output = proc.stdout.read()
     assert proc.wait(timeout=60) == 2, output
-    assert "'run.lock' in checkpoint.dir" in output, output
+    assert "is checkpoint.dir's run lock ('run.lock'" in output, output
 
 
 @pytest.fixture

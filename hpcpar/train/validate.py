@@ -257,10 +257,12 @@ def _check_overlaps(job: Job) -> list[tuple[str, str]]:
         taken.append((key, path))
     folder = job.checkpoint.dir
     for key in ("train.metrics", "train.trace", "train.tensorboard"):
-        if (path := job.get(key)) and (name := checkpoint_name_of(path, folder) or _lock_name_of(path, folder)):
+        if (path := job.get(key)) and _lock_name_of(path, folder):
+            problems.append((key, f"{toml_value(path)} is checkpoint.dir's run lock ('run.lock', which keeps a second "
+                                  f"run off the folder); choose another path"))
+        elif path and (name := checkpoint_name_of(path, folder)):
             where = "is checkpoint.dir itself" if name == "." else \
-                f"lies at {name!r} in checkpoint.dir, a name its checkpoints write (the pointer 'latest', the step folders, " \
-                f"the run's lock)"
+                f"lies at {name!r} in checkpoint.dir, a name its checkpoints write (the pointer 'latest', the step folders)"
             problems.append((key, f"{toml_value(path)} {where}, so a checkpoint there would be lost; choose another path"))
     if os.path.isfile(os.path.join(folder, MANIFEST)):
         problems.append(("checkpoint.dir", f"{toml_value(folder)} is a step folder of a checkpoint; give a checkpoint "

@@ -9,6 +9,7 @@ has a communicator and a coordinate (0) but is not spelt: no job key, label, row
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -28,13 +29,6 @@ class Axis:
     def varies(self) -> bool:
         """Whether its size can exceed 1: only such axes are spelt."""
         return self.limit is None or self.limit > 1
-
-
-def _product(values) -> int:
-    result = 1
-    for value in values:
-        result *= value
-    return result
 
 
 @dataclass(frozen=True)
@@ -89,7 +83,7 @@ class AxisTable:
         values = dict(zip(self.names, self.sizes(sizes, named, lambda name: None if name == self.fill else 1)))
         self._check(values)
         others = [n for n in self.spelt if n != self.fill]  # the axes that cannot vary are at 1 now
-        product = _product(values[n] for n in others)
+        product = math.prod(values[n] for n in others)
         if values[self.fill] is None:
             if world_size % product:
                 names, numbers = " x ".join(others), " x ".join(str(values[n]) for n in others)
@@ -150,7 +144,7 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
-        return _product(self.sizes)
+        return math.prod(self.sizes)
 
     def label(self) -> str:
         """The layout as hpcpar spells it: "2x1x4"."""
@@ -163,7 +157,7 @@ class Mesh:
     def stride(self, name: str) -> int:
         """How far apart in world rank two neighbours along ``name`` are."""
         order = self.table.rank_order
-        return _product(self.size(n) for n in order[order.index(name) + 1:])
+        return math.prod(self.size(n) for n in order[order.index(name) + 1:])
 
     def coordinate(self, world_rank: int, name: str) -> int:
         return world_rank // self.stride(name) % self.size(name)

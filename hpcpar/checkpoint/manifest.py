@@ -184,6 +184,13 @@ def verify_files(step_dir: str, manifest: dict, names=None, checksums: bool = Tr
     return problems
 
 
+def must_be_finite(key: str, dtype) -> bool:
+    """Whether a save refuses inf or NaN in tensor ``key``: every floating tensor but a gradient
+    compressor's error feedback (``compression/...``), which is not a weight: it absorbs what a
+    step overflowing under fp16 sent, and its own checks belong to the compressor."""
+    return np.dtype(dtype).kind == "f" and not key.startswith("compression/")
+
+
 def float_pieces(manifest: dict, name: str) -> list[tuple[int, int, str, str]]:
     """(first byte, elements, dtype, tensor key) of each floating piece that the shard ``name``
     holds (format 2: in its flat datasets), by first byte."""
@@ -191,7 +198,7 @@ def float_pieces(manifest: dict, name: str) -> list[tuple[int, int, str, str]]:
     for key, table in manifest["tensors"].items():
         dtype = np.dtype(table["dtype"])
         for piece in table["pieces"]:
-            if dtype.kind == "f" and piece.get("file") == name and blobs.get(piece.get("dataset")) is not None:
+            if must_be_finite(key, dtype) and piece.get("file") == name and blobs.get(piece.get("dataset")) is not None:
                 size = math.prod(b - a for a, b in piece["slab"])
                 pieces.append((blobs[piece["dataset"]] + piece["start"] * dtype.itemsize, size, dtype.name, key))
     return sorted(pieces)

@@ -27,7 +27,7 @@ from ..runtime.waiting import wait_politely
 from ..state import checkpointable
 from . import async_save, commit
 from .manifest import (FORMAT, INDEX, LATEST, SHARED_FILE, VERSION, CheckpointError, NonFiniteCheckpoint, chunk_checksums,
-                       latest_step, shard_filename, step_dirname, sync_and_checksum)
+                       latest_step, must_be_finite, shard_filename, step_dirname, sync_and_checksum)
 from .reader import raise_if_any
 from .save_files import DurableFile, allocate_flat_dataset, free_space, space_shortfalls, write_array
 from .save_plan import Plan, index_image
@@ -249,7 +249,7 @@ def float_ranges(pieces: list, offsets: dict) -> list[tuple[int, int, str, str]]
     ranges, ends = [], dict(offsets)
     for piece, array in pieces:
         dtype = array.dtype.name
-        if array.dtype.kind == "f" and ends[dtype] is not None:
+        if must_be_finite(piece.key, array.dtype) and ends[dtype] is not None:
             ranges.append((ends[dtype], array.size, dtype, piece.key))
         if ends[dtype] is not None:
             ends[dtype] += array.nbytes
@@ -260,7 +260,7 @@ def nonfinite_in_memory(pieces: list) -> list[str]:
     """The floating pieces holding inf or NaN, checked in memory (the collective file's path)."""
     found = []
     for piece, array in pieces:
-        if array.dtype.kind == "f" and (bad := array.size - int(np.count_nonzero(np.isfinite(array)))):
+        if must_be_finite(piece.key, array.dtype) and (bad := array.size - int(np.count_nonzero(np.isfinite(array)))):
             found.append(f"{piece.key} ({bad} of {array.size})")
     return found
 

@@ -50,7 +50,7 @@ demo: setup
 test: setup native test-serial test-mpi test-openmpi
 
 test-serial:
-	$(TIMEOUT) 900 $(PYTEST) --durations=15 tests
+	$(TIMEOUT) 1500 $(PYTEST) --durations=15 tests
 
 test-mpi:
 	$(TIMEOUT) 120 $(MPIEXEC) -n 1 $(PYTEST) --with-mpi -m mpi tests

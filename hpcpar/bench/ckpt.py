@@ -147,7 +147,7 @@ def measure(ctx, folder: str, repeats: int, zero: bool, device: str, config=BENC
     """
     comm = ctx.world.mpi
     model, optimizer = build(ctx, zero, device, config)
-    root = os.path.join(folder, "ckpt")
+    root, unchecked = os.path.join(folder, "ckpt"), os.path.join(folder, "unchecked")
     raw_path = os.path.join(folder, f"raw-{ctx.rank:05d}.bin")
     times = {"save": [], "save without the finite check": [], "raw write": [], "load": [], "raw read": [], "raw read into": [], "async blocks": [],
              "async writes": []}
@@ -159,10 +159,13 @@ def measure(ctx, folder: str, repeats: int, zero: bool, device: str, config=BENC
         blocks, writes = async_save(os.path.join(folder, "async"), repeat, model, optimizer, ctx)
         times["async blocks"].append(comm.allreduce(blocks, op=MPI.MAX))
         times["async writes"].append(comm.allreduce(writes, op=MPI.MAX))
-        with without_finite_check():
-            times["save without the finite check"].append(
-                timed(comm, lambda: checkpoint.save(root, repeat, model, optimizer, ctx)))
-        times["save"].append(timed(comm, lambda: checkpoint.save(root, repeat, model, optimizer, ctx)))
+        for checked in ((True, False) if repeat % 2 else (False, True)):  # alternating: neither always goes first
+            if checked:
+                times["save"].append(timed(comm, lambda: checkpoint.save(root, repeat, model, optimizer, ctx)))
+                continue
+            with without_finite_check():  # a root of its own: each save writes a new step, as the other does
+                times["save without the finite check"].append(
+                    timed(comm, lambda: checkpoint.save(unchecked, repeat, model, optimizer, ctx)))
         step_dir = os.path.join(root, step_dirname(repeat))
         written = os.path.getsize(os.path.join(step_dir, shard_filename(ctx.rank)))
         data = np.ones(written, dtype=np.uint8)
@@ -173,7 +176,8 @@ def measure(ctx, folder: str, repeats: int, zero: bool, device: str, config=BENC
         times["raw read into"].append(timed(comm, lambda: raw_read_into(files, into)))
         comm.Barrier()
         if ctx.rank == 0 and repeat:  # outside the timings: keep one step on disk
-            shutil.rmtree(os.path.join(root, step_dirname(repeat - 1)))
+            for saved in (root, unchecked):
+                shutil.rmtree(os.path.join(saved, step_dirname(repeat - 1)))
     shard_bytes = comm.allgather(written)
     return {name: statistics.median(values) for name, values in times.items()} | {
         "shard_bytes": shard_bytes, "held_bytes": comm.allgather(held),

@@ -88,8 +88,10 @@ def file_chunk_checksums(path: str, floats: list = ()) -> tuple[list[str], list[
         else:
             with mapped:
                 data = np.frombuffer(mapped, dtype=np.uint8)
-                crcs, bad = crc32_chunks_and_nonfinite(data, CHUNK_BYTES, list(floats))
-                del data  # the mapping closes only once no array refers to it
+                try:
+                    crcs, bad = crc32_chunks_and_nonfinite(data, CHUNK_BYTES, list(floats))
+                finally:
+                    del data  # the mapping closes only once no array refers to it (an error stays the error)
     return [f"{c:08x}" for c in crcs], bad
 
 

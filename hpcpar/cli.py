@@ -180,10 +180,11 @@ def _train(args) -> int:
     from mpi4py import MPI
 
     from .backend import DeviceError
-    from .runtime.failfast import agreed_verdict
+    from .runtime.failfast import UsageError, agreed_verdict
     from .train.config import JobError
     from .train.config_load import load_job
     from .train.loop import StopRequest, train
+    from .train.nonfinite import RunDiverged
     from .train.resume import Request
     from .train.validate import check_machine, validate
 
@@ -202,6 +203,8 @@ def _train(args) -> int:
         train(job, resume=request, stop=stop, progress=args.progress)
     except (JobError, DeviceError) as error:  # DeviceError: the device, CuPy or a dtype on it (one line, the fix)
         raise _usage("hpcpar train", str(error)) from None
+    except RunDiverged as error:  # every rank agreed on it: one line, exit 3
+        raise UsageError(f"hpcpar train: {error}", code=RunDiverged.exit_code) from None
     finally:
         stop.ignore_later_signals()
     return 0

@@ -324,7 +324,7 @@ def train_bf16(ctx, built, steps):
         zero.reduce_gradients()
         zero.clip_grad_norm(CLIP, counts=counts, model_parallel_sum=sum_over_model_parallel(ctx))
         assert amp.step(zero, loss=loss, reduce=False,
-                        allreduce_max=lambda v: float(ctx.world.allreduce(np.array([v]), "max")[0]))
+                        allreduce_max=lambda v: float(ctx.world.allreduce(np.array([v]), "max")[0])).taken
         losses.append(ctx.dp.allreduce(np.array([loss]), "mean")[0])
     return losses
 

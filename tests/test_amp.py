@@ -57,7 +57,7 @@ def test_float16_training_tracks_float32():
         loss = half.loss(ids, targets)
         half_losses.append(loss.item())
         amp.backward(loss)
-        assert amp.step(optimizer)
+        assert amp.step(optimizer).taken
     assert all(p.dtype == np.float16 for p in half.parameters())
     assert all(p.dtype == np.float32 for p in amp.master_parameters())
     assert reference_losses[-1] < 0.5 * reference_losses[0]  # it learns
@@ -87,7 +87,7 @@ def test_injected_overflow_skips_the_step_and_halves_the_scale():
 
     one_backward(model, amp)
     model.blocks[0].mlp.fc.weight.grad[0, 0] = np.inf
-    assert amp.step(optimizer) is False
+    assert amp.step(optimizer).taken is False
     assert amp.scale == 128.0
     for name, p in model.named_parameters():
         np.testing.assert_array_equal(p.data, before[name], err_msg=name)
@@ -96,7 +96,7 @@ def test_injected_overflow_skips_the_step_and_halves_the_scale():
 
     for expected_scale in (128.0, 256.0, 256.0, 512.0):  # grows after growth_interval=2 clean steps
         one_backward(model, amp)
-        assert amp.step(optimizer) is True
+        assert amp.step(optimizer).taken is True
         assert amp.scale == expected_scale
     assert optimizer.state["blocks.0.mlp.fc.weight"]["step"] == 4
     assert not np.array_equal(model.blocks[0].mlp.fc.weight.data, before["blocks.0.mlp.fc.weight"])
@@ -115,7 +115,7 @@ def test_all_ranks_skip_when_any_rank_overflowed():
         seen.append(local_flag)
         return max(local_flag, 1.0)
 
-    assert amp.step(optimizer, allreduce_max=other_rank_overflowed) is False
+    assert amp.step(optimizer, allreduce_max=other_rank_overflowed).taken is False
     assert seen == [0.0] and amp.scale == 128.0
 
 
@@ -127,7 +127,7 @@ def test_a_scale_too_large_for_float16_gradients_backs_off_until_they_fit():
     taken = []
     for ids, targets in data(40):
         amp.backward(model.loss(ids, targets))
-        taken.append(amp.step(optimizer))
+        taken.append(amp.step(optimizer).taken)
         if taken[-1]:
             break
         for name, p in model.named_parameters():  # a skipped step changes nothing
@@ -146,14 +146,14 @@ def test_a_nan_loss_never_steps_whatever_the_gradients():
     one_backward(model, amp)
     for p in model.parameters():
         p.grad[...] = 0  # finite gradients
-    assert amp.step(optimizer, loss=float("nan")) is False
+    assert amp.step(optimizer, loss=float("nan")).taken is False
     assert amp.scale == 128.0 and amp.skipped_steps == 1
     for name, p in model.named_parameters():
         np.testing.assert_array_equal(p.data, before[name], err_msg=name)
     ids, targets = next(data(1))
     loss = model.loss(ids, targets)
     amp.backward(loss)
-    assert amp.step(optimizer, loss=loss) is True  # a finite Tensor loss steps
+    assert amp.step(optimizer, loss=loss).taken is True  # a finite Tensor loss steps
 
 
 def test_bfloat16_skips_and_counts_a_non_finite_step_without_a_scaler():
@@ -165,13 +165,13 @@ def test_bfloat16_skips_and_counts_a_non_finite_step_without_a_scaler():
     before = weight.data.copy()
     one_backward(model, amp)
     weight.grad[0, 0] = np.nan
-    assert amp.step(optimizer) is False and amp.skipped_steps == 1
+    assert amp.step(optimizer).taken is False and amp.skipped_steps == 1
     np.testing.assert_array_equal(weight.data, before)
     assert optimizer.state["blocks.0.mlp.fc.weight"] == {}
     one_backward(model, amp)
-    assert amp.step(optimizer, loss=np.float32(np.inf)) is False and amp.skipped_steps == 2
+    assert amp.step(optimizer, loss=np.float32(np.inf)).taken is False and amp.skipped_steps == 2
     one_backward(model, amp)
-    assert amp.step(optimizer) is True and amp.skipped_steps == 2
+    assert amp.step(optimizer).taken is True and amp.skipped_steps == 2
     restored = MixedPrecision(GPT(CONFIG, dtype=ml_dtypes.bfloat16), scaler=None)
     restored.load_state_dict(amp.state_dict())
     assert restored.skipped_steps == 2
@@ -205,7 +205,7 @@ def test_bfloat16_without_scaling():
         loss = model.loss(ids, targets)
         losses.append(float(loss.item()))
         amp.backward(loss)
-        assert amp.step(optimizer)
+        assert amp.step(optimizer).taken
     assert all(p.dtype == ml_dtypes.bfloat16 for p in model.parameters())
     assert losses[-1] < losses[0]
 
@@ -225,7 +225,7 @@ def pipeline_amp_run(ctx, dtype, scaler, steps=3, poison_stage_0_at=None):
         pipe.train_step(ids, targets)
         if step == poison_stage_0_at and ctx.pp_rank == 0:
             pipe.named_parameters()[0][1].grad[0, 0] = np.inf
-        taken.append(amp.step(optimizer, allreduce_max=lambda v: float(ctx.world.allreduce(np.array([v]), "max")[0])))
+        taken.append(amp.step(optimizer, allreduce_max=lambda v: float(ctx.world.allreduce(np.array([v]), "max")[0])).taken)
     return pipe, amp, taken
 
 
@@ -298,7 +298,7 @@ def test_pipeline_nan_loss_skips_the_step_on_both_stages(world):
         loss = pipe.train_step(ids, targets)
         last = ctx.pp_rank == ctx.pp_size - 1
         taken = amp.step(optimizer, loss=float("nan") if last else None,
-                         allreduce_max=lambda v: float(ctx.world.allreduce(np.array([v]), "max")[0]))
+                         allreduce_max=lambda v: float(ctx.world.allreduce(np.array([v]), "max")[0])).taken
         assert np.isfinite(loss) and taken is False and amp.skipped_steps == 1 and amp.scale == 512.0
         for (name, p), old in zip(pipe.named_parameters(), before):
             np.testing.assert_array_equal(p.data, old, err_msg=name)
@@ -328,7 +328,7 @@ def test_zero_overflow_on_one_rank_skips_the_step_on_every_rank(world, precision
             amp.backward(model.loss(ids, targets))
             if step == 0 and ctx.dp_rank == 1:
                 model.blocks[0].attn.qkv.weight.grad[0, 0] = np.inf
-            taken = amp.step(zero, allreduce_max=maximum)
+            taken = amp.step(zero, allreduce_max=maximum).taken
             assert taken is (step == 1)
             if step == 0:
                 assert zero.optimizer.state["shard"] == {} and zero.shard.grad is None

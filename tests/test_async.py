@@ -349,7 +349,7 @@ def test_mixed_precision_ps_with_one_worker_is_one_process_bitwise(precision):
         for step in range(steps):
             loss = model.loss(*global_batch(step))
             ps.backward(loss)
-            taken.append(ps.push_pull(loss.item()))
+            taken.append(ps.push_pull(loss.item()).taken)
     ps.shutdown()
     masters = server_masters(ps, model)
     expected, skipped, scale = train_mixed_serial(precision, steps)
@@ -391,7 +391,7 @@ def test_synchronous_mixed_ps_skips_the_round_everywhere_when_one_worker_overflo
             before.append(parameters(model))
             loss = model.loss(*pattern_batch(rng, 2))
             ps.backward(loss)
-            taken.append(ps.push_pull(poison(model, loss.item(), ctx.rank, step, bad)))
+            taken.append(ps.push_pull(poison(model, loss.item(), ctx.rank, step, bad)).taken)
     ps.shutdown()
     if ps.is_worker:
         assert taken == [True, True, False, True] and ps.skipped_steps == 1  # on every worker
@@ -419,7 +419,7 @@ def test_asynchronous_mixed_ps_drops_the_overflowing_push_only():
         for step in range(steps):
             loss = model.loss(*pattern_batch(rng, 2))
             ps.backward(loss)
-            taken.append(ps.push_pull(poison(model, loss.item(), ctx.rank, step, bad)))
+            taken.append(ps.push_pull(poison(model, loss.item(), ctx.rank, step, bad)).taken)
     ps.shutdown()
     if ps.is_worker:
         assert taken == [(ctx.rank, step) != bad for step in range(steps)]
@@ -439,7 +439,7 @@ def test_mixed_ps_nan_loss_is_not_applied_whatever_the_gradients():
         before = parameters(model)
         loss = model.loss(*global_batch(0))
         ps.backward(loss)
-        assert ps.push_pull(float("nan")) is False  # finite gradients, NaN loss
+        assert ps.push_pull(float("nan")).taken is False  # finite gradients, NaN loss
         assert max_difference(parameters(model), before) == 0
     ps.shutdown()
     if not ps.is_worker:

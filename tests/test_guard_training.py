@@ -74,9 +74,9 @@ STAGING = {"allreduce": (1, 1), "iallreduce": (1, 1), "reduce_scatter": (1, 1), 
            "send": (1, 0), "isend": (1, 0), "recv": (0, 1), "irecv": (0, 1)}
 # Where each documented copy is made: (file, function) asking for it; the staging anywhere in device_transport.py.
 SITES = {("autograd/ops/_common.py", "integer_array"): "batch", ("autograd/tensor.py", "constant"): "batch",
-         ("optim/clip.py", "clip_arrays"): "norm", ("parallel/zero.py", "_counted_squares"): "norm",
+         ("optim/clip.py", "norm_of"): "norm", ("parallel/zero.py", "_counted_squares"): "norm",
          ("train/loop.py", "report_step"): "loss", ("runtime/device_transport.py", None): "staging",
-         ("parallel/compression.py", "_compress_matrix"): "powersgd start", ("optim/amp.py", "all_finite"): "finite"}
+         ("parallel/compression.py", "_compress_matrix"): "powersgd start", ("optim/finite.py", "finite_flags"): "finite"}
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def guarded_steps(job):
     for step in range(STEPS):
         guard.stats.reset()
         with staged_calls(collections.Counter()) as implied:
-            loss, lr = train_one_step(run, step)
+            loss, lr, _ = train_one_step(run, step)
         report_step(run, QuietLog(), step + 1, 0, loss, lr, 1.0)
         assert guard.stats.implicit == 0
         steps.append((copies_by_kind(), implied))
@@ -186,8 +186,7 @@ def documented(run, step: int) -> collections.Counter:
     logged = step % job.train.log_interval == 0 or step in (1, job.train.steps)
     expected = collections.Counter({("batch", "to_device"): batch, ("norm", "to_host"): int(job.optimizer.grad_clip > 0),
                                     ("loss", "to_host"): int(logged)})
-    if job.train.precision in ("fp16", "bf16"):  # the finite check of gradients and loss
-        expected["finite", "to_host"] = 1
+    expected["finite", "to_host"] = 1  # the finiteness check: the loss and, unclipped, the squares of the gradients
     if job.parallel.compression == "powersgd" and step == 1:  # each matrix's first Q, drawn on the host
         expected["powersgd start", "to_device"] = len(run.strategy.ddp.compression.qs)
     return +expected

@@ -155,7 +155,9 @@ class GlobalBatches(ABC):
     """Step k's global batch is ``global_selection(k)``; this dp replica yields its contiguous share of it.
 
     Contiguous, not strided: ``DistributedSampler`` deals samples out strided, so its per-rank order
-    depends on the number of replicas."""
+    depends on the number of replicas. ``skipped``: global batches passed over so far (a rewind
+    after a non-finite step skips the data of the failed steps): step k reads batch k + skipped.
+    """
 
     def __init__(self, global_batch: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0):
         if global_batch < 1 or dp_size < 1 or global_batch % dp_size:
@@ -165,6 +167,7 @@ class GlobalBatches(ABC):
         self.global_batch, self.dp_rank, self.dp_size, self.seed = global_batch, dp_rank, dp_size, seed
         self.local_batch = global_batch // dp_size
         self.step = 0  # the next step to hand out
+        self.skipped = 0  # batches skipped by rewinds (``train.on_nonfinite = "rewind"``)
 
     @abstractmethod
     def global_selection(self, step: int) -> np.ndarray:
@@ -181,7 +184,7 @@ class GlobalBatches(ABC):
 
     def rows(self, step: int) -> np.ndarray:
         """This replica's part of step ``step``'s global selection."""
-        return self.global_selection(step)[self.first_sample: self.first_sample + self.local_batch]
+        return self.global_selection(step + self.skipped)[self.first_sample: self.first_sample + self.local_batch]
 
     def batch_at(self, step: int):
         return self.fetch(self.rows(step))
@@ -195,13 +198,14 @@ class GlobalBatches(ABC):
         return batch
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "global_batch": self.global_batch}
+        return {"step": self.step, "seed": self.seed, "global_batch": self.global_batch, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["global_batch"]) != self.global_batch:
             raise ValueError(f"the saved data position is for a global batch of {state['global_batch']}, "
                              f"this run has {self.global_batch}: the data stream would not continue exactly")
         self.step, self.seed = int(state["step"]), int(state["seed"])
+        self.skipped = int(state.get("skipped", 0))  # checkpoints from before rewinds existed: none skipped
 
 
 class TextBatches(GlobalBatches):

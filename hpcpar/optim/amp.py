@@ -15,12 +15,11 @@ the scale works and how DDP, pipelines and ZeRO-1 combine with it: docs/architec
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ..autograd import Parameter
-from ..backend import get_array_module, to_device, to_host
+from ..backend import to_device
+from .finite import GRADIENTS, StepHealth, check_step
 from .optimizer import named_parameter_list
 
 
@@ -64,20 +63,6 @@ def scaled_backward(loss, scale: float) -> None:
     # Overflow is the expected signal of a too large scale, detected before the step; not a warning.
     with np.errstate(over="ignore", invalid="ignore"):
         loss.backward(xp.full(loss.shape, scale, dtype=np.float64).astype(loss.dtype))
-
-
-def all_finite(grads, loss=None) -> bool:
-    """Whether every element of ``grads`` (arrays) and the ``loss`` (a number, a 0-d array or a
-    Tensor, when given) is finite; one device-to-host transfer for the arrays and an array loss."""
-    loss = loss.data if hasattr(loss, "backward") else loss  # a Tensor's array
-    arrays = list(grads) + ([loss] if loss is not None and hasattr(loss, "dtype") else [])
-    finite = True
-    if arrays:
-        xp = get_array_module(*arrays)
-        finite = bool(to_host(xp.stack([xp.isfinite(a).all() for a in arrays]).all()))
-    if loss is not None and not hasattr(loss, "dtype"):
-        finite = finite and math.isfinite(loss)
-    return finite
 
 
 _DEFAULT_SCALER = object()
@@ -137,36 +122,39 @@ class MixedPrecision:
             master.grad *= inverse
         self._unscaled = True
 
-    def found_inf(self, allreduce_max=None, loss=None) -> bool:
-        """Whether the step must be skipped: the loss (when given) or any master grad is inf or NaN,
-        here or, with ``allreduce_max``, on any rank (one all-reduce of one number)."""
+    def check(self, loss=None, norm=None, allreduce_max=None) -> StepHealth:
+        """The step's health (``optim.finite.check_step``) from the master gradients, unscaled here;
+        a non-finite gradient with a finite loss under a loss scaler is its overflow."""
         self.unscale_grads()
-        local = 0.0 if all_finite((m.grad for _, m in self.master if m.grad is not None), loss) else 1.0
-        return bool(allreduce_max(local) if allreduce_max is not None else local)
+        health = check_step(loss, ((name, m.grad) for name, m in self.master), norm, allreduce_max)
+        if self.scaler is not None and health.nonfinite == GRADIENTS:
+            return StepHealth(GRADIENTS, overflow=True, parameter=health.parameter)
+        return health
 
-    def step(self, optimizer, allreduce_max=None, loss=None, **step_options) -> bool:
+    def step(self, optimizer, allreduce_max=None, loss=None, norm=None, **step_options) -> StepHealth:
         """Step ``optimizer`` on the master weights and copy them into the model, or skip the step.
 
-        Skipped when ``found_inf(allreduce_max, loss)``: a non-finite loss or gradient on any rank.
-        Updates the scaler (a skip backs it off), counts skips in ``skipped_steps`` (with or without
-        a scaler), and clears the model's and master's gradients either way; returns whether the
-        step was taken. ``step_options`` go to ``optimizer.step`` (ZeRO-1's ``reduce=False`` after
+        Skipped when ``check(loss, norm, allreduce_max)`` finds a non-finite loss or gradient on
+        any rank. Updates the scaler (a skip backs it off), counts skips in ``skipped_steps`` (with or without
+        a scaler), and clears the model's and master's gradients either way; returns the step's
+        health. ``norm``: the global gradient norm when the step clipped (no second pass over
+        the gradients). ``step_options`` go to ``optimizer.step`` (ZeRO-1's ``reduce=False`` after
         its gradients were reduced for clipping).
         """
-        overflow = self.found_inf(allreduce_max, loss)
-        if overflow:
+        health = self.check(loss, norm, allreduce_max)
+        if not health.taken:
             self.skipped_steps += 1
         else:
             optimizer.step(**step_options)
             self.copy_to_model()
         if self.scaler is not None:
-            self.scaler.update(overflow)
+            self.scaler.update(not health.taken)
         for param, (_, master) in zip(self.model_params, self.master):
             param.grad = master.grad = None
-        if overflow and hasattr(optimizer, "zero_grad"):  # ZeRO-1's reduced shard, when it was reduced
+        if not health.taken and hasattr(optimizer, "zero_grad"):  # ZeRO-1's reduced shard, when it was reduced
             optimizer.zero_grad()
         self._unscaled = False
-        return not overflow
+        return health
 
     def copy_to_model(self) -> None:
         """The master weights, cast to the compute dtype, into the model (after a step or a load)."""

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..autograd import precision
 from ..backend import get_array_module, to_host
 
@@ -19,15 +21,30 @@ def clip_grad_norm(params, max_norm: float, allreduce_sum=None) -> float:
 
 def clip_arrays(grads, max_norm: float, allreduce_sum=None) -> float:
     """``clip_grad_norm`` of gradient arrays themselves (views of a flat buffer, say)."""
-    squares = []
-    for grad in grads:
-        flat = grad.reshape(-1).astype(precision.accumulation_dtype(grad.dtype), copy=False)
-        squares.append(get_array_module(flat).dot(flat, flat))
-    local = float(to_host(sum(squares))) if squares else 0.0  # one device-to-host transfer
-    total = float(allreduce_sum(local)) if allreduce_sum is not None else local
-    norm = math.sqrt(total)
+    grads = list(grads)
+    norm = norm_of(grads, allreduce_sum)
     scale_to_norm(grads, norm, max_norm)
     return norm
+
+
+def norm_of(grads, allreduce_sum=None) -> float:
+    """The joint L2 norm of arrays (``allreduce_sum`` as in ``clip_grad_norm``): inf or NaN when an
+    element is, or when the squares overflow (what Adam's second moment would hold)."""
+    squares = sum_of_squares(grads)
+    local = float(to_host(squares)) if squares is not None else 0.0  # one device-to-host transfer
+    total = float(allreduce_sum(local)) if allreduce_sum is not None else local
+    return math.sqrt(total)
+
+
+def sum_of_squares(grads):
+    """The sum of the squares of every element of ``grads``, a 0-d array on their device (None
+    for no arrays), summed in at least float32 (the precision policy)."""
+    squares = []
+    with np.errstate(over="ignore", invalid="ignore"):  # an inf norm is an answer (the step is skipped), not a warning
+        for grad in grads:
+            flat = grad.reshape(-1).astype(precision.accumulation_dtype(grad.dtype), copy=False)
+            squares.append(get_array_module(flat).dot(flat, flat))
+        return sum(squares) if squares else None
 
 
 def scale_to_norm(grads, norm: float, max_norm: float) -> None:

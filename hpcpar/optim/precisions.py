@@ -15,6 +15,7 @@ import numpy as np
 
 from ..backend import check_dtype
 from .amp import DynamicLossScaler, MixedPrecision
+from .finite import StepHealth, check_step
 
 
 def precision_dtype(name: str):
@@ -90,7 +91,7 @@ def check_precision(device: str, precision: Precision) -> None:
 
 class MasterWeights(Protocol):
     """The weights an optimizer steps and how a step reaches them: ``MixedPrecision`` (masters in
-    another dtype, the loss scaled, a non-finite step skipped) or ``FullPrecision``."""
+    another dtype, the loss scaled) or ``FullPrecision``; either skips a non-finite step."""
 
     scaler: DynamicLossScaler | None
 
@@ -98,7 +99,7 @@ class MasterWeights(Protocol):
     def model_parameter(self, master): ...
     def backward(self, loss) -> None: ...
     def unscale_grads(self) -> None: ...
-    def step(self, optimizer, allreduce_max=None, loss=None, **step_options) -> bool: ...
+    def step(self, optimizer, allreduce_max=None, loss=None, norm=None, **step_options) -> StepHealth: ...
     def copy_to_model(self) -> None: ...
     def master_bytes(self) -> int: ...
     def metrics(self) -> dict: ...
@@ -107,9 +108,9 @@ class MasterWeights(Protocol):
 class FullPrecision:
     """``MasterWeights`` when the model's parameters are the ones the optimizer steps.
 
-    Every step is taken: fp32 and fp64 have no overflow to recover from, so ``step`` checks
-    neither the loss nor the gradients (no extra collective per step, as PyTorch without amp),
-    and a loss that turned NaN shows in the log instead of being skipped silently.
+    No overflow to recover from, but a diverging run: ``step`` checks the loss and the gradients
+    (``optim.finite``: the clipping norm when there is one, one all-reduce of one number to agree)
+    and skips a non-finite step, which the loop's ``train.on_nonfinite`` then acts on.
     """
 
     scaler = None
@@ -129,10 +130,15 @@ class FullPrecision:
     def unscale_grads(self) -> None:
         pass
 
-    def step(self, optimizer, allreduce_max=None, loss=None, **step_options) -> bool:
-        """``optimizer.step(**step_options)``; ``allreduce_max`` and ``loss`` are unused (every step is taken)."""
-        optimizer.step(**step_options)
-        return True
+    def step(self, optimizer, allreduce_max=None, loss=None, norm=None, **step_options) -> StepHealth:
+        """``optimizer.step(**step_options)`` unless the loss or a gradient is not finite on a rank
+        (agreed by ``allreduce_max``; ``norm``: the clipping norm); the step's health."""
+        health = check_step(loss, ((name, p.grad) for name, p in self.named), norm, allreduce_max)
+        if health.taken:
+            optimizer.step(**step_options)
+        elif hasattr(optimizer, "zero_grad"):  # ZeRO-1's reduced shard, when it was reduced
+            optimizer.zero_grad()
+        return health
 
     def copy_to_model(self) -> None:
         pass

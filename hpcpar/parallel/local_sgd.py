@@ -20,6 +20,7 @@ import numpy as np
 from ..autograd import Parameter
 from ..backend import get_array_module
 from ..optim.clip import clip_grad_norm
+from ..optim.finite import FINITE, StepHealth
 
 
 class LocalSGD:
@@ -61,27 +62,28 @@ class LocalSGD:
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
 
-    def step(self, loss=None) -> bool:
+    def step(self, loss=None) -> StepHealth:
         """One local optimizer step (gradients cleared); every ``local_steps``-th, average over dp.
 
-        Under ``amp`` a non-finite ``loss`` (this replica's, when given) or gradient skips this
-        replica's step only; returns whether the step was taken. The step still counts toward
-        the next average.
+        Under ``amp`` (a ``MixedPrecision`` or ``FullPrecision``) a non-finite ``loss`` (this
+        replica's, when given) or gradient skips this replica's step only; returns the step's
+        health (``optim.finite``). The step still counts toward the next average.
         """
         if self.amp is not None:
             self.amp.unscale_grads()  # the masters' gradients, for clipping
+        norm = None
         if self.max_grad_norm:
-            clip_grad_norm(self.params, self.max_grad_norm)  # this rank's own gradient: there is no other
-        taken = True
+            norm = clip_grad_norm(self.params, self.max_grad_norm)  # this rank's own gradient: there is no other
+        health = FINITE
         if self.amp is not None:
-            taken = self.amp.step(self.optimizer, loss=loss)
+            health = self.amp.step(self.optimizer, loss=loss, norm=norm)
         else:
             self.optimizer.step()
         self.optimizer.zero_grad()
         self.steps_since_average += 1
         if self.steps_since_average >= self.local_steps:  # more only after a resume with a smaller H
             self.average()
-        return taken
+        return health
 
     def average(self) -> None:
         """All-reduce mean of the parameters (and optimizer state, if asked) over ``ctx.dp``: one call."""

@@ -127,7 +127,7 @@ def _pipeline_messages(traffic: Traffic, plan, rank: int, group: int) -> None:
 
 
 def _optimizer_messages(traffic: Traffic, plan, master_bytes: int, group: int) -> None:
-    """finish_step: ZeRO's reduce-scatter and all-gather, the clipping norm's sums, the overflow check."""
+    """finish_step: ZeRO's reduce-scatter and all-gather, the clipping norm's sums, the finiteness check."""
     job, lay = plan.job, plan.layout
     clip = job.optimizer.grad_clip > 0
     if job.parallel.zero:
@@ -140,5 +140,4 @@ def _optimizer_messages(traffic: Traffic, plan, master_bytes: int, group: int) -
     if clip:
         traffic.add("tp", "allreduce", SCALAR, group)
         traffic.add("pp", "allreduce", SCALAR, group)
-    if plan.mixed:
-        traffic.add("world", "allreduce", SCALAR, group)
+    traffic.add("world", "allreduce", SCALAR, group)  # every precision agrees whether the step is finite

@@ -16,6 +16,7 @@ from ..data.sampler import DistributedSampler
 from ..nn.gpt import GPT
 from ..optim import WarmupCosine
 from .config import Job, JobError
+from .nonfinite import NonFinitePolicy
 from .strategies import Strategy, make_strategy, strategy_class
 from .validate import prepares_builtin_corpus
 
@@ -30,6 +31,7 @@ class Run:
     train_data: object | None
     eval_data: list | None  # (inputs, targets) batches of this dp replica
     identity: dict = field(default_factory=dict)  # fingerprint and provenance, set when the run starts (lifecycle)
+    nonfinite: NonFinitePolicy | None = None  # train.on_nonfinite's counts (None on ranks that only serve)
 
     @property
     def ctx(self):
@@ -51,7 +53,7 @@ class Run:
         checkpoint holds are left unread."""
         if not self.trains:
             return {}
-        return {"schedule": self.lr_schedule, "data": self.train_data,
+        return {"schedule": self.lr_schedule, "data": self.train_data, "nonfinite": self.nonfinite,
                 "model_config": self.job.to_dict()["model"], **self.identity, **self.strategy.checkpoint_extra()}
 
 
@@ -109,4 +111,4 @@ def build(job: Job, ctx) -> Run:
     s = job.lr_schedule
     lr_schedule = WarmupCosine(strategy.optimizer, warmup_steps=min(s.warmup_steps, job.train.steps),
                                total_steps=job.train.steps, min_lr=s.min_lr)
-    return Run(job, strategy, lr_schedule, train, evaluation)
+    return Run(job, strategy, lr_schedule, train, evaluation, nonfinite=NonFinitePolicy(job.train))

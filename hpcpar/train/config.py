@@ -49,6 +49,8 @@ class JobError(ValueError):
 
 NO_DECAY = ("*.bias", "*ln_*", "embed.*")  # as GPT-2 / minGPT: no decay of shifts, norm scales, embeddings
 GPT_ONLY = ("model.kind", ("gpt",))
+REWIND_ONLY = ("train.on_nonfinite", ("rewind",))
+NONFINITE_POLICIES = ("stop", "skip", "rewind")
 TEXT_ONLY = ("data.kind", ("text",))
 
 
@@ -208,6 +210,22 @@ class TrainSection:
                               applies=GPT_ONLY)
     max_seconds: float | None = _key(None, NUMBER, "stop (and checkpoint) after this long; unset = no limit",
                                      check=above(0))
+    on_nonfinite: str = _key("stop", STRING, "after a step whose loss or gradient norm is not finite (the step is "
+                             "skipped on every rank): stop = end the run (exit 3) naming the step, saving nothing "
+                             "after it; skip = train on (train.max_skipped in a row, then stop); rewind = reload the "
+                             "newest checkpoint and skip the data of the failed steps (train.max_rewinds times, "
+                             "then stop)", choices=NONFINITE_POLICIES)
+    max_skipped: int = _key(20, INTEGER, "non-finite steps skipped in a row before the run stops (an fp16 loss "
+                            "scaler's overflows count too, under every policy: a scale that collapses)",
+                            check=at_least(0))
+    max_rewinds: int = _key(3, INTEGER, "rewinds a run makes before it stops", check=at_least(1),
+                            applies=REWIND_ONLY)
+    spike_zscore: float | None = _key(None, NUMBER, "rewind also when the loss (the mean over dp) is more than this "
+                                      "many standard deviations above the mean of the last train.spike_window "
+                                      "losses; unset = only non-finite steps rewind", check=above(0),
+                                      applies=REWIND_ONLY)
+    spike_window: int = _key(50, INTEGER, "losses the spike trigger compares with (it waits for that many)",
+                             check=at_least(2), applies=REWIND_ONLY)
 
 
 @dataclass(frozen=True)

@@ -48,20 +48,21 @@ class StopRequest:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
 
-    def agreed(self, world) -> bool:
-        self.everyone = bool(world.allreduce(np.array([1.0 if self.signal else 0.0]), "max")[0])
-        return self.everyone
 
-
-def stop_reason(run, stop: StopRequest, began: float) -> str | None:
-    """Why every rank stops after this step (a signal, ``train.max_seconds``), or None; collective."""
+def after_step(run, stop: StopRequest, began: float, action: int = 0) -> tuple[str | None, int]:
+    """What every rank does after a step (collective: one all-reduce): (why the run stops at this
+    step boundary, a signal or ``train.max_seconds``, or None; the ``train.on_nonfinite`` action,
+    ``nonfinite``'s CONTINUE, REWIND or STOP, agreed as the strongest of the ranks' ``action``)."""
     limit = run.job.train.max_seconds
     out_of_time = limit is not None and time.perf_counter() - began > limit
-    if stop.agreed(run.ctx.world):
-        return f"signal {signal.Signals(stop.signal).name}" if stop.signal else "a signal on another rank"
-    if bool(run.ctx.world.allreduce(np.array([float(out_of_time)]), "max")[0]):
-        return "train.max_seconds"
-    return None
+    signal_flag, time_flag, agreed_action = run.ctx.world.allreduce(
+        np.array([1.0 if stop.signal else 0.0, float(out_of_time), float(action)]), "max")
+    stop.everyone = bool(signal_flag)
+    if stop.everyone:
+        reason = f"signal {signal.Signals(stop.signal).name}" if stop.signal else "a signal on another rank"
+    else:
+        reason = "train.max_seconds" if time_flag else None
+    return reason, int(agreed_action)
 
 
 def save_checkpoint(run, step: int, final: bool = False):

@@ -4,7 +4,8 @@
     sbatch slurm/train.sbatch jobs/gpt-3d.toml
 
 Per step: this dp replica's rows of the global batch -> the strategy's step (forward,
-backward, gradient exchange) -> its finish (clip, optimizer step) -> the LR schedule. Rank 0
+backward, gradient exchange) -> its finish (clip, the finiteness check, optimizer step) -> the
+LR schedule -> what ``train.on_nonfinite`` does about a step that was not finite. Rank 0
 logs step, loss, learning rate, tokens/s, the step split into compute / communication /
 pipeline idle, and peak memory per rank, appends metrics to a JSONL file, evaluates on the
 validation split, and checkpoints every ``checkpoint.interval`` steps and at the end. A stop
@@ -29,7 +30,8 @@ from .build import Run, build
 from . import identity
 from .config import Job, JobError
 from .evaluate import evaluate, sample_text
-from .lifecycle import StopRequest, requeue_if_slurm, save_checkpoint, start, stop_reason
+from .lifecycle import StopRequest, adopt_job_schedule, after_step, requeue_if_slurm, save_checkpoint, start
+from .nonfinite import REWIND, STOP, RunDiverged
 from .resume import Request
 from .run_lock import take_run_lock
 from .strategies import strategy_class
@@ -77,14 +79,24 @@ def train_holding_lock(job: Job, resume, stop: StopRequest, progress: str, lock)
             finish_trace(run, tracer, log)
             return {"step": start_step, "nothing_to_do": True}
         log.begin(run.ctx, start_step, info["step_dir"] if start_step else None, run.identity)
+        if start_step == 0 and job.train.on_nonfinite == "rewind":  # the first steps can rewind too
+            log.line(f"checkpoint {save_checkpoint(run, 0)} (the initial weights: train.on_nonfinite = \"rewind\")")
         last, reason, began = {"step": step}, None, time.perf_counter()
         while step < job.train.steps and reason is None:
             started = time.perf_counter()
-            loss, lr = train_one_step(run, step)
+            loss, lr, health = train_one_step(run, step)
             step += 1
             last = report_step(run, log, step, start_step, loss, lr, time.perf_counter() - started) or last
+            action = run.nonfinite.decide(health, mean_loss(run, loss) if run.nonfinite.watches_spikes else None)
+            reason, action = after_step(run, stop, began, action)
+            if action == REWIND:
+                step = rewind(run, log, step)
+                continue
+            if action == STOP:
+                diverged(run, step)
+            if not health.taken and not health.overflow:
+                say_skipped(run, log, step)
             between_steps(run, log, step)
-            reason = stop_reason(run, stop, began)
 
         def save_final():
             log.line(f"checkpoint {save_checkpoint(run, step, final=True)}")
@@ -109,18 +121,75 @@ def step_masks(run: Run, step: int):
 
 
 def train_one_step(run: Run, step: int) -> tuple:
-    """Step ``step`` (counted from 0): the strategy's step and finish, the LR schedule; (loss, lr),
-    the loss a 0-d array on the device (``report_step`` reads it at log steps)."""
+    """Step ``step`` (counted from 0): the strategy's step and finish, the LR schedule; (loss, lr,
+    the step's ``optim.StepHealth``), the loss a 0-d array on the device (``report_step`` reads
+    it at log steps)."""
     inputs, targets = run.train_data.batch_at(step)
     run.train_data.step = step + 1
     trace = run.strategy.trace
     with trace.step(step + 1), step_masks(run, step):
         loss = run.strategy.train_step(inputs, targets)
         with trace.span("optimizer", "optimizer"):  # clip and step; the exchange of ps and local SGD
-            run.strategy.finish_step(run.job.optimizer.grad_clip, loss)
+            health = run.strategy.finish_step(run.job.optimizer.grad_clip, loss)
     lr = run.strategy.optimizer.lr
     run.lr_schedule.step()
-    return loss, lr
+    return loss, lr, health
+
+
+def mean_loss(run: Run, loss) -> float:
+    """The step's loss averaged over dp, on every rank (collective: what the spike trigger watches)."""
+    return float(run.ctx.dp.allreduce(np.array([float(to_host(loss))]), "mean")[0])
+
+
+def agreed_why(run: Run) -> str:
+    """The first rank's words for a REWIND or STOP every rank agreed on (collective: on that path only)."""
+    return next((why for why in run.ctx.world.allgather_object(run.nonfinite.why) if why), "another rank's step")
+
+
+def rewind(run: Run, log: Logger, step: int) -> int:
+    """``train.on_nonfinite = "rewind"`` after ``step``: the newest checkpoint loaded, the data of
+    the steps after it skipped; returns the step it continues from (collective). Stops the run
+    (``diverged``) when the rewinds are used up or nothing was saved yet."""
+    policy, job = run.nonfinite, run.job
+    why = agreed_why(run)
+    if not policy.may_rewind():
+        diverged(run, step, f"{why}; {policy.rewinds} rewind(s) made (train.max_rewinds = {policy.max_rewinds})")
+    checkpoint.wait()  # an asynchronous save still writing is the newest checkpoint
+    skipped = run.train_data.skipped  # the load brings back the checkpoint's, before earlier rewinds
+    info = run.strategy.load_latest(job.checkpoint.dir, run.checkpoint_extra())
+    if info is None:
+        diverged(run, step, f"{why}; no checkpoint to rewind to yet (checkpoint.interval = {job.checkpoint.interval})")
+    back_to = info["step"]
+    run.train_data.skipped = skipped + step - back_to  # and the batches of steps back_to + 1 .. step
+    run.train_data.step = back_to
+    policy.rewound()
+    adopt_job_schedule(run)  # the job's LR schedule, whatever segment wrote that checkpoint
+    log.line(f"step {step}: {why}; rewound to step {back_to} ({info['step_dir']}) and skipping the "
+             f"{step - back_to} batch(es) of steps {back_to + 1}..{step} (rewind {policy.rewinds} of "
+             f"{policy.max_rewinds})")
+    log.record({"step": step, "event": "rewind", "to_step": back_to, "skipped_batches": step - back_to,
+                "rewinds": policy.rewinds, "reason": why, "time": time.time()})
+    return back_to
+
+
+def say_skipped(run: Run, log: Logger, step: int) -> None:
+    """``train.on_nonfinite = "skip"``: a line for a skipped step (a loss scaler's overflows go unsaid)."""
+    policy = run.nonfinite
+    log.line(f"step {step}: {policy.why}; the step was skipped ({policy.in_row} in a row, train.max_skipped = "
+             f"{policy.max_skipped})")
+
+
+def diverged(run: Run, step: int, why: str | None = None):
+    """End the run for ``train.on_nonfinite`` after ``step`` (collective): a ``RunDiverged`` on every
+    rank, naming the step, what was not finite and the checkpoint that is left; nothing is saved."""
+    why = why or agreed_why(run)
+    checkpoint.wait()  # an asynchronous save of an earlier, finite step completes
+    world = run.ctx.world
+    latest = world.bcast_object(checkpoint.latest_step(run.job.checkpoint.dir) if world.rank == 0 else None, root=0)
+    left = f"the latest checkpoint is step {latest}" if latest is not None else "no checkpoint was written"
+    policy = run.job.train.on_nonfinite
+    raise RunDiverged(f"step {step}: {why}; train.on_nonfinite = \"{policy}\": the run stops without saving "
+                      f"({left})")
 
 
 def tokens_per_step(job: Job) -> int:
@@ -229,7 +298,9 @@ def step_record(run, step: int, loss: float, lr: float, step_s: float, peak_mb: 
             "tokens_per_s": tokens_per_step(run.job) / step_s, "step_s": step_s, "compute_s": stats.get("compute_s", 0.0),
             "comm_s": stats.get("comm_s", 0.0), "idle_s": stats.get("idle_s", 0.0),
             "peak_mem_mb": ctx.world.allgather_object(round(peak_mb, 1)), "time": time.time(),
-            **({"skipped_steps": stats["skipped_steps"]} if "skipped_steps" in stats else {})}
+            **({"skipped_steps": stats["skipped_steps"]} if "skipped_steps" in stats else {}),
+            **({"nonfinite_steps": run.nonfinite.skipped} if run.nonfinite.skipped else {}),
+            **({"rewinds": run.nonfinite.rewinds} if run.nonfinite.rewinds else {})}
 
 
 def final_report(run, step: int, log: Logger) -> dict:

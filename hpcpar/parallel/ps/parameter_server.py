@@ -25,7 +25,8 @@ from ...backend import get_array_module, to_device
 from ...runtime.comm import Communicator, wait_all
 from ...runtime.context import init
 from ...runtime.trace import NO_TRACE
-from ...optim.amp import all_finite, scaled_backward
+from ...optim.amp import scaled_backward
+from ...optim.finite import GRADIENTS, StepHealth, check_step
 from ...optim.clip import clip_arrays
 from ...optim.groups import flat_range_decays, flatten_groups, set_flat_range_decay
 from ...optim.optimizer import named_parameter_list
@@ -161,16 +162,17 @@ class ParameterServer(ServerSide, Checkpointable):
         else:
             scaled_backward(loss, self.scaler.scale)
 
-    def push_pull(self, loss=None) -> bool:
+    def push_pull(self, loss=None) -> StepHealth:
         """Push this step's gradients (a missing one counts as zeros), pull fresh parameters, clear grads.
 
-        Under mixed precision the gradients are pushed unscaled in ``master_dtype``, and a
-        non-finite ``loss`` (this worker's, when given) or gradient marks the push not to be
-        applied; returns whether the step counts as taken (always, without mixed precision).
+        Under mixed precision the gradients are pushed unscaled in ``master_dtype``. A non-finite
+        ``loss`` (this worker's, when given) or gradient marks the push not to be applied;
+        returns the step's health (``optim.finite``).
         """
         self._require_worker("push_pull")
         self._pack_gradients()
-        finite = self._agree_finite(loss) if self.mixed else True
+        health = self._agree_health(loss)
+        finite = health.taken
         if self.max_grad_norm and not self.synchronous and finite:  # asynchronous: each worker's own gradient
             clip_arrays([self._flat_grad[start:stop] for start, stop in self.spans], self.max_grad_norm)
         kind = KIND_PUSH if finite else KIND_PUSH_NONFINITE
@@ -186,12 +188,13 @@ class ParameterServer(ServerSide, Checkpointable):
         if self.scaler is not None:
             self.scaler.update(not finite)
         self.skipped_steps += not finite
-        return finite
+        return health
 
     step = push_pull  # ``ps.step()`` after backward reads like an optimizer
 
     def metrics(self) -> dict:
-        """What a training log reports: under mixed precision the steps skipped so far."""
+        """What a training log reports: under mixed precision a worker's steps skipped so far (the
+        loss scaler's count, saved with it; the run's own count of non-finite steps is the loop's)."""
         return {"skipped_steps": self.skipped_steps} if self.mixed and self.is_worker else {}
 
     def _pack_gradients(self) -> None:
@@ -201,13 +204,15 @@ class ParameterServer(ServerSide, Checkpointable):
         if self.scaler is not None:
             self._flat_grad *= 1.0 / self.scaler.scale
 
-    def _agree_finite(self, loss) -> bool:
+    def _agree_health(self, loss) -> StepHealth:
         """Whether this push may be applied: the loss and gradient are finite here and, when the
-        servers step synchronously, on every worker (their scalers then take the same steps)."""
-        bad = 0.0 if all_finite([self._flat_grad], loss) else 1.0
-        if self.synchronous:
-            bad = float(self.ctx.dp.allreduce(np.array([bad]), "max")[0])
-        return bad == 0.0
+        servers step synchronously, on every worker (their scalers then take the same steps).
+        A non-finite gradient with a finite loss under a loss scaler is its overflow."""
+        agree = (lambda bad: float(self.ctx.dp.allreduce(np.array([bad]), "max")[0])) if self.synchronous else None
+        health = check_step(loss, [("flat gradient", self._flat_grad)], agree=agree)
+        if self.scaler is not None and health.nonfinite == GRADIENTS:
+            return StepHealth(GRADIENTS, overflow=True)
+        return health
 
     def _receive_parameters(self, sends) -> None:
         versions = [np.empty(1, dtype=np.int64) for _ in self.ranges]

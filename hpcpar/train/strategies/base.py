@@ -85,11 +85,13 @@ class Strategy(ABC):
         array on the device (``float(to_host(loss))`` reads it: the loop does at log steps only)."""
 
     @abstractmethod
-    def finish_step(self, max_norm: float, loss) -> bool:
-        """Clip (``max_norm`` > 0), step, clear the gradients; False when the step was skipped.
+    def finish_step(self, max_norm: float, loss):
+        """Clip (``max_norm`` > 0), step, clear the gradients; the step's ``optim.StepHealth``.
 
-        ``loss``: what ``train_step`` returned. Under mixed precision a non-finite loss or
-        gradient on any rank skips the step everywhere; full precision takes every step.
+        ``loss``: what ``train_step`` returned. A non-finite loss or gradient skips the step:
+        on every rank alike where the ranks step together (agreed by one all-reduce), the
+        replica's own under local SGD and a parameter server. What the run does next is the
+        loop's ``train.on_nonfinite``.
         """
 
     def evaluate_loss(self, inputs, targets) -> float:

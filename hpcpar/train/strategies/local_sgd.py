@@ -42,14 +42,14 @@ class LocalSGDStrategy(DataParallelOnly):
     def train_step(self, inputs, targets):
         return self.local_train_step(inputs, targets, self.precision.backward)
 
-    def finish_step(self, max_norm: float, loss: float) -> bool:
+    def finish_step(self, max_norm: float, loss: float):
         """A local step (clipped by the job's grad_clip inside LocalSGD); every H-th, the average.
-        Under mixed precision a non-finite loss or gradient skips this replica's step only."""
+        A non-finite loss or gradient skips this replica's step only (no collective per step)."""
         start = time.perf_counter()
-        taken = self.local.step(loss)
+        health = self.local.step(loss)
         self.stats["comm_s"] = time.perf_counter() - start
         self.stats.update(self.precision.metrics())
-        return taken
+        return health
 
     def optimizer_state_bytes(self) -> int:
         return state_bytes(self._optimizer) + self.precision.master_bytes()

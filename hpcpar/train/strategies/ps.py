@@ -45,6 +45,10 @@ class ParameterServerStrategy(DataParallelOnly):
             problems.insert(0, ("parallel.servers", f"{p.servers} server(s) leave no worker among {world_size} "
                                                     f"ranks; launch more than {p.servers} ranks or lower "
                                                     f"parallel.servers"))
+        if job.train.on_nonfinite == "rewind":  # the servers hold the weights and serve on: nothing reloads them
+            problems.append(("train.on_nonfinite", "\"rewind\" is not supported with parallel.mode = \"ps\" (the "
+                                                   "servers, which hold the weights, would have to reload while "
+                                                   "serving); use \"skip\" or \"stop\""))
         return problems
 
     @property

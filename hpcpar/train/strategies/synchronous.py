@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from ...optim.finite import StepHealth
 from ...parallel.compression_state import CompressionState
 from ...parallel.grad_sync import make_gradient_sync
 from ...parallel.zero import ZeroRedundancyOptimizer
@@ -46,12 +47,11 @@ class SynchronousStrategy(Strategy):
     def optimizer(self):
         return self._optimizer
 
-    def finish_step(self, max_norm: float, loss: float) -> bool:
+    def finish_step(self, max_norm: float, loss: float) -> StepHealth:
         comm_before = self.ctx.comm_seconds()
         start = time.perf_counter()
-        if max_norm > 0:
-            self.update.clip(max_norm)
-        taken = self.update.step(loss)
+        norm = self.update.clip(max_norm) if max_norm > 0 else None
+        health = self.update.step(loss, norm)
         self._optimizer.zero_grad()
         for _, param in self.named_parameters():  # the model's own grads (distinct from masters under amp)
             param.grad = None
@@ -59,7 +59,7 @@ class SynchronousStrategy(Strategy):
         self.stats["comm_s"] = self.stats.get("comm_s", 0.0) + comm
         self.stats["compute_s"] = self.stats.get("compute_s", 0.0) + time.perf_counter() - start - comm
         self.stats.update(self.precision.metrics())
-        return taken
+        return health
 
     def optimizer_state_bytes(self) -> int:
         optimizer = self._optimizer.state_bytes() if self.job.parallel.zero else state_bytes(self._optimizer)

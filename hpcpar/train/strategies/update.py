@@ -3,7 +3,7 @@
     update = ReplicatedUpdate(optimizer, precision, ctx, owns_for_norm)   # DDP, pipeline: averaged grads
     update = ShardedUpdate(zero, precision, ctx, owns_for_norm)           # ZeRO-1: reduce-scatter first
     norm = update.clip(max_norm)      # optional: the global norm over dp, tp and pp
-    taken = update.step(loss)         # False when mixed precision found a non-finite loss or gradient
+    health = update.step(loss, norm)  # skipped (health.taken False) for a non-finite loss or gradient
 
 ``precision`` is the run's ``optim.MasterWeights``: ``MixedPrecision`` (float32 masters, loss
 scaling) or ``FullPrecision`` (the model's own parameters), so neither update branches on it.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...optim.finite import StepHealth
 from ...parallel.grad_norm import clip_grad_norm_parallel, counts_toward_norm, sum_over_model_parallel
 
 
@@ -26,8 +27,8 @@ class ReplicatedUpdate:
         self.precision.unscale_grads()
         return clip_grad_norm_parallel(self.precision.named_master_parameters(), max_norm, self.ctx, owns=self.owns)
 
-    def step(self, loss: float) -> bool:
-        return self.precision.step(self.optimizer, allreduce_max=world_max(self.ctx), loss=loss)
+    def step(self, loss, norm: float | None = None) -> StepHealth:
+        return self.precision.step(self.optimizer, allreduce_max=world_max(self.ctx), loss=loss, norm=norm)
 
 
 class ShardedUpdate:
@@ -45,13 +46,14 @@ class ShardedUpdate:
         counts = lambda param: counts_toward_norm(param, self.ctx, self.owns)  # noqa: E731
         return self.optimizer.clip_grad_norm(max_norm, counts=counts, model_parallel_sum=sum_over_model_parallel(self.ctx))
 
-    def step(self, loss: float) -> bool:
-        taken = self.precision.step(self.optimizer, allreduce_max=world_max(self.ctx), loss=loss,
-                                    reduce=not self.reduced)
+    def step(self, loss, norm: float | None = None) -> StepHealth:
+        health = self.precision.step(self.optimizer, allreduce_max=world_max(self.ctx), loss=loss, norm=norm,
+                                     reduce=not self.reduced)
         self.reduced = False
-        return taken
+        return health
 
 
 def world_max(ctx):
-    """``value -> its maximum over every rank``: each rank takes the same skip decision."""
+    """``value -> its maximum over every rank``: each rank takes the same skip decision (a step's
+    health: ``optim.finite``)."""
     return lambda value: float(ctx.world.allreduce(np.array([value]), "max")[0])

@@ -82,13 +82,28 @@ def layout(rng: random.Random, world: int, gpt: bool, layers: int | None = None)
     return keys
 
 
-def options(rng: random.Random, gpt: bool, precisions=("fp32", "bf16", "fp16", "fp64")) -> dict:
-    """What a job computes, apart from its layout: precision, optimizer, clipping, the model's options."""
-    keys = {"train.precision": q(rng.choice(precisions)), "optimizer.name": q(rng.choice(["adamw", "adam", "sgd"])),
-            "optimizer.grad_clip": rng.choice([0.0, 0.5]), "lr_schedule.warmup_steps": rng.choice([0, 2])}
+DIVERGING_LR = {"fp64": 1e100}  # else 1e4: beyond any precision's range within a few steps, fp64's aside
+
+
+def options(rng: random.Random, gpt: bool, precisions=("fp32", "bf16", "fp16", "fp64"), diverging: float = 0.2) -> dict:
+    """What a job computes, apart from its layout: precision, optimizer, clipping, the model's options,
+    what a non-finite step does and, with probability ``diverging``, a learning rate that diverges."""
+    precision = rng.choice(precisions)
+    keys = {"train.precision": q(precision), "optimizer.name": q(rng.choice(["adamw", "adam", "sgd"])),
+            "optimizer.grad_clip": rng.choice([0.0, 0.5]), "lr_schedule.warmup_steps": rng.choice([0, 2]),
+            "train.on_nonfinite": q(rng.choice(["stop", "skip", "rewind"]))}
+    if rng.random() < diverging:
+        keys |= {"optimizer.lr": DIVERGING_LR.get(precision, 1e4), "optimizer.grad_clip": 0.0}
+        if rng.random() < 0.5:
+            keys["train.max_skipped"] = rng.choice([0, 2])
     if gpt:
         keys |= {"model.dropout": rng.choice([0.0, 0.1]), "model.tie_weights": flag(rng), "model.bias": flag(rng)}
     return keys
+
+
+def diverges(keys: dict) -> bool:
+    """Whether ``keys`` drew a diverging learning rate (a run may then end with exit status 3)."""
+    return float(keys.get("optimizer.lr", 0.0)) >= 1e4
 
 
 def compression(rng: random.Random, keys: dict) -> dict:
@@ -109,6 +124,8 @@ def other_mode(rng: random.Random, keys: dict, world: int, local_steps=(2, 3), s
     keys["parallel.mode"] = q(mode)
     if mode == "ps":
         keys.pop("checkpoint.async", None)
+        if keys.get("train.on_nonfinite") == q("rewind"):  # the servers cannot rewind (refused)
+            keys["train.on_nonfinite"] = q("skip")
         keys["parallel.staleness"] = rng.choice(staleness)
     else:
         keys["parallel.local_steps"] = rng.choice(local_steps)
@@ -158,7 +175,7 @@ def equal_jobs(rng: random.Random, world: int, ranks: list[int]) -> tuple[int, d
     """(world, keys, world, keys) of an equality combination: fp64, all-reduce, two layouts of the
     same computation (dropout masks are keyed by step and row, so they are the same in both), the
     second in a world size of ``ranks``."""
-    common = options(rng, True, precisions=("fp64",))
+    common = options(rng, True, precisions=("fp64",), diverging=0.0)
     worlds = world, rng.choice(ranks)
     a, b = ({**layout(rng, size, True, layers=GPT_BASE["model.n_layer"]), **common} for size in worlds)
     return worlds[0], a, worlds[1], b
@@ -181,4 +198,4 @@ def replicas_job(rng: random.Random, world: int) -> dict:
         if keys["parallel.dp"] > 1 or keys["parallel.tp"] > 1:
             break
     keys.pop("checkpoint.async")
-    return compression(rng, {**keys, **options(rng, True, precisions=("fp32", "bf16", "fp16"))})
+    return compression(rng, {**keys, **options(rng, True, precisions=("fp32", "bf16", "fp16"), diverging=0.0)})

@@ -3,13 +3,17 @@
 - crash: a run, its resume in another layout and world size, `--resume STEP --load-weights-only`,
   `--dry-run`, `--resume must`, `--resume never --overwrite`, `hpcpar ckpt ls/verify/inspect/export`
   and `hpcpar generate`: none may end in a traceback, a timeout or an exit status other than 0 or
-  2 (2 only as one `error:` line; the checkpoint commands must exit 0).
+  2 (2 only as one `error:` line; the checkpoint commands must exit 0). A job that drew a diverging
+  learning rate may also end with 3 (`train.on_nonfinite`), as one line naming the step, when
+  `hpcpar ckpt verify` then finds every checkpoint it left finite; that ends its combination.
 - equal: fp64, a run's step-4 checkpoint resumed in another layout and world size ends, at step
   6, with every model and optimizer tensor within a relative 1e-12 of the uninterrupted run's
   (max |a - b| / max |a| per tensor: the sums of another layout round in another order).
 - resume: a run of one layout sent SIGUSR1 at a random moment of its training (after a random
   step's log line, by a random share of a step), resumed; the last checkpoint's
-  model/, optim/, compression/ and local_sgd/ tensors are bit for bit the uninterrupted run's.
+  model/, optim/, compression/ and local_sgd/ tensors are bit for bit the uninterrupted run's
+  (unless either rewound for a non-finite step: a rewind reloads the newest checkpoint, and the
+  stop added one).
   The asynchronous parameter server (staleness > 0) is left out: its updates apply in the order
   the workers' gradients arrive, which no two runs share, so no two runs are equal.
 - replicas: a few steps through the Python API; every copy of every parameter is equal across
@@ -26,7 +30,7 @@ import sys
 
 import numpy as np
 
-from sweep_jobs import (GPT_BASE, crash_job, equal_jobs, is_gpt, job_toml, q, relaid, replicas_job,
+from sweep_jobs import (GPT_BASE, crash_job, diverges, equal_jobs, is_gpt, job_toml, q, relaid, replicas_job,
                         resume_job)
 from sweep_run import TRAIN_TIMEOUT, hpcpar, mpiexec, run, tensors, timed_train, train
 
@@ -71,6 +75,7 @@ class Case:
     def require(self, outcome, what: str, refused: str = "refused"):
         """``outcome`` of ``what``, which the rest needs: a defect ends the combination, and so does a
         refusal (as ``refused``: "refused" for a first run, else "passed")."""
+        self.diverged(outcome, what)
         why = outcome.defect()
         if why:
             raise Ended("defect", f"{what}: {why}", outcome)
@@ -81,12 +86,31 @@ class Case:
     def check(self, outcome, what: str, refusal: bool = True):
         """``outcome`` of ``what``, which nothing after needs: a defect ends the combination, a refusal
         is noted."""
+        self.diverged(outcome, what)
         why = outcome.defect(refusal)
         if why:
             raise Ended("defect", f"{what}: {why}", outcome)
         if outcome.rc == 2:
             self.record["refused"].append(f"{what}: {outcome.error_line()}")
         return outcome
+
+
+    def diverged(self, outcome, what: str) -> None:
+        """A run that stopped for a non-finite step (exit status 3) ends the combination: passed when
+        its job drew a diverging learning rate, said so in one line and left only finite checkpoints."""
+        if outcome.rc != 3 or "Traceback" in outcome.stdout + outcome.stderr:
+            return
+        lines = [line for line in outcome.stderr.splitlines() if re.match(r"hpcpar train: step \d+: ", line)]
+        if not diverges(self.record.get("resume_keys") or self.record.get("keys") or {}):
+            raise Ended("defect", f"{what}: a non-finite step without a diverging learning rate", outcome)
+        if len(lines) != 1:
+            raise Ended("defect", f"{what}: exit status 3 with {len(lines)} lines naming the step", outcome)
+        root = os.path.join(outcome.folder, "ckpt")
+        if os.path.isdir(root) and any(name.startswith("step-") for name in os.listdir(root)):
+            verify = run(hpcpar("ckpt", "verify", "ckpt"), outcome.folder)
+            if verify.rc != 0:
+                raise Ended("defect", f"{what}: a diverged run left a checkpoint that fails verification", verify)
+        raise Ended("passed", f"{what} diverged as drawn: {lines[0]}", outcome)
 
 
 def crash(case: Case) -> None:
@@ -182,6 +206,9 @@ def resume(case: Case) -> None:
     stop = re.search(r"stopped at step (\d+)", first.stdout + first.stderr)
     case.record["stopped_at"] = int(stop.group(1)) if stop else None
     outcome = case.require(train(stopped, world, keys, RESUME_STEPS), "resume", refused="defect")
+    if any("rewound to step" in o.stdout + o.stderr for o in (done, first, outcome)):
+        # a rewind reloads the newest checkpoint, and the stop added one the uninterrupted run lacks
+        raise Ended("passed", "rewound: the runs went back to different checkpoints, not compared", outcome)
     x, y = _final_tensors(case, straight, stopped, RESUME_STEPS)
     names = sorted(n for n in x.keys() | y.keys() if n.startswith(EXACT))
     differ = [n for n in names if n not in x or n not in y or x[n].tobytes() != y[n].tobytes()]

@@ -49,8 +49,10 @@ demo: setup
 
 test: setup native test-serial test-mpi test-openmpi
 
+# Two pytest-xdist workers, a file each at a time (module fixtures are built once): much of the
+# serial suite waits on subprocesses, SLURM and timers, which the other worker fills.
 test-serial:
-	$(TIMEOUT) 1500 $(PYTEST) --durations=15 tests
+	$(TIMEOUT) 900 $(PYTEST) -n 2 --dist loadfile --durations=15 tests
 
 test-mpi:
 	$(TIMEOUT) 120 $(MPIEXEC) -n 1 $(PYTEST) --with-mpi -m mpi tests

@@ -72,6 +72,8 @@ class HalfBucketFP16(FP16Compression):
 @pytest.fixture(scope="module")
 def runs():
     ctx = hpcpar.init(device="cpu")
+    if ctx.world_size != 2:  # the 4-rank suite would train six more runs against a tolerance not measured there
+        pytest.skip("the loss tolerance (SEED_STD) was measured at 2 ranks")
     tokens = stdlib_corpus(200_000)
     results = {}  # label -> (held-out loss, wire bytes, ddp)
     for label, compressor in [("none", make_compressor("none")), ("fp16", make_compressor("fp16")),

@@ -18,6 +18,21 @@ from conftest import REPO, final_parameters
 from test_jobs import train
 
 
+def resumed_from_step_4_equals_straight(job, tmp_path, token_file, common) -> dict:
+    """The 8-step run in ``tmp_path/straight`` interrupted after its step-4 checkpoint (that checkpoint
+    alone, in ``tmp_path/stopped``) and resumed ends with its parameters bit for bit; they are returned."""
+    shutil.copytree(tmp_path / "straight" / "ckpt" / "step-00000004", tmp_path / "stopped" / "ckpt" / "step-00000004")
+    (tmp_path / "stopped" / "ckpt" / "latest").write_text("step-00000004\n")
+    resumed = train(job, tmp_path / "stopped", token_file, *common, "train.steps=8")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout and "step     8/8" in resumed.stdout
+    a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / "stopped" / "ckpt")
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    return a
+
+
 @pytest.mark.parametrize("layout", [["parallel.dp=2", "parallel.pp=2", "parallel.zero=true"],
                                     ["parallel.dp=2", "parallel.tp=2", "parallel.pp=1", "parallel.zero=true"],
                                     ["parallel.dp=4", "parallel.pp=1", "parallel.mode=\"local_sgd\"",
@@ -38,16 +53,8 @@ def test_bfloat16_trains_with_pipelines_and_zero_and_resumes_exactly(tmp_path, t
     records = [json.loads(line) for line in open(tmp_path / "straight" / "metrics.jsonl") if '"loss"' in line]
     assert [r["skipped_steps"] for r in records] == [0] * 8  # bf16: nothing overflowed
 
-    # the same job interrupted after its step-4 checkpoint: that checkpoint alone, then resume
-    shutil.copytree(tmp_path / "straight" / "ckpt" / "step-00000004", tmp_path / "stopped" / "ckpt" / "step-00000004")
-    (tmp_path / "stopped" / "ckpt" / "latest").write_text("step-00000004\n")
-    resumed = train(job, tmp_path / "stopped", token_file, *common, "train.steps=8")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resumed from" in resumed.stdout and "step     8/8" in resumed.stdout
-    a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / "stopped" / "ckpt")
-    assert a.keys() == b.keys() and all(a[k].dtype == np.float32 for k in a)
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    a = resumed_from_step_4_equals_straight(job, tmp_path, token_file, common)
+    assert all(a[k].dtype == np.float32 for k in a)
 
 
 # Each compressor in a data-parallel and a pipeline or tensor-parallel layout, and each precision whose
@@ -129,16 +136,9 @@ def test_bfloat16_parameter_server_trains_and_resumes_exactly(tmp_path, token_fi
     assert len(losses) == 8 and all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert [r["skipped_steps"] for r in records] == [0] * 8
 
-    shutil.copytree(tmp_path / "straight" / "ckpt" / "step-00000004", tmp_path / "stopped" / "ckpt" / "step-00000004")
-    (tmp_path / "stopped" / "ckpt" / "latest").write_text("step-00000004\n")
-    resumed = train(job, tmp_path / "stopped", token_file, *common, "train.steps=8")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resumed from" in resumed.stdout and "step     8/8" in resumed.stdout
-    a, b = final_parameters(tmp_path / "straight" / "ckpt"), final_parameters(tmp_path / "stopped" / "ckpt")
-    assert a.keys() == b.keys() and all(a[k].dtype == np.float32 for k in a)
+    a = resumed_from_step_4_equals_straight(job, tmp_path, token_file, common)
+    assert all(a[k].dtype == np.float32 for k in a)
     assert any(not np.array_equal(a[k], a[k].astype(ml_dtypes_bfloat16()).astype(np.float32)) for k in a)  # masters
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
 def ml_dtypes_bfloat16():

@@ -58,7 +58,7 @@ def label(layout) -> str:
     return f"{mesh.label()} {kind}"
 
 
-def layout_job(job, layout, steps: int, precision: str | None = None):
+def layout_job(job, layout, steps: int, precision: str | None = None, zero: int | None = None):
     mesh = GRID.mesh(*layout)
     pp, tp = mesh.size("pp"), mesh.size("tp")
     micro = job.parallel.micro_batches if pp > 1 else 1
@@ -66,7 +66,8 @@ def layout_job(job, layout, steps: int, precision: str | None = None):
         micro = 2 * pp  # a pipeline needs micro-batches to fill its stages
     parallel = replace(job.parallel, **mesh.by_name(), micro_batches=micro,
                        schedule=job.parallel.schedule if pp > 1 else "1f1b", chunks=1 if pp == 1 else job.parallel.chunks,
-                       sequence_parallel=job.parallel.sequence_parallel and tp > 1)  # nothing to split at tp = 1
+                       sequence_parallel=job.parallel.sequence_parallel and tp > 1,  # nothing to split at tp = 1
+                       zero=job.parallel.zero if zero is None else zero)
     if parallel.schedule == "interleaved" and (interleaved_fit(pp, micro) is not None or pp * parallel.chunks > job.num_layers):
         parallel = replace(parallel, schedule="1f1b", chunks=1)
     train = replace(job.train, steps=steps + 2, eval_interval=0, sample_tokens=0,
@@ -139,7 +140,7 @@ def measure(job, comm, steps: int) -> dict:
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
     comm_share, idle_share, inter_share = (gather(statistics.fmean(s[k] for s in shares), MPI.SUM) / ctx.world_size
                                            for k in (0, 1, 2))
-    figures = {"layout": list(ctx.mesh.shape), "precision": job.precision.name, "ranks": ctx.world_size, "step_s": step_s,
+    figures = {"layout": list(ctx.mesh.shape), "zero": job.parallel.zero, "precision": job.precision.name, "ranks": ctx.world_size, "step_s": step_s,
             "tokens_per_s": tokens / step_s,
             "compute_share": 1.0 - comm_share - idle_share, "comm_share": comm_share, "bubble_share": idle_share,
             "inter_node_share": inter_share, "nodes": ctx.topology.nodes, "across_nodes": ctx.crossing_axes,
@@ -150,16 +151,21 @@ def measure(job, comm, steps: int) -> dict:
     return figures
 
 
-def layouts_to_measure(job, world_size: int, steps: int, precisions) -> tuple[list, list]:
+def layouts_to_measure(job, world_size: int, steps: int, precisions, zeros=(None,)) -> tuple[list, list]:
     """([the job of each layout to measure], [(label, why) of each layout left out]): the same on
-    every rank, before anything runs. JobError when the one-rank baseline of a precision is
-    refused (a parameter-server job's, say): every speed-up is measured against it."""
+    every rank, before anything runs; each layout in each of ``precisions`` and, where it has
+    replicas, each ZeRO stage of ``zeros`` (None: the job's). JobError when the one-rank
+    baseline of a precision is refused (a parameter-server job's, say): every speed-up is
+    measured against it."""
     runs, skipped = [], []
     baseline = GRID.mesh().shape  # one rank
     layouts = [baseline] + (factorisations(world_size) if world_size > 1 else [])
-    for layout, precision in [(layout, precision) for layout in layouts for precision in precisions]:
+    for layout, precision, zero in [(layout, precision, zero) for layout in layouts for precision in precisions
+                                    for zero in zeros]:
+        if zero is not None and GRID.mesh(*layout).size("dp") == 1 and zero != zeros[0]:
+            continue  # nothing to shard over: the layout's first row is the one
         try:
-            runs.append(layout_job(job, layout, steps, precision))
+            runs.append(layout_job(job, layout, steps, precision, zero))
         except JobError as error:
             if layout == baseline:
                 raise JobError(error.source, [(key, f"{text} (in the one-rank baseline every speed-up is measured "
@@ -211,6 +217,9 @@ def add_arguments(parser) -> None:
                         help="folder for compare.json and compare.png (default: runs/compare-JOB)")
     parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16", "fp16"], default=None,
                         help="also measure each layout in these precisions, beside fp32 (default: the job's only)")
+    parser.add_argument("--zero", nargs="+", type=int, choices=[0, 1, 2], default=None,
+                        help="measure each layout with replicas under these ZeRO stages, a row each (default: the "
+                             "job's parallel.zero only)")
     parser.set_defaults(func=run)
 
 
@@ -252,7 +261,8 @@ def run(args) -> int:
     precisions = [None] if args.precision is None else ["fp32"] + [p for p in args.precision if p != "fp32"]
     with agreed_verdict("hpcpar compare", (JobError,)):  # the same verdict on every rank, before any waits
         job = load_job(args.job, args.set)
-        runs, skipped = layouts_to_measure(job, world.Get_size(), args.steps, precisions)
+        zeros = (None,) if args.zero is None else tuple(dict.fromkeys(args.zero))
+        runs, skipped = layouts_to_measure(job, world.Get_size(), args.steps, precisions, zeros)
         for layout_job in runs:  # this machine's environment and memory, as hpcpar train checks them
             check_machine(layout_job, writes=False)  # its metrics, trace and checkpoints are never written
     with agreed_verdict("hpcpar compare", (DeviceError,)):  # every rank gets here: the device as init agrees on it
@@ -275,12 +285,13 @@ def run(args) -> int:
     if world.Get_rank() != 0:
         return 0
     base = {r["precision"]: r["tokens_per_s"] for r in reversed(results)}  # one rank, in each precision
-    fp32 = {tuple(r["layout"]): r for r in results if r["precision"] == "fp32"}
+    fp32 = {(tuple(r["layout"]), r["zero"]): r for r in results if r["precision"] == "fp32"}
     for r in results:
         r["speedup"] = r["tokens_per_s"] / base[r["precision"]]
         r["efficiency"] = r["speedup"] / r["ranks"]
-        r["label"] = label(r["layout"]) + (f" {r['precision']}" if len(precisions) > 1 else "")
-        same = fp32.get(tuple(r["layout"]))
+        r["label"] = (label(r["layout"]) + (f" zero-{r['zero']}" if args.zero is not None and r["zero"] else "")
+                      + (f" {r['precision']}" if len(precisions) > 1 else ""))
+        same = fp32.get((tuple(r["layout"]), r["zero"]))
         if same is not None:  # beside the same layout in float32
             r["step_vs_fp32"] = r["step_s"] / same["step_s"]
             r["activations_vs_fp32"] = r["activation_peak_mb_per_rank"] / same["activation_peak_mb_per_rank"]

@@ -184,7 +184,7 @@ def test_one_replica_has_no_gradient_all_reduce_and_unused_parameters_still_get_
     from hpcpar.train.validate import validate
     if MPI.COMM_WORLD.Get_size() != 1:
         pytest.skip("one replica: the job's grid is the whole world")
-    job = validate(load_job(os.path.join(REPO, "jobs", "cnn-digits-dp.toml"), ["train.steps=1", "parallel.zero=false"]), 1)
+    job = validate(load_job(os.path.join(REPO, "jobs", "cnn-digits-dp.toml"), ["train.steps=1", "parallel.zero=0"]), 1)
     run = build(job, start_context(job))
     assert run.strategy.ddp is None and "no gradient all-reduce" in run.strategy.describe()
     run.ctx.dp.stats.reset()

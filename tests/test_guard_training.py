@@ -53,12 +53,12 @@ COMMON = ["train.device=guard", "data.batch_size=12", f"train.log_interval={LOG_
 # name: (job file, overrides for a world of n ranks, the world sizes it runs at)
 LAYOUTS = {
     "gpt-ddp": ("gpt-dp.toml", lambda n: [*GPT, "parallel.bucket_mb=0.02"], (1, 2, 4)),
-    "gpt-zero": ("gpt-dp.toml", lambda n: [*GPT, "parallel.zero=true"], (1, 2, 4)),
+    "gpt-zero": ("gpt-dp.toml", lambda n: [*GPT, "parallel.zero=1"], (1, 2, 4)),
     "gpt-ddp-fp16": ("gpt-dp.toml", lambda n: [*GPT, "train.precision=fp16"], (1, 2)),
     "gpt-ddp-dropout": ("gpt-dp.toml", lambda n: [*GPT, "model.dropout=0.1"], (1, 2)),
     "gpt-ddp-topk": ("gpt-dp.toml", lambda n: [*GPT, "parallel.compression=topk"], (2,)),
     "gpt-ddp-powersgd": ("gpt-dp.toml", lambda n: [*GPT, "parallel.compression=powersgd"], (2,)),
-    "cnn-ddp": ("cnn-digits-dp.toml", lambda n: ["parallel.zero=false", "parallel.bucket_mb=0.01"], (1, 2, 4)),
+    "cnn-ddp": ("cnn-digits-dp.toml", lambda n: ["parallel.zero=0", "parallel.bucket_mb=0.01"], (1, 2, 4)),
     "cnn-zero": ("cnn-digits-dp.toml", lambda n: [], (1, 2, 4)),
     "tensor-parallel": ("gpt-tp.toml", lambda n: [*GPT, "parallel.tp=2", f"parallel.dp={n // 2}"], (2, 4)),
     "pipeline": ("gpt-pp.toml", lambda n: [*GPT, "parallel.pp=2", f"parallel.dp={n // 2}",

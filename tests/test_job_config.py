@@ -229,7 +229,7 @@ def test_validate_fills_dp_and_describe_round_trips(tmp_path):
     (["parallel.mode=ps"], 4, 'parallel.mode: "ps" runs data parallel only, but pp = 2'),
     (["parallel.mode=ps", "parallel.pp=1", "parallel.servers=2", "parallel.micro_batches=1"], 2,
      "parallel.servers: 2 server(s) leave no worker among 2 ranks"),
-    (["parallel.zero=true", "parallel.compression=fp16"], 2, "parallel.zero: ZeRO reduce-scatters gradients"),
+    (["parallel.zero=1", "parallel.compression=fp16"], 2, "parallel.zero: ZeRO reduce-scatters gradients"),
     (["parallel.sequence_parallel=true"], 4, "parallel.sequence_parallel: splits activations over the tp ranks; "
                                              "with tp = 1 there is nothing to split"),
     (["parallel.sequence_parallel=true", "parallel.tp=2", "parallel.pp=1", "model.block_size=33"], 2,

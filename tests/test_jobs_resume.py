@@ -33,12 +33,12 @@ def resumed_from_step_4_equals_straight(job, tmp_path, token_file, common) -> di
     return a
 
 
-@pytest.mark.parametrize("layout", [["parallel.dp=2", "parallel.pp=2", "parallel.zero=true"],
-                                    ["parallel.dp=2", "parallel.tp=2", "parallel.pp=1", "parallel.zero=true"],
+@pytest.mark.parametrize("layout", [["parallel.dp=2", "parallel.pp=2", "parallel.zero=1"],
+                                    ["parallel.dp=2", "parallel.tp=2", "parallel.pp=1", "parallel.zero=2"],
                                     ["parallel.dp=4", "parallel.pp=1", "parallel.mode=\"local_sgd\"",
                                      "parallel.local_steps=2", "parallel.micro_batches=1",
                                      "parallel.average_optimizer_state=true"]],
-                         ids=["dp2-pp2-zero", "dp2-tp2-zero", "local-sgd"])
+                         ids=["dp2-pp2-zero1", "dp2-tp2-zero2", "local-sgd"])
 def test_bfloat16_trains_with_pipelines_and_zero_and_resumes_exactly(tmp_path, token_file, layout):
     """Mixed precision under pipelines, ZeRO-1 and local SGD: the loss falls, and a run stopped at step 4
     and resumed ends with the float32 masters of an uninterrupted run, bit for bit."""

@@ -24,7 +24,7 @@ LAYOUTS = {"ddp": ["parallel.pp=1", "parallel.tp=1"],
            "interleaved": ["parallel.pp=2", "parallel.tp=1", 'parallel.schedule="interleaved"', "parallel.chunks=2",
                            "model.n_layer=4"],
            "tp": ["parallel.pp=1", "parallel.tp=2", "parallel.sequence_parallel=true"],
-           "zero": ["parallel.pp=1", "parallel.tp=1", "parallel.zero=true"],
+           "zero": ["parallel.pp=1", "parallel.tp=1", "parallel.zero=1"],
            "ps": ["parallel.pp=1", "parallel.tp=1", 'parallel.mode="ps"', "parallel.servers=1", "data.batch_size=6"]}
 RANKS_NEEDED = {"ddp": 1, "pipeline": 2, "interleaved": 2, "tp": 2, "zero": 1, "ps": 2}
 

@@ -174,7 +174,7 @@ def test_a_later_pipeline_stage_keeps_its_received_input_where_its_first_layer_d
 def test_a_20b_gpt_on_two_dgx_h100_nodes_keeps_tensor_parallelism_inside_a_node(tmp_path):
     path = tmp_path / "gpt20b.toml"
     path.write_text('[model]\nkind = "gpt"\nvocab_size = 51200\nblock_size = 2048\nn_layer = 44\nn_head = 48\n'
-                    'n_embd = 6144\n[data]\nbatch_size = 64\n[parallel]\nmicro_batches = 4\nzero = true\n'
+                    'n_embd = 6144\n[data]\nbatch_size = 64\n[parallel]\nmicro_batches = 4\nzero = 1\n'
                     '[train]\nprecision = "bf16"\n')
     ranked = plan_layouts(load_job(str(path)), 16, machines.load_machine("dgx-h100"))
     best = ranked.predictions[0]

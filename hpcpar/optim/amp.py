@@ -122,26 +122,29 @@ class MixedPrecision:
             master.grad *= inverse
         self._unscaled = True
 
-    def check(self, loss=None, norm=None, allreduce_max=None) -> StepHealth:
-        """The step's health (``optim.finite.check_step``) from the master gradients, unscaled here;
-        a non-finite gradient with a finite loss under a loss scaler is its overflow."""
+    def check(self, loss=None, norm=None, allreduce_max=None, grads=None) -> StepHealth:
+        """The step's health (``optim.finite.check_step``) from the master gradients, unscaled here
+        (``grads``: other (name, gradient) pairs to read, as ZeRO-2's shard); a non-finite gradient
+        with a finite loss under a loss scaler is its overflow."""
         self.unscale_grads()
-        health = check_step(loss, ((name, m.grad) for name, m in self.master), norm, allreduce_max)
+        grads = ((name, m.grad) for name, m in self.master) if grads is None else grads
+        health = check_step(loss, grads, norm, allreduce_max)
         if self.scaler is not None and health.nonfinite == GRADIENTS:
             return StepHealth(GRADIENTS, overflow=True, parameter=health.parameter)
         return health
 
-    def step(self, optimizer, allreduce_max=None, loss=None, norm=None, **step_options) -> StepHealth:
+    def step(self, optimizer, allreduce_max=None, loss=None, norm=None, grads=None, **step_options) -> StepHealth:
         """Step ``optimizer`` on the master weights and copy them into the model, or skip the step.
 
         Skipped when ``check(loss, norm, allreduce_max)`` finds a non-finite loss or gradient on
         any rank. Updates the scaler (a skip backs it off), counts skips in ``skipped_steps`` (with or without
         a scaler), and clears the model's and master's gradients either way; returns the step's
         health. ``norm``: the global gradient norm when the step clipped (no second pass over
-        the gradients). ``step_options`` go to ``optimizer.step`` (ZeRO-1's ``reduce=False`` after
-        its gradients were reduced for clipping).
+        the gradients). ``grads``: what ``check`` reads instead of the masters' gradients.
+        ``step_options`` go to ``optimizer.step`` (ZeRO's ``reduce=False`` once its shard
+        gradient is in place).
         """
-        health = self.check(loss, norm, allreduce_max)
+        health = self.check(loss, norm, allreduce_max, grads)
         if not health.taken:
             self.skipped_steps += 1
         else:

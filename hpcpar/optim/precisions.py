@@ -94,12 +94,13 @@ class MasterWeights(Protocol):
     another dtype, the loss scaled) or ``FullPrecision``; either skips a non-finite step."""
 
     scaler: DynamicLossScaler | None
+    scale: float  # what the loss, and so every gradient backward makes, is multiplied by
 
     def named_master_parameters(self) -> list: ...
     def model_parameter(self, master): ...
     def backward(self, loss) -> None: ...
     def unscale_grads(self) -> None: ...
-    def step(self, optimizer, allreduce_max=None, loss=None, norm=None, **step_options) -> StepHealth: ...
+    def step(self, optimizer, allreduce_max=None, loss=None, norm=None, grads=None, **step_options) -> StepHealth: ...
     def copy_to_model(self) -> None: ...
     def master_bytes(self) -> int: ...
     def metrics(self) -> dict: ...
@@ -114,6 +115,7 @@ class FullPrecision:
     """
 
     scaler = None
+    scale = 1.0  # gradients are never scaled
 
     def __init__(self, named):
         self.named = list(named)
@@ -130,10 +132,12 @@ class FullPrecision:
     def unscale_grads(self) -> None:
         pass
 
-    def step(self, optimizer, allreduce_max=None, loss=None, norm=None, **step_options) -> StepHealth:
+    def step(self, optimizer, allreduce_max=None, loss=None, norm=None, grads=None, **step_options) -> StepHealth:
         """``optimizer.step(**step_options)`` unless the loss or a gradient is not finite on a rank
-        (agreed by ``allreduce_max``; ``norm``: the clipping norm); the step's health."""
-        health = check_step(loss, ((name, p.grad) for name, p in self.named), norm, allreduce_max)
+        (agreed by ``allreduce_max``; ``norm``: the clipping norm; ``grads``: the (name, gradient)
+        pairs to read instead of the parameters' own, as ZeRO-2's shard); the step's health."""
+        grads = ((name, p.grad) for name, p in self.named) if grads is None else grads
+        health = check_step(loss, grads, norm, allreduce_max)
         if health.taken:
             optimizer.step(**step_options)
         elif hasattr(optimizer, "zero_grad"):  # ZeRO-1's reduced shard, when it was reduced

@@ -6,8 +6,8 @@
     sync.finish()               # the step's end: the gradients are those the update steps on
 
 Both engines (plain forward/backward and the pipeline executor) call only this interface;
-``make_gradient_sync`` is the one rule that picks the sync, so a new one (ZeRO-2) is a class
-here or beside it and one line in the rule.
+``make_gradient_sync`` is the one rule that picks the sync: none, DDP, ZeRO-1 (in the
+optimizer) or ZeRO-2 (``zero_grads``: bucketed reduce-scatter).
 """
 from __future__ import annotations
 
@@ -15,15 +15,21 @@ import contextlib
 
 from .data import DistributedDataParallel
 from .sequence import sync_sequence_parallel_grads
+from .zero_grads import BucketedReduceScatter
 
 
-def make_gradient_sync(holder, ctx, *, sharded: bool, compression=None, bucket_mb: float, overlap: bool,
-                       alone=()) -> "GradientSync":
-    """The sync of ``holder``'s gradients (a module, or a pipeline's stages): ZeRO (``sharded``)
-    reduce-scatters in its optimizer; replicas, or a compressor (it changes the gradient even at
-    dp = 1), take DDP's bucketed all-reduce; one replica keeps its gradients where backward left
-    them. ``alone``: parameters another rank holds too (a pipeline's tied embedding), which a
-    compressor sees whole and alike on each holder only in a bucket of their own."""
+def make_gradient_sync(holder, ctx, *, sharded: int, compression=None, bucket_mb: float, overlap: bool,
+                       alone=(), master_dtype=None) -> "GradientSync":
+    """The sync of ``holder``'s gradients (a module, or a pipeline's stages): ZeRO-1 (``sharded``
+    = 1) reduce-scatters in its optimizer; ZeRO-2 (2) reduce-scatters buckets during backward
+    into the shard's ``master_dtype`` (None: the parameters'); replicas, or a compressor (it
+    changes the gradient even at dp = 1), take DDP's bucketed all-reduce; one replica keeps its
+    gradients where backward left them. ``alone``: parameters another rank holds too (a
+    pipeline's tied embedding), which a compressor sees whole and alike on each holder only in
+    a bucket of their own."""
+    if sharded == 2:
+        dtype = master_dtype or next(p.dtype for _, p in holder.named_parameters())
+        return BucketedReduceScatter(holder, ctx, bucket_mb=bucket_mb, overlap=overlap, dtype=dtype)
     if sharded:
         return OptimizerReduces(holder, ctx)
     if ctx.dp_size > 1 or compression is not None:

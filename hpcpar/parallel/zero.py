@@ -1,8 +1,12 @@
-"""ZeRO stage 1: optimizer state sharded across the data-parallel group.
+"""ZeRO stages 1 and 2: optimizer state (and, with stage 2, gradients) sharded across dp.
 
     opt = ZeroRedundancyOptimizer(model.named_parameters(), ctx.dp, AdamW, lr=3e-4)
     loss.backward()          # no DDP wrapper: the gradient reduction happens in step()
     opt.step()
+
+Stage 2 hands the optimizer a shard gradient that ``parallel.zero_grads`` reduce-scattered
+bucket by bucket during backward (``opt.shard.grad = ...; opt.step(reduce=False)``): the
+flat gradient below is then never made.
 
 The parameters become views into one flat buffer; each dp rank keeps the optimizer state of
 its contiguous 1/dp shard only. A step reduce-scatters the flat gradient, steps the shard and
@@ -13,6 +17,7 @@ so it loads into any layout, with or without ZeRO.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -27,6 +32,13 @@ from ..state import (Checkpointable, LoadPlan, Saved, flat_state_load_plan, flat
                      weight_decay_scalars)
 
 
+def flat_layout(sizes, ranks: int) -> tuple[list[int], int]:
+    """(where each of ``sizes`` starts when laid end to end, the elements of each of ``ranks``
+    contiguous shards): rank r owns [r * shard, (r + 1) * shard), the last one padded."""
+    offsets = [0, *itertools.accumulate(sizes)][:len(sizes)]
+    return offsets, math.ceil(sum(sizes) / ranks)
+
+
 class ZeroRedundancyOptimizer(Checkpointable):
     def __init__(self, params, comm, optimizer_class, broadcast_parameters: bool = True, no_decay=(),
                  **optimizer_options):
@@ -38,8 +50,8 @@ class ZeroRedundancyOptimizer(Checkpointable):
         if len(dtypes) > 1:
             raise ValueError(f"ZeroRedundancyOptimizer needs one parameter dtype, got {sorted(map(str, dtypes))}")
         self.comm = comm
+        self.offsets, self.shard_size = flat_layout([p.size for p in self.params], comm.size)
         self.numel = sum(p.size for p in self.params)
-        self.shard_size = math.ceil(self.numel / comm.size)
         # A pipeline stage may hold no parameters (a CNN's activation and pooling layers): its
         # buffers are then empty, and every collective still runs, on nothing, with its dp group.
         dtype = self.params[0].dtype if self.params else np.dtype(np.float32)
@@ -47,14 +59,10 @@ class ZeroRedundancyOptimizer(Checkpointable):
         # Both flat buffers in the node's shared window when the shared-memory path is on
         # (hpcpar.runtime.shm): reduce-scatter and all-gather then read and write them in place.
         self.flat = shared_zeros(comm, self.shard_size * comm.size, dtype, xp)
-        self.offsets = []
-        offset = 0
-        for p in self.params:  # parameters become views into the flat buffer
-            self.offsets.append(offset)
+        for p, offset in zip(self.params, self.offsets):  # parameters become views into the flat buffer
             view = self.flat[offset: offset + p.size].reshape(p.shape)
             view[...] = p.data
             p.data = view
-            offset += p.size
         if broadcast_parameters and comm.size > 1:
             comm.broadcast(self.flat, root=0)
         start = comm.rank * self.shard_size
@@ -63,7 +71,7 @@ class ZeroRedundancyOptimizer(Checkpointable):
         # Weight decay by parameter name (groups, no_decay), as runs along this rank's shard.
         self.weight_decays = flat_range_decays(self.names, self.optimizer, given, no_decay)
         self._set_shard_decay()
-        self._flat_grad = shared_zeros(comm, self.flat.size, self.flat.dtype, xp)
+        self._flat_grad = None  # made by the first reduce_gradients (never under ZeRO-2)
 
     # The wrapped optimizer's hyperparameters (lr for schedules) read and write through.
     @property
@@ -95,6 +103,8 @@ class ZeroRedundancyOptimizer(Checkpointable):
 
     def reduce_gradients(self):
         """Reduce-scatter the flat gradient; the shard's ``grad`` holds the dp mean of this rank's part."""
+        if self._flat_grad is None:
+            self._flat_grad = shared_zeros(self.comm, self.flat.size, self.flat.dtype, get_array_module(self.flat))
         for p, offset in zip(self.params, self.offsets):
             target = self._flat_grad[offset: offset + p.size]
             if p.grad is None:
@@ -103,6 +113,15 @@ class ZeroRedundancyOptimizer(Checkpointable):
                 target[...] = p.grad.reshape(-1)
         self.shard.grad = self.comm.reduce_scatter(self._flat_grad, "mean")
         return self.shard.grad
+
+    def named_shard_grads(self):
+        """(name, the part of the shard's gradient that is that parameter's) for each parameter the
+        shard overlaps: what a finiteness check reads when the shard is the only gradient."""
+        start, grad = self.comm.rank * self.shard_size, self.shard.grad
+        for name, p, offset in zip(self.names, self.params, self.offsets):
+            lo, hi = max(offset, start), min(offset + p.size, start + self.shard_size)
+            if lo < hi and grad is not None:
+                yield name, grad[lo - start: hi - start]
 
     def clip_grad_norm(self, max_norm: float, counts=None, model_parallel_sum=None) -> float:
         """Clip the reduced shard by the global norm; returns the norm.

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..parallel.zero_grads import IN_FLIGHT
 from .schedule import in_flight, schedule_of
-from .traffic import bucket_bytes, builds_ddp
+from .traffic import bucket_bytes, builds_ddp, reduce_scatter_buckets
 
 
 @dataclass
@@ -114,15 +115,12 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
     state_elements = -(-elements // lay.dp) if job.parallel.zero else elements
     moments = {"adamw": 2, "adam": 2, "sgd": 1 if job.optimizer.momentum else 0}[job.optimizer.name]
     optimizer = state_elements * master * moments + (elements * 4 if plan.mixed else 0)
-    if job.parallel.zero:  # the flat parameters are the masters (or the parameters); the flat gradient is extra
-        buffers = (-(-elements // lay.dp)) * lay.dp * master
-    else:
-        buffers = elements * d if builds_ddp(job, lay) else 0.0
+    buffers, all_gradients = _gradient_buffers(plan, params, one_backward=lay.micro_batches == 1 and len(stages) == 1)
     per_stage = [stage_kept_bytes(plan, s) for s in stages]
     # One micro-batch through one stage makes the gradients in its backward; otherwise earlier
     # backwards of the step (accumulating micro-batches, the rank's later stages) made them all.
     before = 0.0 if lay.micro_batches == 1 and len(stages) == 1 else elements * d
-    kept, gradients, workspace = max((_backward_peak(plan, plan.stage_layers[s], k, before, elements * d,
+    kept, gradients, workspace = max((_backward_peak(plan, plan.stage_layers[s], k, before, all_gradients,
                                                      plan.boundary_bytes(s - 1) if s > 0 else 0.0)
                                       for s, k in zip(stages, per_stage)), key=sum)
     kept += (held - 1) * max(per_stage)  # the other micro-batches in flight, each at most a stage's kept bytes
@@ -152,6 +150,25 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
             return Memory(elements * d, optimizer, buffers, elements * d, 0.0, after - elements * d)
         workspace += sum(copies) - min(copies)
     return Memory(elements * d, optimizer, buffers, gradients, kept, workspace)
+
+
+def _gradient_buffers(plan, params, one_backward: bool) -> tuple[float, float]:
+    """(bytes of the gradient sync's buffers, the most bytes of gradients backward holds at once).
+
+    DDP's buckets; ZeRO-1's flat gradient (the flat parameters are the masters, or the
+    parameters); ZeRO-2's shard gradient and the buckets alive at once (those in flight and one
+    filling), and when one backward makes the step's gradients (no accumulation, one stage)
+    each is freed into its bucket, so no more than a bucket of them is held."""
+    job, lay, d, master = plan.job, plan.layout, plan.dtype_bytes, plan.master_bytes
+    elements = sum(e for _, e, _ in params)
+    shard = -(-elements // lay.dp)
+    if job.parallel.zero == 2 and params:
+        buckets = reduce_scatter_buckets(plan, params)
+        held = min(elements * d, max(buckets) / master * d) if one_backward else elements * d
+        return shard * master + sum(sorted(buckets)[-(IN_FLIGHT + 1):]), held
+    if job.parallel.zero:
+        return shard * lay.dp * master, elements * d
+    return (elements * d if builds_ddp(job, lay) else 0.0), elements * d
 
 
 def _float32_bucket_copies(plan, params) -> list:

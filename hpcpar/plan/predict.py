@@ -22,7 +22,8 @@ from .machine import Machine
 from .memory import Memory, memory_per_rank
 from .model import Layer, Work, layers, shape_of
 from .schedule import schedule_of
-from .traffic import Traffic, bucket_bytes, builds_ddp, stage_parameters, step_traffic
+from .traffic import (Traffic, bucket_bytes, builds_ddp, reduce_scatter_buckets, shard_sequence_parallel_elements,
+                      stage_parameters, step_traffic)
 
 ELEMENTWISE_RATE = {"gemm": "gemm_flops", "attention": "attention_flops", "conv": "conv_flops"}
 
@@ -56,12 +57,13 @@ class Layout:
     micro_batches: int = 1
     chunks: int = 1
     sequence_parallel: bool = False
+    zero: int = 0  # the ZeRO stage over dp
 
     @classmethod
     def of(cls, job) -> "Layout":
         p = job.parallel
         return cls(p.dp, p.pp, p.tp, p.schedule if p.pp > 1 else "-", p.micro_batches, p.chunks if p.pp > 1 else 1,
-                   bool(p.sequence_parallel and p.tp > 1))
+                   bool(p.sequence_parallel and p.tp > 1), int(p.zero))
 
     @property
     def world(self) -> int:
@@ -73,7 +75,7 @@ class Layout:
             text += f" {self.schedule} m{self.micro_batches}" + (f" v{self.chunks}" if self.chunks > 1 else "")
         elif self.micro_batches > 1:
             text += f" m{self.micro_batches}"
-        return text + (" sp" if self.sequence_parallel else "")
+        return text + (" sp" if self.sequence_parallel else "") + (f" z{self.zero}" if self.zero else "")
 
 
 @dataclass
@@ -277,6 +279,8 @@ class StepPlan:
         if builds_ddp(job, lay):
             buckets = [self.collective_seconds("dp", "iallreduce", n)
                        for n in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d))]
+        elif job.parallel.zero == 2 and lay.dp > 1:
+            buckets = [self.collective_seconds("dp", "reduce_scatter", n) for n in reduce_scatter_buckets(self, params)]
         total = sum(buckets)
         if lay.pp > 1:
             if self.tied_across_stages(rank):
@@ -284,7 +288,10 @@ class StepPlan:
                              for n, e, _ in params if n == "embed.wte.weight")
             total += self.collective_seconds("pp", "allreduce", 8)
         sp = sum(e for _, e, on in params if on)
-        if lay.sequence_parallel and sp:
+        if lay.sequence_parallel and sp and job.parallel.zero == 2:  # the slowest dp rank's part of its shard
+            total += self.collective_seconds("tp", "allreduce",
+                                             max(shard_sequence_parallel_elements(params, lay.dp)) * self.master_bytes)
+        elif lay.sequence_parallel and sp:
             total += self.collective_seconds("tp", "allreduce", sp * d)
         return {"buckets": buckets, "total": total}
 
@@ -311,7 +318,8 @@ class StepPlan:
         if job.parallel.zero and lay.dp > 1:
             elements = max(sum(e for _, e, _ in self.rank_parameters(r)) for r in range(lay.pp))
             shard = -(-elements // lay.dp) * self.master_bytes
-            seconds += self.collective_seconds("dp", "reduce_scatter", shard * lay.dp)
+            if job.parallel.zero == 1:  # ZeRO-2 reduce-scattered its buckets after (or during) backward
+                seconds += self.collective_seconds("dp", "reduce_scatter", shard * lay.dp)
             seconds += self.collective_seconds("dp", "allgather", shard)
         if job.optimizer.grad_clip > 0:
             seconds += sum(self.collective_seconds(c, "allreduce", 8) for c in ("tp", "pp")) + (

@@ -55,6 +55,26 @@ def bucket_bytes(param_bytes: list[int], bucket_mb: float, dtype: str) -> list[i
     return [sum(param_bytes[i] for i in indices) for indices in plan_buckets(params, limit)]
 
 
+def reduce_scatter_buckets(plan, params) -> list[int]:
+    """ZeRO-2's buckets (``parallel.zero_grads``): DDP's cut of the parameters, each bucket's
+    bytes in the master dtype the shard gradient is reduced in."""
+    d = plan.dtype_bytes
+    return [n // d * plan.master_bytes for n in bucket_bytes([e * d for _, e, _ in params], plan.job.parallel.bucket_mb, str(d))]
+
+
+def shard_sequence_parallel_elements(params, dp: int) -> list[int]:
+    """Per dp rank, the elements of sequence-parallel parameters inside its ZeRO-2 shard (the
+    parameters laid end to end, ``zero.flat_layout``): what its tp sum of the shard moves."""
+    shard = -(-sum(e for _, e, _ in params) // dp)
+    out, offset = [0] * dp, 0
+    for _, elements, sp in params:
+        if sp:
+            for r in range(dp):
+                out[r] += max(0, min(offset + elements, (r + 1) * shard) - max(offset, r * shard))
+        offset += elements
+    return out
+
+
 def stage_parameters(stage_layers: list[list[Layer]]) -> list[tuple[str, int, bool]]:
     """A pipeline rank's parameters in ``PipelineParallel.named_parameters`` order (tied ones once)."""
     seen, out = set(), []
@@ -68,7 +88,7 @@ def stage_parameters(stage_layers: list[list[Layer]]) -> list[tuple[str, int, bo
 
 
 def builds_ddp(job, lay) -> bool:
-    """Whether a rank of this layout all-reduces its gradients in DDP's buckets: not under ZeRO-1
+    """Whether a rank of this layout all-reduces its gradients in DDP's buckets: not under ZeRO
     (it reduce-scatters), and not for one replica (its gradients stay where backward left them;
     a compressor would run even there, but the planner refuses compressed jobs: ``unmodelled``)."""
     return not job.parallel.zero and lay.dp > 1
@@ -96,8 +116,15 @@ def step_traffic(plan) -> Traffic:
         if builds_ddp(job, lay):
             for nbytes in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d)):
                 traffic.add("dp", "iallreduce", nbytes, group)
+        if job.parallel.zero == 2:
+            for nbytes in reduce_scatter_buckets(plan, params):
+                traffic.add("dp", "ireduce_scatter", nbytes, group)
         sp = [e for _, e, on in params if on]
-        if lay.sequence_parallel and tp > 1 and sp:
+        if lay.sequence_parallel and tp > 1 and sp and job.parallel.zero == 2:  # each dp rank's part of its shard
+            for elements in shard_sequence_parallel_elements(params, dp):
+                if elements:
+                    traffic.add("tp", "allreduce", elements * master, tp)
+        elif lay.sequence_parallel and tp > 1 and sp:
             traffic.add("tp", "allreduce", sum(sp) * d, group)
         if pp > 1:
             traffic.add("pp", "allreduce", SCALAR, group)  # the last stage's loss, to every stage
@@ -127,13 +154,15 @@ def _pipeline_messages(traffic: Traffic, plan, rank: int, group: int) -> None:
 
 
 def _optimizer_messages(traffic: Traffic, plan, master_bytes: int, group: int) -> None:
-    """finish_step: ZeRO's reduce-scatter and all-gather, the clipping norm's sums, the finiteness check."""
+    """finish_step: ZeRO's reduce-scatter (ZeRO-1; ZeRO-2's ran in backward) and all-gather, the
+    clipping norm's sums, the finiteness check."""
     job, lay = plan.job, plan.layout
     clip = job.optimizer.grad_clip > 0
     if job.parallel.zero:
         elements = master_bytes // plan.master_bytes
         shard = -(-elements // lay.dp)
-        traffic.add("dp", "reduce_scatter", shard * lay.dp * plan.master_bytes, group)
+        if job.parallel.zero == 1:
+            traffic.add("dp", "reduce_scatter", shard * lay.dp * plan.master_bytes, group)
         traffic.add("dp", "allgather", shard * plan.master_bytes, group)
         if clip:
             traffic.add("dp", "allreduce", SCALAR, group)

@@ -244,6 +244,37 @@ class Communicator:
         self.stats.add("reduce_scatter", x.nbytes, time.perf_counter() - start, start=start)
         return result
 
+    def ireduce_scatter(self, x, counts, out, op: str = "sum") -> Handle:
+        """Start reducing the flat ``x`` and scattering it in consecutive pieces of ``counts[r]``
+        elements to rank r (uneven, some may be 0); ``out`` (``counts[self.rank]`` elements,
+        C-contiguous) receives this rank's piece. The handle's ``wait()`` returns ``out``."""
+        mpi_op = _reduce_op(op)
+        counts = [int(c) for c in counts]
+        if _is_bfloat16(x.dtype) or len(counts) != self.size or sum(counts) != x.size or out.size != counts[self.rank]:
+            raise ValueError(f"ireduce_scatter: {x.size} {x.dtype} elements cannot go out as {counts} over "
+                             f"{self.size} ranks into {out.size}")
+        _require_contiguous(x, "ireduce_scatter")
+        _require_contiguous(out, "ireduce_scatter")
+        debug.check_collective(self, "ireduce_scatter", x)
+        start = time.perf_counter()
+        send, recv = _Staged(x, self, copy_out=False), _Staged(out, self, copy_in=False)
+        if self._device_blocking(send.buffer, recv.buffer):
+            self.mpi.Reduce_scatter(send.buffer, recv.buffer, counts, mpi_op)
+            request = MPI.REQUEST_NULL
+        else:
+            request = self.mpi.Ireduce_scatter(send.buffer, recv.buffer, counts, mpi_op)
+
+        def finish():
+            send.finish()
+            result = recv.finish()
+            if op == "mean":
+                result /= self.size
+            return result
+
+        self.stats.add("ireduce_scatter", x.nbytes, time.perf_counter() - start, start=start)
+        return Handle(self, "ireduce_scatter", request, finish, self._next_collective("ireduce_scatter"),
+                      keepalive=send, nbytes=x.nbytes)
+
     def allgather(self, x, out=None):
         """Concatenate every rank's ``x`` (same shape everywhere) along a new first axis.
 

@@ -12,7 +12,7 @@ from typing import Callable
 # Every operation a Communicator records, and the families a name stands for in the queries:
 # ``calls("allreduce")`` counts blocking and non-blocking all-reduces, ``calls("iallreduce")``
 # the non-blocking ones alone.
-OPS = ("barrier", "allreduce", "iallreduce", "reduce_scatter", "allgather", "broadcast",
+OPS = ("barrier", "allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "allgather", "broadcast",
        "send", "isend", "recv", "irecv", "bcast_object", "allgather_object", "gather_object",
        "allreduce_object", "send_object", "recv_object")
 FAMILIES = {"allreduce": ("allreduce", "iallreduce"), "send": ("send", "isend"), "recv": ("recv", "irecv")}
@@ -24,7 +24,7 @@ def ring_wire_bytes(op: str, nbytes: int, size: int) -> int:
     With n = ``size`` ranks and B the bytes the call was given on this rank:
 
     - all-reduce (B = the whole buffer): reduce-scatter then all-gather, 2(n-1)/n x B;
-    - reduce-scatter (B = the whole input): (n-1)/n x B; all-gather (B = this rank's piece,
+    - reduce-scatter (B = the whole input, in even or uneven pieces): (n-1)/n x B; all-gather (B = this rank's piece,
       n x B the result): (n-1) x B, that is (n-1)/n of the full size;
     - broadcast (B = the buffer): pipelined along a chain, (n-1)/n x B per rank on average;
     - send: B; receive: 0 (counted on the sender); barrier: 0;
@@ -39,7 +39,7 @@ def ring_wire_bytes(op: str, nbytes: int, size: int) -> int:
         return 0
     if op in ("allreduce", "iallreduce", "allreduce_object"):
         return 2 * (n - 1) * nbytes // n
-    if op in ("reduce_scatter", "broadcast", "bcast_object"):
+    if op in ("reduce_scatter", "ireduce_scatter", "broadcast", "bcast_object"):
         return (n - 1) * nbytes // n
     if op in ("allgather", "allgather_object"):
         return (n - 1) * nbytes

@@ -13,7 +13,6 @@ ended answers censuses from its exit (``answer_at_exit``), so a rank stalled on 
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import time
 
@@ -23,7 +22,7 @@ from mpi4py import MPI
 from .failfast import seconds_from_env
 
 WATCHDOG_TAG = 32000  # below 32767, the least tag upper bound MPI guarantees; no hpcpar channel uses it
-COLLECTIVES = ("allreduce", "iallreduce", "reduce_scatter", "allgather", "broadcast", "barrier")
+COLLECTIVES = ("allreduce", "iallreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "ireduce_scatter")
 _FIRST_CHECK_S = 1.0  # a wait shorter than this never looks at the watchdog's messages
 _CHECK_EVERY_S = 0.25
 _GRACE_S = 1.0  # after announcing, how long answers may take before the report

@@ -27,7 +27,7 @@ from ..parallel.pipeline.schedules import SCHEDULES
 from ..runtime.grid import GRID, Axis
 from . import tensorboard
 from .config_types import (BOOLEAN, INTEGER, INTEGER_PAIR, NUMBER, NUMBER_PAIR, PARTITION, RESUME, STAGE_COUNTS, STRING,
-                           STRING_LIST, Check, _key, above, at_least, each, in_range, toml_key, toml_value)
+                           STRING_LIST, ZERO_STAGE, Check, _key, above, at_least, each, in_range, toml_key, toml_value)
 
 BYTE_VOCAB = 256  # token files made by ``hpcpar data prepare`` hold bytes
 
@@ -130,7 +130,10 @@ class ParallelSection(GridSizes):
                               applies=("parallel.compression", ("powersgd",)))
     sequence_parallel: bool = _key(False, BOOLEAN, "split norms, dropout and residual activations along the "
                                                    "sequence over tp (reduce-scatter / all-gather instead of all-reduce)")
-    zero: bool = _key(False, BOOLEAN, "ZeRO-1: shard optimizer state across dp")
+    zero: int = _key(0, ZERO_STAGE, "ZeRO stage over dp: 0 none; 1 optimizer state sharded (gradients "
+                               "reduce-scattered in the step); 2 also gradients (each bucket reduce-scattered "
+                               "during backward, overlapped as DDP's all-reduce, only the shard kept)",
+                     check=Check("0, 1 or 2 (ZeRO-3, sharded parameters, is not built yet)", lambda v: v in (0, 1, 2)))
     shm: bool | None = _key(None, BOOLEAN, "shared-memory collectives among a node's ranks (DDP buckets and ZeRO's "
                                             "buffers in an MPI shared window; CPUs); unset: HPCPAR_SHM, else on")
     node_size: int | None = _key(None, INTEGER, "pretend nodes of this many ranks for the shared-memory collectives "

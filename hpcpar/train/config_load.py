@@ -92,6 +92,10 @@ def load_job(path: str | None, overrides: list[str] = ()) -> Job:
             table[key] = value
             from_cli.add(f"{section}.{key}")
     stem = os.path.splitext(os.path.basename(path))[0] if path is not None else "job"
+    zero = raw.get("parallel", {}).get("zero") if isinstance(raw.get("parallel"), dict) else None
+    if zero is True or zero is False:  # the old boolean key, read as the stage it meant
+        notices.append(f"{source}: parallel.zero = {toml_value(zero)} is read as the ZeRO stage {int(zero)}; "
+                       f"write parallel.zero = {int(zero)}")
     job = _build(raw, from_cli, source, stem, problems)
     return replace(job, notices=tuple(notices))
 

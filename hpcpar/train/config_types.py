@@ -83,6 +83,13 @@ def _resume(v):
     return _string(v)
 
 
+def _zero_stage(v):
+    if isinstance(v, bool):  # the old key: true was ZeRO-1 (load_job says so once)
+        return int(v)
+    return _integer(v)
+
+
+ZERO_STAGE = Type("a ZeRO stage 0, 1 or 2 (an integer; the old true is 1, false 0)", _zero_stage)
 PARTITION = Type("a method name or a list of per-stage layer counts", _partition)
 STRING_LIST = Type("a list of non-empty strings (may be empty)", _strings)
 RESUME = Type("auto, never, must or a step folder (a string; the old true is \"auto\", false \"never\")", _resume)

@@ -210,7 +210,7 @@ class DataParallelOnly(Strategy):
                                               f"tp = {p.tp}; set pp = tp = 1 or mode = \"allreduce\""))
         if p.zero:
             problems.append(("parallel.zero", f"ZeRO shards optimizer state across all-reducing replicas; "
-                                              f"mode = {mode} needs zero = false"))
+                                              f"mode = {mode} needs zero = 0"))
         if p.compression != "none":
             problems.append(("parallel.compression", f"compression hooks into the gradient all-reduce; mode = "
                                                      f"{mode} needs compression = \"none\""))

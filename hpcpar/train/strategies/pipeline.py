@@ -25,7 +25,7 @@ class Pipeline(SynchronousStrategy):
             sample = inputs[: max(1, len(inputs) // p.micro_batches)]
         stages = Stages(model, ctx, chunks=p.chunks, partition=p.partition, sample_input=sample)
         # The engine runs its whole schedule under no_sync: nothing to overlap with.
-        self.build_gradient_sync(stages, overlap=False, alone=stages.tied.params())
+        self.build_gradient_sync(stages, precision, overlap=False, alone=stages.tied.params())
         self.build_precision(precision, stages.named_parameters())
         self.pipe = PipelineParallel(stages, ctx, schedule=p.schedule, micro_batches=p.micro_batches,
                                      loss_fn=getattr(model, "loss_from_logits", None), grad_sync=self.grad_sync,

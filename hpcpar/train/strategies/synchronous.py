@@ -1,10 +1,11 @@
 """What the synchronous strategies share: a step is engine x gradient sync x update.
 
 Subclasses (``AllReduce``, ``Pipeline``) build the engine that runs forward and backward; the
-gradient sync (``parallel.grad_sync``: none, DDP, ZeRO-1), mixed precision and the update are
-built here, the same for both, in the order the engine needs them: gradient sync, precision,
-engine, update. The update is ZeRO-1 (``parallel.zero``: state sharded over dp, gradients
-reduce-scattered) or a plain one on dp-averaged gradients, stepping float32 masters under fp16/bf16.
+gradient sync (``parallel.grad_sync``: none, DDP, ZeRO-1, ZeRO-2), mixed precision and the update
+are built here, the same for both, in the order the engine needs them: gradient sync,
+precision, engine, update. The update is sharded (``parallel.zero`` 1 or 2: state sharded over
+dp, gradients reduce-scattered in the step or during backward) or a plain one on dp-averaged
+gradients, stepping float32 masters under fp16/bf16.
 """
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ from .update import ReplicatedUpdate, ShardedUpdate
 
 
 class SynchronousStrategy(Strategy):
-    def build_gradient_sync(self, holder, overlap: bool, alone=()) -> None:
-        """The gradient sync of ``holder``'s parameters, by the rule of ``parallel.grad_sync``."""
+    def build_gradient_sync(self, holder, precision, overlap: bool, alone=()) -> None:
+        """The gradient sync of ``holder``'s parameters, by the rule of ``parallel.grad_sync``
+        (ZeRO-2 reduces into ``precision``'s master dtype)."""
         p = self.job.parallel
         self.grad_sync = make_gradient_sync(holder, self.ctx, sharded=p.zero, compression=make_gradient_compressor(p),
-                                            bucket_mb=p.bucket_mb, overlap=overlap, alone=alone)
+                                            bucket_mb=p.bucket_mb, overlap=overlap, alone=alone,
+                                            master_dtype=precision.master_dtype)
 
     def build_precision(self, precision, named) -> None:
         """The master weights of ``precision`` (an ``optim.Precision``) for this rank's parameters ``named``:
@@ -38,7 +41,10 @@ class SynchronousStrategy(Strategy):
         cls, options = optimizer_class(self.job)
         if self.job.parallel.zero:
             self._optimizer = ZeroRedundancyOptimizer(masters, self.ctx.dp, cls, **options)
-            self.update = ShardedUpdate(self._optimizer, self.precision, self.ctx, owns_for_norm)
+            reduced_in_backward = self.grad_sync if self.job.parallel.zero == 2 else None
+            if reduced_in_backward is not None:
+                reduced_in_backward.check_layout(self._optimizer)
+            self.update = ShardedUpdate(self._optimizer, self.precision, self.ctx, owns_for_norm, reduced_in_backward)
         else:
             self._optimizer = cls(masters, **options)
             self.update = ReplicatedUpdate(self._optimizer, self.precision, self.ctx, owns_for_norm)

@@ -2,6 +2,7 @@
 
     update = ReplicatedUpdate(optimizer, precision, ctx, owns_for_norm)   # DDP, pipeline: averaged grads
     update = ShardedUpdate(zero, precision, ctx, owns_for_norm)           # ZeRO-1: reduce-scatter first
+    update = ShardedUpdate(zero, precision, ctx, owns_for_norm, sync)     # ZeRO-2: the sync's shard
     norm = update.clip(max_norm)      # optional: the global norm over dp, tp and pp
     health = update.step(loss, norm)  # skipped (health.taken False) for a non-finite loss or gradient
 
@@ -32,23 +33,41 @@ class ReplicatedUpdate:
 
 
 class ShardedUpdate:
-    """ZeRO-1: gradients are reduce-scattered by the optimizer; each rank clips and steps its shard."""
+    """ZeRO-1 and -2: each rank clips and steps its shard of the gradient, reduce-scattered by the
+    optimizer (ZeRO-1) or during backward by ``reduced_in_backward`` (ZeRO-2's gradient sync)."""
 
-    def __init__(self, zero, precision, ctx, owns_for_norm):
+    def __init__(self, zero, precision, ctx, owns_for_norm, reduced_in_backward=None):
         self.optimizer, self.precision, self.ctx = zero, precision, ctx
         self.owns = lambda master: owns_for_norm(precision.model_parameter(master))  # noqa: E731
+        self.sync = reduced_in_backward
         self.reduced = False
 
-    def clip(self, max_norm: float) -> float:
+    def _reduce(self) -> None:
+        """The shard gradient in place, unscaled: ZeRO-1 reduces the unscaled masters' gradients,
+        ZeRO-2 takes its sync's shard (made of the model's gradients) and unscales that."""
+        if self.reduced:
+            return
         self.precision.unscale_grads()
-        self.optimizer.reduce_gradients()
+        if self.sync is None:
+            self.optimizer.reduce_gradients()
+        else:
+            grad = self.sync.take_shard_gradient()
+            if self.precision.scale != 1.0:
+                grad *= 1.0 / self.precision.scale
+            self.optimizer.shard.grad = grad
         self.reduced = True
+
+    def clip(self, max_norm: float) -> float:
+        self._reduce()
         counts = lambda param: counts_toward_norm(param, self.ctx, self.owns)  # noqa: E731
         return self.optimizer.clip_grad_norm(max_norm, counts=counts, model_parallel_sum=sum_over_model_parallel(self.ctx))
 
     def step(self, loss, norm: float | None = None) -> StepHealth:
+        if self.sync is not None:  # ZeRO-2: the shard is the only gradient there is to check
+            self._reduce()
+        grads = list(self.optimizer.named_shard_grads()) if self.sync is not None else None
         health = self.precision.step(self.optimizer, allreduce_max=world_max(self.ctx), loss=loss, norm=norm,
-                                     reduce=not self.reduced)
+                                     grads=grads, reduce=not self.reduced)
         self.reduced = False
         return health
 

@@ -153,6 +153,18 @@ def blas_threads() -> str:
     return ", ".join(pools) or "no BLAS loaded"
 
 
+def blas_kernel() -> str:
+    """The loaded BLAS libraries' kernels as threadpoolctl names them, e.g. ``openblas Haswell``
+    (what a benchmark states: ``OPENBLAS_CORETYPE`` may force one)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "BLAS kernel unknown (no threadpoolctl)"
+    pools = [f"{pool['internal_api']} {pool.get('architecture') or '?'}" for pool in threadpool_info()
+             if pool["user_api"] == "blas"]
+    return ", ".join(pools) or "no BLAS loaded"
+
+
 # ----------------------------------------------------------------------------------------
 # glibc's allocator
 # ----------------------------------------------------------------------------------------

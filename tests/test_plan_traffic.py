@@ -43,7 +43,8 @@ LAYOUTS = {  # world size -> [(model, overrides)]
         ("gpt", ["parallel.dp=4", "parallel.bucket_mb=0.02"]),
         ("cnn", ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=1"]),
         # stage 2 holds only a ReLU and a pooling layer: ZeRO-1 over no parameters
-        ("cnn", ["parallel.pp=4", "parallel.micro_batches=4", "parallel.zero=1"])],
+        ("cnn", ["parallel.pp=4", "parallel.micro_batches=4", "parallel.zero=1"]),
+        ("cnn", ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=2"])],
 }
 
 

@@ -1,13 +1,16 @@
 """ZeRO-2 (`parallel.zero = 2`) through `hpcpar train`: float64 with dropout 0.1 in every layout
 equals one process, its checkpoints load into another layout and stage, and the old boolean key
-reads as ZeRO-1 with one notice. (The sync itself, its bytes and memory: test_zero_grads.py.)"""
+reads as ZeRO-1 with one notice, `hpcpar bench zero` runs. (The sync itself, its bytes and memory:
+test_zero_grads.py.)"""
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO, final_parameters
+from conftest import REPO, final_parameters, venv_bin
 from test_jobs import train
 
 JOB = os.path.join(REPO, "jobs", "gpt-dp.toml")
@@ -79,3 +82,12 @@ def test_the_old_boolean_key_is_zero_1_with_a_notice_and_zero_3_is_refused(tmp_p
     refused = train(JOB, tmp_path / "three", token_file, *COMMON, "parallel.dp=2", "parallel.zero=3", ranks=2)
     assert refused.returncode == 2 and not (tmp_path / "three" / "ckpt").exists()
     assert "parallel.zero (--set): 3 must be 0, 1 or 2 (ZeRO-3, sharded parameters, is not built yet)" in refused.stderr
+
+
+def test_bench_zero_prints_the_stages_and_their_memory_beside_the_formula():
+    proc = subprocess.run([venv_bin("mpiexec"), "-n", "2", sys.executable, "-m", "hpcpar", "bench", "zero", "--no-peer",
+                           "--n-layer", "1", "--n-embd", "32", "--block", "16", "--batch", "2", "--steps", "1"],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in ("hpcpar DDP", "hpcpar ZeRO-1", "hpcpar ZeRO-2", "measured / formula"):
+        assert row in proc.stdout, proc.stdout

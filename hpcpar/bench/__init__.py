@@ -13,6 +13,7 @@ BENCHMARKS = {
     "dp": "data-parallel gradient sync vs one raw flat all-reduce; overlap; weak scaling",
     "pipeline": "measured pipeline bubble vs (p-1)/(m+p-1) per schedule, step time",
     "recompute": "activation recomputation none/selective/full: bytes kept for backward, tracemalloc peak, time",
+    "zero": "ZeRO stages 0-2 against DDP on the same GPT: step time, communication waited, memory per rank vs formula",
     "ckpt": "checkpoint save/load vs raw tofile+fsync / preadv of the same bytes per rank",
     "async": "all-reduce vs parameter server (sync, async s=1/4) vs local SGD (H=4/16) with a straggler",
     "net": "point-to-point and all-reduce across nodes vs the same inside a node (needs 2 nodes)",

@@ -159,6 +159,7 @@ class DistributedDataParallel(ParameterHolder):
         b, slot = self._where[id(param)]
         bucket = self.buckets[b]
         self._copy_in(bucket, slot, param.grad)
+        param.grad = None  # its copy is in the bucket, and finish hands back a view of it: not two of each gradient
         if self.overlap:
             self._launch_ready_buckets()
             # MPI libraries without a progress thread move a non-blocking collective forward

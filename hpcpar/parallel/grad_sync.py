@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
+
 from .data import DistributedDataParallel
 from .sequence import sync_sequence_parallel_grads
 from .zero_grads import BucketedReduceScatter
@@ -28,7 +30,8 @@ def make_gradient_sync(holder, ctx, *, sharded: int, compression=None, bucket_mb
     pipeline's tied embedding), which a compressor sees whole and alike on each holder only in
     a bucket of their own."""
     if sharded == 2:
-        dtype = master_dtype or next(p.dtype for _, p in holder.named_parameters())
+        # a stage without parameters (a CNN's pooling) reduces an empty shard: any dtype
+        dtype = master_dtype or next((p.dtype for _, p in holder.named_parameters()), np.dtype(np.float32))
         return BucketedReduceScatter(holder, ctx, bucket_mb=bucket_mb, overlap=overlap, dtype=dtype)
     if sharded:
         return OptimizerReduces(holder, ctx)

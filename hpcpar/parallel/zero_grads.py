@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
+
 from .. import defaults
 from ..backend import get_array_module
 from .data import plan_buckets
@@ -55,7 +57,7 @@ class BucketedReduceScatter:
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.offsets, self.shard_size = flat_layout([p.size for p in self.params], self.comm.size)
-        self.xp = get_array_module(self.params[0].data) if self.params else None
+        self.xp = get_array_module(self.params[0].data) if self.params else np
         bucket_bytes = math.inf if bucket_mb is None or bucket_mb == math.inf else bucket_mb * (1 << 20)
         self.buckets, self._where = [], {}
         for b, slots in enumerate(plan_buckets(self.params, bucket_bytes)):  # each a descending run
@@ -80,13 +82,14 @@ class BucketedReduceScatter:
         if not self._sync_enabled:
             return
         start = time.perf_counter()
-        for bucket in self.buckets[self._next_launch:]:  # those not launched during backward
+        for bucket in self.buckets[self._next_launch:]:  # those not launched during backward, one by one
             for slot in bucket.slots:
                 if slot not in bucket.ready:  # no gradient this step (or no overlap): in now, zeros if none
                     self._copy_in(bucket, slot)
-        self._launch_ready(wait_for_room=False)
+            self._launch_ready()
         for bucket in self.buckets:
             self._complete(bucket)
+        self._shard()  # a stage without parameters still has its (empty) shard
         self._next_launch = 0
         self.sync_seconds += time.perf_counter() - start
 
@@ -125,7 +128,7 @@ class BucketedReduceScatter:
         b, slot = self._where[id(param)]
         self._copy_in(self.buckets[b], slot)
         if self.overlap:
-            self._launch_ready(wait_for_room=True)
+            self._launch_ready()
             for launched in self.buckets[:self._next_launch]:  # progress for MPI libraries without a thread
                 if launched.pending is not None:
                     launched.pending.test()
@@ -145,17 +148,16 @@ class BucketedReduceScatter:
             p.grad = None
         bucket.ready.add(slot)
 
-    def _launch_ready(self, wait_for_room: bool) -> None:
-        """Launch full buckets in index order; while backward runs, first complete the oldest
-        in flight when ``IN_FLIGHT`` are."""
+    def _launch_ready(self) -> None:
+        """Launch full buckets in index order, first completing the oldest in flight when
+        ``IN_FLIGHT`` are (so a bucket's memory is back before the next but one is made)."""
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
             if len(bucket.ready) < len(bucket.slots):
                 return
-            if wait_for_room:
-                in_flight = [b for b in self.buckets[:self._next_launch] if b.pending is not None]
-                if len(in_flight) >= IN_FLIGHT:
-                    self._complete(in_flight[0])
+            in_flight = [b for b in self.buckets[:self._next_launch] if b.pending is not None]
+            if len(in_flight) >= IN_FLIGHT:
+                self._complete(in_flight[0])
             counts = bucket.pieces(self.shard_size, self.comm.size)
             lo = max(bucket.begin, self.comm.rank * self.shard_size) - self.comm.rank * self.shard_size
             out = self._shard()[lo: lo + counts[self.comm.rank]]

@@ -1,21 +1,20 @@
 """``hpcpar bench zero``: each ZeRO stage against DDP on the same GPT and batch, in one run.
 
-    mpiexec -n 4 hpcpar bench zero [--n-layer 4 --n-embd 256 --batch 16 --steps 8]
+    mpiexec -n 2 hpcpar bench zero [--n-layer 4 --n-embd 256 --batch 8 --steps 8] [--no-peer]
 
-The stages (0 = DDP, 1, 2) are ``hpcpar train``'s own strategy at dp = the world, with AdamW
-and clipping, float32, one BLAS thread per rank. Speed: the stages take turns step by step
-(medians; the slowest rank decides a step), with the time a step waited for communication.
-Memory per rank, one stage at a time: the tracemalloc peak of everything allocated from before
-the model is built (less the build's passing copies) through two steps on one row of 8 tokens
-per rank (the activations are then a few hundred KiB), with every buffer in NumPy's memory (the
-shared-memory path off: MPI's windows are not traced), beside the formula of what hpcpar keeps, with Psi parameters and N ranks:
+Stages 0 (DDP), 1, 2 are ``hpcpar train``'s own strategy at dp = the world (AdamW, clipping,
+float32, one BLAS thread per rank), taking turns step by step with PyTorch FSDP2
+(``torch_fsdp``); medians, the slowest rank deciding a step. Memory per rank, a stage at a
+time, shm off (tracemalloc does not see MPI's windows): what the build and a first step keep
+plus the peak of two more steps on 1 x 8 tokens per rank, beside hpcpar's formula (Psi
+parameters, N ranks, S = ceil(Psi / N), bytes):
 
     stage 0 (DDP)  16 Psi + scratch       parameters 4, DDP's buckets 4 (backward's gradients are
                                           freed into them), Adam's moments 8, and AdamW's scratch:
                                           one array per distinct parameter shape
     stage 1        8 Psi + 4 N S + 20 S   parameters 4, backward's gradients 4, the flat gradient
-                                          4 N S (padded); per shard of S = ceil(Psi / N): its
-                                          parameters 4, gradient 4, moments 8, scratch 4
+                                          4 N S (padded); per shard: its parameters 4,
+                                          gradient 4, moments 8, scratch 4
     stage 2        4 Psi + 20 S           parameters 4; per shard as stage 1; the buckets alive
                    + 4 (3 largest buckets) at once (two in flight and the one filling)
 """

@@ -6,17 +6,8 @@ Stages 0 (DDP), 1, 2 are ``hpcpar train``'s own strategy at dp = the world (Adam
 float32, one BLAS thread per rank), taking turns step by step with PyTorch FSDP2
 (``torch_fsdp``); medians, the slowest rank deciding a step. Memory per rank, a stage at a
 time, shm off (tracemalloc does not see MPI's windows): what the build and a first step keep
-plus the peak of two more steps on 1 x 8 tokens per rank, beside hpcpar's formula (Psi
-parameters, N ranks, S = ceil(Psi / N), bytes):
-
-    stage 0 (DDP)  16 Psi + scratch       parameters 4, DDP's buckets 4 (backward's gradients are
-                                          freed into them), Adam's moments 8, and AdamW's scratch:
-                                          one array per distinct parameter shape
-    stage 1        8 Psi + 4 N S + 20 S   parameters 4, backward's gradients 4, the flat gradient
-                                          4 N S (padded); per shard: its parameters 4,
-                                          gradient 4, moments 8, scratch 4
-    stage 2        4 Psi + 20 S           parameters 4; per shard as stage 1; the buckets alive
-                   + 4 (3 largest buckets) at once (two in flight and the one filling)
+plus the peak of two more steps on 1 x 8 tokens per rank, beside ``formula`` (hpcpar's bytes
+per stage; its terms: docs/architecture.md, "ZeRO-2").
 """
 from __future__ import annotations
 

@@ -2,18 +2,14 @@
 
     opt = ZeroRedundancyOptimizer(model.named_parameters(), ctx.dp, AdamW, lr=3e-4)
     loss.backward()          # no DDP wrapper: the gradient reduction happens in step()
-    opt.step()
+    opt.step()               # ZeRO-2: opt.shard.grad = sync.take_shard_gradient(); opt.step(reduce=False)
 
-Stage 2 hands the optimizer a shard gradient that ``parallel.zero_grads`` reduce-scattered
-bucket by bucket during backward (``opt.shard.grad = ...; opt.step(reduce=False)``): the
-flat gradient below is then never made.
-
-The parameters become views into one flat buffer; each dp rank keeps the optimizer state of
-its contiguous 1/dp shard only. A step reduce-scatters the flat gradient, steps the shard and
-all-gathers the shards back in place: one all-reduce's traffic, optimizer memory divided by dp.
-Weight decay stays per parameter, as ``DecayRuns`` along the shard. A checkpoint holds each
-shard's state as slabs of the per-parameter tensors ``optim/<name>/<key>`` (``hpcpar.state``),
-so it loads into any layout, with or without ZeRO.
+The parameters become views into one flat buffer (``flat_layout``); each dp rank keeps the
+optimizer state of its contiguous 1/dp shard only. A step reduce-scatters the flat gradient
+(ZeRO-2's sync, ``parallel.zero_grads``, already did, and the flat gradient is never made),
+steps the shard and all-gathers the shards back in place. Weight decay stays per parameter, as
+``DecayRuns`` along the shard. A checkpoint holds the shard's state as slabs of the
+per-parameter tensors ``optim/<name>/<key>`` (``hpcpar.state``): it loads into any layout.
 """
 from __future__ import annotations
 

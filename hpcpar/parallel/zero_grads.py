@@ -6,14 +6,11 @@
     zero.shard.grad = sync.take_shard_gradient()
     zero.step(reduce=False)
 
-The parameters are laid end to end as ZeRO-1's optimizer lays them (``zero.flat_layout``), and
-a bucket is a run of consecutive parameters (from the last, as backward finishes them), so
-its reduce-scatter sends each rank the part of the bucket inside that rank's shard: uneven
-pieces, some empty, which together are the shard. A parameter's gradient is freed once it is
-copied into its bucket and a bucket once it is reduced, and at most ``IN_FLIGHT`` buckets are
-in flight: gradient memory is the shard plus a few buckets, not the model. Buckets launch
-strictly in index order, unused parameters contribute zeros: the same collectives in the
-same order on every rank, whatever the data.
+A bucket is a run of consecutive parameters of ZeRO-1's flat layout (``zero.flat_layout``), so
+its reduce-scatter, in uneven pieces, sends each rank the part inside its shard. Gradients are
+freed as they are copied in, buckets once reduced, at most ``IN_FLIGHT`` in flight; buckets
+launch in index order and unused parameters give zeros, so every rank makes the same calls.
+More: docs/architecture.md, "ZeRO-2".
 """
 from __future__ import annotations
 

@@ -1,20 +1,17 @@
 """``train.on_nonfinite``: what a run does after a step that was not finite, or a loss spike.
 
-Every precision checks each step's loss and gradient norm before it steps and skips a step that
-is not finite (``optim.finite``), so the weights stay finite. The policy then decides, on each
-rank from that rank's verdict, and the loop agrees the decision over the world (in the one
-all-reduce it makes after every step anyway: ``lifecycle.after_step``):
+Every precision skips a step whose loss or gradient norm is not finite (``optim.finite``), so
+the weights stay finite; the policy then decides on each rank, and the loop agrees the decision
+over the world in the all-reduce it makes after every step anyway (``lifecycle.after_step``):
 
     stop    end the run (exit 3) naming the step and what was not finite; nothing saved after it
     skip    train on; ``train.max_skipped`` skipped steps in a row end the run as ``stop``
-    rewind  reload the newest checkpoint (every committed one is finite: ``checkpoint`` refuses to
-            commit others) and skip the data of the failed steps, PaLM's recipe for loss spikes;
-            ``train.max_rewinds`` rewinds, then ``stop``. ``train.spike_zscore`` also rewinds on
-            a loss far above the recent ones.
+    rewind  reload the newest checkpoint (every committed one is finite) and skip the failed
+            steps' data; ``train.max_rewinds`` rewinds, then ``stop``; ``train.spike_zscore``
+            also rewinds on a loss spike
 
-An fp16 loss scaler's overflow (a non-finite gradient with a finite loss) is its expected skip,
-not a failure, under every policy; only ``max_skipped`` of them in a row (a collapsing scale) are.
-The counts travel in checkpoints (``state_dict``), so a resumed run goes on counting.
+An fp16 scaler's overflow is its expected skip under every policy; the counts travel in
+checkpoints. More: docs/architecture.md, "Diverging runs".
 """
 from __future__ import annotations
 

@@ -90,3 +90,19 @@ class DataParallelRun:
 
     def parameters(self) -> dict:
         return {name: p.data.copy() for name, p in self.model.named_parameters()}
+
+
+def accumulate_share(model, sync, ctx, step: int, accumulate: int) -> None:
+    """Backward of this dp rank's share of ``step``'s global batch in ``accumulate`` micro-batches,
+    all but the last under ``sync.no_sync()`` (the loss of each scaled by 1 / accumulate)."""
+    ids, targets = global_batch(step)
+    per_rank = GLOBAL_BATCH // ctx.dp_size
+    micro = per_rank // accumulate
+    for i in range(accumulate):
+        rows = slice(ctx.dp_rank * per_rank + i * micro, ctx.dp_rank * per_rank + (i + 1) * micro)
+        loss = model.loss(ids[rows], targets[rows]) * (1.0 / accumulate)
+        if i < accumulate - 1:
+            with sync.no_sync():
+                loss.backward()
+        else:
+            loss.backward()

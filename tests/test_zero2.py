@@ -75,13 +75,13 @@ def test_zero_2_resumes_bitwise_and_continues_as_zero_0_at_dp_4(tmp_path, token_
     assert largest_difference(other, one_process) <= 1e-12
 
 
-def test_the_old_boolean_key_is_zero_1_with_a_notice_and_zero_3_is_refused(tmp_path, token_file):
+def test_the_old_boolean_key_is_zero_1_with_a_notice_and_zero_4_is_refused(tmp_path, token_file):
     proc = run(tmp_path / "old", token_file, 2, "parallel.dp=2", "parallel.zero=true", "train.steps=1",
                "checkpoint.interval=0")
     assert "parallel.zero = true is read as the ZeRO stage 1; write parallel.zero = 1" in proc.stdout + proc.stderr
-    refused = train(JOB, tmp_path / "three", token_file, *COMMON, "parallel.dp=2", "parallel.zero=3", ranks=2)
-    assert refused.returncode == 2 and not (tmp_path / "three" / "ckpt").exists()
-    assert "parallel.zero (--set): 3 must be 0, 1 or 2 (ZeRO-3, sharded parameters, is not built yet)" in refused.stderr
+    refused = train(JOB, tmp_path / "four", token_file, *COMMON, "parallel.dp=2", "parallel.zero=4", ranks=2)
+    assert refused.returncode == 2 and not (tmp_path / "four" / "ckpt").exists()
+    assert "parallel.zero (--set): 4 must be 0, 1, 2 or 3" in refused.stderr
 
 
 def test_bench_zero_prints_the_stages_and_their_memory_beside_the_formula():

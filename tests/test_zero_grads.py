@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import hpcpar
-from dp_reference import GLOBAL_BATCH, global_batch, make_model, max_difference, train_single_process
+from dp_reference import accumulate_share, global_batch, make_model, max_difference, train_single_process
 from hpcpar.optim import AdamW
 from hpcpar.parallel.zero import ZeroRedundancyOptimizer
 from hpcpar.parallel.zero_grads import IN_FLIGHT, BucketedReduceScatter
@@ -36,18 +36,8 @@ def test_zero_2_equals_one_process(bucket_mb, overlap, accumulate):
     ctx = hpcpar.init(device="cpu")
     model = make_model()
     sync, optimizer = zero_2(ctx, model, bucket_mb, overlap)
-    per_rank = GLOBAL_BATCH // ctx.dp_size
     for s in range(STEPS):
-        ids, targets = global_batch(s)
-        micro = per_rank // accumulate
-        for i in range(accumulate):
-            rows = slice(ctx.dp_rank * per_rank + i * micro, ctx.dp_rank * per_rank + (i + 1) * micro)
-            loss = model.loss(ids[rows], targets[rows]) * (1.0 / accumulate)
-            if i < accumulate - 1:
-                with sync.no_sync():
-                    loss.backward()
-            else:
-                loss.backward()
+        accumulate_share(model, sync, ctx, s, accumulate)
         step(sync, optimizer)
     reference, _ = train_single_process(STEPS)
     assert max_difference({n: p.data for n, p in model.named_parameters()}, reference) <= 1e-12

@@ -50,7 +50,21 @@ class Module(ParameterHolder):
         raise NotImplementedError(f"{type(self).__name__} defines no forward()")
 
     def __call__(self, *args, **kwargs):
+        if self._around_forward is not None:
+            return self._around_forward(self.forward, *args, **kwargs)
         return self.forward(*args, **kwargs)
+
+    # What runs a call instead of ``forward`` alone: ``around(forward, *args, **kwargs)`` (ZeRO-3's
+    # gather of a unit's parameters, ``parallel.zero_params``); None: ``forward`` itself.
+    _around_forward = None
+
+    def set_around_forward(self, around) -> None:
+        object.__setattr__(self, "_around_forward", around)
+
+    def layers(self) -> list:
+        """The modules a forward applies one after another (a pipeline's cut points, ZeRO-3's
+        units): the module itself unless a model says otherwise (the GPT, the CNN)."""
+        return [self]
 
     # ----- traversal ------------------------------------------------------------------
     def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:

@@ -102,8 +102,9 @@ class MixedPrecision:
         return [param for _, param in self.master]
 
     def model_parameter(self, master):
-        """The model's low-precision parameter that ``master`` is the master copy of."""
-        return self._model_of[id(master)]
+        """The model's low-precision parameter that ``master`` is the master copy of (a parameter
+        with no master here is its own: ZeRO-3's, whose masters are its shard)."""
+        return self._model_of.get(id(master), master)
 
     def backward(self, loss) -> None:
         """``loss.backward()`` with every gradient multiplied by the current scale."""

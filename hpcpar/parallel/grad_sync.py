@@ -7,7 +7,8 @@
 
 Both engines (plain forward/backward and the pipeline executor) call only this interface;
 ``make_gradient_sync`` is the one rule that picks the sync: none, DDP, ZeRO-1 (in the
-optimizer) or ZeRO-2 (``zero_grads``: bucketed reduce-scatter).
+optimizer), ZeRO-2 (``zero_grads``: bucketed reduce-scatter) or ZeRO-3 (the same over
+``zero_params``' layout, which then frees the gathered units).
 """
 from __future__ import annotations
 
@@ -18,17 +19,21 @@ import numpy as np
 from .data import DistributedDataParallel
 from .sequence import sync_sequence_parallel_grads
 from .zero_grads import BucketedReduceScatter
+from .zero_params import ShardedParameterSync
 
 
 def make_gradient_sync(holder, ctx, *, sharded: int, compression=None, bucket_mb: float, overlap: bool,
                        alone=(), master_dtype=None) -> "GradientSync":
-    """The sync of ``holder``'s gradients (a module, or a pipeline's stages): ZeRO-1 (``sharded``
-    = 1) reduce-scatters in its optimizer; ZeRO-2 (2) reduce-scatters buckets during backward
+    """The sync of ``holder``'s gradients (a module, or a pipeline's stages; ZeRO-3's
+    ``ShardedParameters`` for ``sharded`` = 3): ZeRO-1 (1) reduce-scatters in its optimizer;
+    ZeRO-2 (2) and 3 reduce-scatter buckets during backward
     into the shard's ``master_dtype`` (None: the parameters'); replicas, or a compressor (it
     changes the gradient even at dp = 1), take DDP's bucketed all-reduce; one replica keeps its
     gradients where backward left them. ``alone``: parameters another rank holds too (a
     pipeline's tied embedding), which a compressor sees whole and alike on each holder only in
     a bucket of their own."""
+    if sharded == 3:  # ``holder`` is then the ZeRO-3 parameter store
+        return ShardedParameterSync(holder, ctx, bucket_mb=bucket_mb, overlap=overlap)
     if sharded == 2:
         # a stage without parameters (a CNN's pooling) reduces an empty shard: any dtype
         dtype = master_dtype or next((p.dtype for _, p in holder.named_parameters()), np.dtype(np.float32))

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2: optimizer state (and, with stage 2, gradients) sharded across dp.
+"""ZeRO stages 1 to 3: optimizer state (and, with stage 2, gradients; 3, parameters) sharded across dp.
 
     opt = ZeroRedundancyOptimizer(model.named_parameters(), ctx.dp, AdamW, lr=3e-4)
     loss.backward()          # no DDP wrapper: the gradient reduction happens in step()
@@ -7,7 +7,8 @@
 The parameters become views into one flat buffer (``flat_layout``); each dp rank keeps the
 optimizer state of its contiguous 1/dp shard only. A step reduce-scatters the flat gradient
 (ZeRO-2's sync, ``parallel.zero_grads``, already did, and the flat gradient is never made),
-steps the shard and all-gathers the shards back in place. Weight decay stays per parameter, as
+steps the shard and all-gathers the shards back in place (ZeRO-3 keeps no flat buffer:
+``zero_params`` gathers each unit from the shard before it runs). Weight decay stays per parameter, as
 ``DecayRuns`` along the shard. A checkpoint holds the shard's state as slabs of the
 per-parameter tensors ``optim/<name>/<key>`` (``hpcpar.state``): it loads into any layout.
 """
@@ -37,7 +38,10 @@ def flat_layout(sizes, ranks: int) -> tuple[list[int], int]:
 
 class ZeroRedundancyOptimizer(Checkpointable):
     def __init__(self, params, comm, optimizer_class, broadcast_parameters: bool = True, no_decay=(),
-                 **optimizer_options):
+                 parameters=None, **optimizer_options):
+        """``parameters``: ZeRO-3's ``zero_params.ShardedParameters`` over the same (name, parameter)
+        pairs; its shard is then the parameters' only copy, stepped in place and never all-gathered
+        here (each unit gathers itself before it runs)."""
         items, given = flatten_groups(params)
         named = named_parameter_list(items)
         self.names = [name for name, _ in named]
@@ -48,26 +52,34 @@ class ZeroRedundancyOptimizer(Checkpointable):
         self.comm = comm
         self.offsets, self.shard_size = flat_layout([p.size for p in self.params], comm.size)
         self.numel = sum(p.size for p in self.params)
+        if parameters is not None:
+            self.flat, self.shard = None, parameters.shard
+        else:
+            self.flat = self._flat_parameters(broadcast_parameters)
+            start = comm.rank * self.shard_size
+            self.shard = Parameter(self.flat[start: start + self.shard_size].copy(), name=f"zero_shard_{comm.rank}")
+        self.optimizer = optimizer_class([("shard", self.shard)], **optimizer_options)
+        # Weight decay by parameter name (groups, no_decay), as runs along this rank's shard.
+        self.weight_decays = flat_range_decays(self.names, self.optimizer, given, no_decay)
+        self._set_shard_decay()
+        self._flat_grad = None  # made by the first reduce_gradients (never under ZeRO-2)
+
+    def _flat_parameters(self, broadcast: bool):
+        """The parameters as views into one flat buffer (rank 0's values when ``broadcast``)."""
         # A pipeline stage may hold no parameters (a CNN's activation and pooling layers): its
         # buffers are then empty, and every collective still runs, on nothing, with its dp group.
         dtype = self.params[0].dtype if self.params else np.dtype(np.float32)
         xp = get_array_module(self.params[0].data) if self.params else np
         # Both flat buffers in the node's shared window when the shared-memory path is on
         # (hpcpar.runtime.shm): reduce-scatter and all-gather then read and write them in place.
-        self.flat = shared_zeros(comm, self.shard_size * comm.size, dtype, xp)
-        for p, offset in zip(self.params, self.offsets):  # parameters become views into the flat buffer
-            view = self.flat[offset: offset + p.size].reshape(p.shape)
+        flat = shared_zeros(self.comm, self.shard_size * self.comm.size, dtype, xp)
+        for p, offset in zip(self.params, self.offsets):
+            view = flat[offset: offset + p.size].reshape(p.shape)
             view[...] = p.data
             p.data = view
-        if broadcast_parameters and comm.size > 1:
-            comm.broadcast(self.flat, root=0)
-        start = comm.rank * self.shard_size
-        self.shard = Parameter(self.flat[start: start + self.shard_size].copy(), name=f"zero_shard_{comm.rank}")
-        self.optimizer = optimizer_class([("shard", self.shard)], **optimizer_options)
-        # Weight decay by parameter name (groups, no_decay), as runs along this rank's shard.
-        self.weight_decays = flat_range_decays(self.names, self.optimizer, given, no_decay)
-        self._set_shard_decay()
-        self._flat_grad = None  # made by the first reduce_gradients (never under ZeRO-2)
+        if broadcast and self.comm.size > 1:
+            self.comm.broadcast(flat, root=0)
+        return flat
 
     # The wrapped optimizer's hyperparameters (lr for schedules) read and write through.
     @property
@@ -94,6 +106,8 @@ class ZeroRedundancyOptimizer(Checkpointable):
 
     def refresh_shard(self) -> None:
         """Copy this rank's part of the flat parameters into the shard (after loading a checkpoint)."""
+        if self.flat is None:  # ZeRO-3: the shard is what the load filled
+            return
         start = self.comm.rank * self.shard_size
         self.shard.data[...] = self.flat[start: start + self.shard_size]
 
@@ -152,7 +166,8 @@ class ZeroRedundancyOptimizer(Checkpointable):
         if reduce:
             self.reduce_gradients()
         self.optimizer.step()
-        self.comm.allgather(self.shard.data, out=self.flat)  # every rank's shard into its place
+        if self.flat is not None:
+            self.comm.allgather(self.shard.data, out=self.flat)  # every rank's shard into its place
         # Every rank now has the same parameters; the gradients are spent.
         for p in self.params:
             p.grad = None

@@ -15,6 +15,7 @@ and the traffic, and tests can assert exact counts.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import time
@@ -274,6 +275,36 @@ class Communicator:
         self.stats.add("ireduce_scatter", x.nbytes, time.perf_counter() - start, start=start)
         return Handle(self, "ireduce_scatter", request, finish, self._next_collective("ireduce_scatter"),
                       keepalive=send, nbytes=x.nbytes)
+
+    def iallgather(self, x, counts, out, label: str = "") -> Handle:
+        """Start gathering every rank's flat ``x`` (``counts[r]`` elements on rank r, uneven, some
+        may be 0) into consecutive pieces of the C-contiguous ``out`` of their sum (ZeRO-3's unit:
+        ``parallel.zero_params``); ``label`` names the call in ``HPCPAR_DEBUG``'s check, which
+        compares ``out``'s shape (the same on every rank). The handle's ``wait()`` returns ``out``."""
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or sum(counts) != out.size or x.size != counts[self.rank] or x.dtype != out.dtype:
+            raise ValueError(f"iallgather: {x.size} {x.dtype} elements on rank {self.rank} cannot gather as {counts} "
+                             f"into {out.size} {out.dtype}")
+        _require_contiguous(x, "iallgather")
+        _require_contiguous(out, "iallgather")
+        debug.check_collective(self, f"iallgather {label}".rstrip(), out)
+        start = time.perf_counter()
+        send, recv = _Staged(x, self, copy_out=False), _Staged(out, self, copy_in=False)
+        displacements = [0, *itertools.accumulate(counts)][:-1]
+        receive = [recv.buffer, (counts, displacements)]
+        if self._device_blocking(send.buffer, recv.buffer):
+            self.mpi.Allgatherv(send.buffer, receive)
+            request = MPI.REQUEST_NULL
+        else:
+            request = self.mpi.Iallgatherv(send.buffer, receive)
+        # Counted by the gathered size (every rank's the same), as a reduce-scatter by its input.
+        self.stats.add("iallgather", out.nbytes, time.perf_counter() - start, start=start)
+        def finish():
+            send.finish()
+            return recv.finish()
+
+        return Handle(self, "iallgather", request, finish, self._next_collective("iallgather"), keepalive=send,
+                      nbytes=out.nbytes)
 
     def allgather(self, x, out=None):
         """Concatenate every rank's ``x`` (same shape everywhere) along a new first axis.

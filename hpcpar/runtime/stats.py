@@ -12,8 +12,8 @@ from typing import Callable
 # Every operation a Communicator records, and the families a name stands for in the queries:
 # ``calls("allreduce")`` counts blocking and non-blocking all-reduces, ``calls("iallreduce")``
 # the non-blocking ones alone.
-OPS = ("barrier", "allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "allgather", "broadcast",
-       "send", "isend", "recv", "irecv", "bcast_object", "allgather_object", "gather_object",
+OPS = ("barrier", "allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "allgather", "iallgather",
+       "broadcast", "send", "isend", "recv", "irecv", "bcast_object", "allgather_object", "gather_object",
        "allreduce_object", "send_object", "recv_object")
 FAMILIES = {"allreduce": ("allreduce", "iallreduce"), "send": ("send", "isend"), "recv": ("recv", "irecv")}
 
@@ -25,7 +25,8 @@ def ring_wire_bytes(op: str, nbytes: int, size: int) -> int:
 
     - all-reduce (B = the whole buffer): reduce-scatter then all-gather, 2(n-1)/n x B;
     - reduce-scatter (B = the whole input, in even or uneven pieces): (n-1)/n x B; all-gather (B = this rank's piece,
-      n x B the result): (n-1) x B, that is (n-1)/n of the full size;
+      n x B the result): (n-1) x B, that is (n-1)/n of the full size; an uneven all-gather (``iallgather``, B =
+      the whole result): (n-1)/n x B, on average over the ranks;
     - broadcast (B = the buffer): pipelined along a chain, (n-1)/n x B per rank on average;
     - send: B; receive: 0 (counted on the sender); barrier: 0;
     - pickled objects as their array counterparts, with B their pickled size (a gather's
@@ -39,7 +40,7 @@ def ring_wire_bytes(op: str, nbytes: int, size: int) -> int:
         return 0
     if op in ("allreduce", "iallreduce", "allreduce_object"):
         return 2 * (n - 1) * nbytes // n
-    if op in ("reduce_scatter", "ireduce_scatter", "broadcast", "bcast_object"):
+    if op in ("reduce_scatter", "ireduce_scatter", "iallgather", "broadcast", "bcast_object"):
         return (n - 1) * nbytes // n
     if op in ("allgather", "allgather_object"):
         return (n - 1) * nbytes

@@ -22,7 +22,8 @@ from mpi4py import MPI
 from .failfast import seconds_from_env
 
 WATCHDOG_TAG = 32000  # below 32767, the least tag upper bound MPI guarantees; no hpcpar channel uses it
-COLLECTIVES = ("allreduce", "iallreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "ireduce_scatter")
+COLLECTIVES = ("allreduce", "iallreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "ireduce_scatter",
+               "iallgather")
 _FIRST_CHECK_S = 1.0  # a wait shorter than this never looks at the watchdog's messages
 _CHECK_EVERY_S = 0.25
 _GRACE_S = 1.0  # after announcing, how long answers may take before the report

@@ -132,8 +132,15 @@ class ParallelSection(GridSizes):
                                                    "sequence over tp (reduce-scatter / all-gather instead of all-reduce)")
     zero: int = _key(0, ZERO_STAGE, "ZeRO stage over dp: 0 none; 1 optimizer state sharded (gradients "
                                "reduce-scattered in the step); 2 also gradients (each bucket reduce-scattered "
-                               "during backward, overlapped as DDP's all-reduce, only the shard kept)",
-                     check=Check("0, 1 or 2 (ZeRO-3, sharded parameters, is not built yet)", lambda v: v in (0, 1, 2)))
+                               "during backward, overlapped as DDP's all-reduce, only the shard kept); 3 also "
+                               "parameters (each unit, a layer, all-gathered before it runs, the next one prefetched)",
+                     check=Check("0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)))
+    reshard_after_forward: bool | None = _key(None, BOOLEAN, "ZeRO-3: free a unit's gathered parameters after its "
+                                                             "forward (it reruns as a recomputed region in backward, "
+                                                             "gathering again) instead of keeping them to the step's "
+                                                             "end; unset: true with pp = 1, false with a pipeline "
+                                                             "(kept across its micro-batches)",
+                                              applies=("parallel.zero", (3,)))
     shm: bool | None = _key(None, BOOLEAN, "shared-memory collectives among a node's ranks (DDP buckets and ZeRO's "
                                             "buffers in an MPI shared window; CPUs); unset: HPCPAR_SHM, else on")
     node_size: int | None = _key(None, INTEGER, "pretend nodes of this many ranks for the shared-memory collectives "
@@ -354,7 +361,7 @@ def schema_table() -> str:
             meta = f.metadata
             limits = [" \\| ".join(meta["choices"]) if meta["choices"] else meta["check"].text if meta["check"] else ""]
             if meta["applies"]:
-                limits.append(f"only with {meta['applies'][0]} = {' or '.join(meta['applies'][1])}")
+                limits.append(f"only with {meta['applies'][0]} = {' or '.join(map(str, meta['applies'][1]))}")
             allowed = "; ".join(filter(None, limits))
             default = "unset" if f.default is None else toml_value(f.default)
             rows.append(f"| {name}.{toml_key(f)} | {meta['type'].name} | `{default}` | {allowed} | {meta['doc']} |")

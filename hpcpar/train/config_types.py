@@ -89,7 +89,7 @@ def _zero_stage(v):
     return _integer(v)
 
 
-ZERO_STAGE = Type("a ZeRO stage 0, 1 or 2 (an integer; the old true is 1, false 0)", _zero_stage)
+ZERO_STAGE = Type("a ZeRO stage 0, 1, 2 or 3 (an integer; the old true is 1, false 0)", _zero_stage)
 PARTITION = Type("a method name or a list of per-stage layer counts", _partition)
 STRING_LIST = Type("a list of non-empty strings (may be empty)", _strings)
 RESUME = Type("auto, never, must or a step folder (a string; the old true is \"auto\", false \"never\")", _resume)

@@ -66,6 +66,8 @@ def train_holding_lock(job: Job, resume, stop: StopRequest, progress: str, lock)
     with Logger(job, ctx, job.train.steps, progress) as log:  # first: with a bar, every line goes above it
         describe(job, ctx)
         run = build(job, ctx)
+        if ctx.rank == 0:
+            logger.info(f"strategy: {run.strategy.describe()}")
         tracer = start_trace(run)
         info = start(run, resume if isinstance(resume, Request) else Request(resume), lock)
         step = start_step = info["step"] if info is not None else 0

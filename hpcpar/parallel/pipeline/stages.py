@@ -48,6 +48,10 @@ class Stages(ParameterHolder):
         """This rank's parameters under their names in the whole model (tied ones on each holder)."""
         return list(self._named)
 
+    def local_layers(self) -> list:
+        """This rank's layers, its virtual stages in order (ZeRO-3's units)."""
+        return [layer for s in sorted(self.layers) for layer in self.layers[s]]
+
     def rank_of(self, stage: int) -> int:
         return stage % self.p
 

@@ -17,7 +17,7 @@ class AllReduce(SynchronousStrategy):
 
     def __init__(self, job, ctx, model, precision, data=None):
         super().__init__(job, ctx, model)
-        self.build_gradient_sync(model, precision, overlap=job.parallel.overlap)
+        self.build_gradient_sync(model, precision, overlap=job.parallel.overlap, layers=model.layers())
         self.build_precision(precision, model.named_parameters())
         self.build_update(owns_for_norm=lambda param: True)
 

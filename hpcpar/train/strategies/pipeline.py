@@ -25,7 +25,8 @@ class Pipeline(SynchronousStrategy):
             sample = inputs[: max(1, len(inputs) // p.micro_batches)]
         stages = Stages(model, ctx, chunks=p.chunks, partition=p.partition, sample_input=sample)
         # The engine runs its whole schedule under no_sync: nothing to overlap with.
-        self.build_gradient_sync(stages, precision, overlap=False, alone=stages.tied.params())
+        self.build_gradient_sync(stages, precision, overlap=False, alone=stages.tied.params(),
+                                 layers=stages.local_layers())
         self.build_precision(precision, stages.named_parameters())
         self.pipe = PipelineParallel(stages, ctx, schedule=p.schedule, micro_batches=p.micro_batches,
                                      loss_fn=getattr(model, "loss_from_logits", None), grad_sync=self.grad_sync,
@@ -61,4 +62,5 @@ class Pipeline(SynchronousStrategy):
 
     def describe(self) -> str:
         p = self.job.parallel
-        return f"pipeline: {self.ctx.pp_size} stages, {p.schedule}, {p.micro_batches} micro-batches"
+        return (f"pipeline: {self.ctx.pp_size} stages, {p.schedule}, {p.micro_batches} micro-batches, "
+                f"{self.grad_sync.describe()}")

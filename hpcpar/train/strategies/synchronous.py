@@ -1,9 +1,9 @@
 """What the synchronous strategies share: a step is engine x gradient sync x update.
 
 Subclasses (``AllReduce``, ``Pipeline``) build the engine that runs forward and backward; the
-gradient sync (``parallel.grad_sync``: none, DDP, ZeRO-1, ZeRO-2), mixed precision and the update
+gradient sync (``parallel.grad_sync``: none, DDP, ZeRO-1, 2, 3), mixed precision and the update
 are built here, the same for both, in the order the engine needs them: gradient sync,
-precision, engine, update. The update is sharded (``parallel.zero`` 1 or 2: state sharded over
+precision, engine, update. The update is sharded (``parallel.zero`` 1 to 3: state sharded over
 dp, gradients reduce-scattered in the step or during backward) or a plain one on dp-averaged
 gradients, stepping float32 masters under fp16/bf16.
 """
@@ -15,6 +15,7 @@ from ...optim.finite import StepHealth
 from ...parallel.compression_state import CompressionState
 from ...parallel.grad_sync import make_gradient_sync
 from ...parallel.zero import ZeroRedundancyOptimizer
+from ...parallel.zero_params import ShardedParameters
 from ...state import Together
 from .base import Strategy
 from .ingredients import make_gradient_compressor, optimizer_class, state_bytes
@@ -22,26 +23,35 @@ from .update import ReplicatedUpdate, ShardedUpdate
 
 
 class SynchronousStrategy(Strategy):
-    def build_gradient_sync(self, holder, precision, overlap: bool, alone=()) -> None:
+    sharded_parameters = None  # ZeRO-3's parameter store (parallel.zero_params)
+
+    def build_gradient_sync(self, holder, precision, overlap: bool, alone=(), layers=()) -> None:
         """The gradient sync of ``holder``'s parameters, by the rule of ``parallel.grad_sync``
-        (ZeRO-2 reduces into ``precision``'s master dtype)."""
+        (ZeRO-2 and 3 reduce into ``precision``'s master dtype); ZeRO-3 first shards the
+        parameters of ``layers`` (its units) into the store."""
         p = self.job.parallel
+        if p.zero == 3:
+            names = {id(param): name for name, param in holder.named_parameters()}
+            reshard = p.reshard_after_forward if p.reshard_after_forward is not None else self.ctx.pp_size == 1
+            holder = self.sharded_parameters = ShardedParameters(layers, names, self.ctx.dp, reshard_after_forward=reshard,
+                                                                 master_dtype=precision.master_dtype)
         self.grad_sync = make_gradient_sync(holder, self.ctx, sharded=p.zero, compression=make_gradient_compressor(p),
                                             bucket_mb=p.bucket_mb, overlap=overlap, alone=alone,
                                             master_dtype=precision.master_dtype)
 
     def build_precision(self, precision, named) -> None:
         """The master weights of ``precision`` (an ``optim.Precision``) for this rank's parameters ``named``:
-        float32 masters under fp16/bf16, else those parameters themselves."""
-        self.precision = precision.masters(named)
+        float32 masters under fp16/bf16, else those parameters themselves (ZeRO-3: none, its shard is the masters)."""
+        self.precision = precision.masters([] if self.sharded_parameters is not None else named)
 
     def build_update(self, owns_for_norm) -> None:
         """Optimizer and update over the precision's masters."""
-        masters = self.precision.named_master_parameters()
+        store = self.sharded_parameters
+        masters = self.precision.named_master_parameters() if store is None else store.named_parameters()
         cls, options = optimizer_class(self.job)
         if self.job.parallel.zero:
-            self._optimizer = ZeroRedundancyOptimizer(masters, self.ctx.dp, cls, **options)
-            reduced_in_backward = self.grad_sync if self.job.parallel.zero == 2 else None
+            self._optimizer = ZeroRedundancyOptimizer(masters, self.ctx.dp, cls, parameters=store, **options)
+            reduced_in_backward = self.grad_sync if self.job.parallel.zero >= 2 else None
             if reduced_in_backward is not None:
                 reduced_in_backward.check_layout(self._optimizer)
             self.update = ShardedUpdate(self._optimizer, self.precision, self.ctx, owns_for_norm, reduced_in_backward)
@@ -87,7 +97,8 @@ class SynchronousStrategy(Strategy):
         if ddp is not None and ddp.compression.carries_state:
             optimizer = Together(optimizer, CompressionState(ddp.compression, self.ctx, ddp.buckets,
                                                              saved=self.job.checkpoint.compression_state))
-        return self.precision.named_master_parameters(), optimizer, self.ctx
+        weights = self.sharded_parameters or self.precision.named_master_parameters()  # ZeRO-3: from its shard
+        return weights, optimizer, self.ctx
 
     def checkpoint_extra(self) -> dict:
         return {} if self.precision.scaler is None else {"scaler": self.precision.scaler}

@@ -1,0 +1,241 @@
+"""ZeRO-3: a parameter lives only as this rank's part of a flat layout; its unit is gathered to run.
+
+    params = ShardedParameters(model.layers(), names, ctx.dp, reshard_after_forward=True)
+    sync = ShardedParameterSync(params, ctx, bucket_mb=25, overlap=True)  # ZeRO-2's, then units freed
+    zero = ZeroRedundancyOptimizer(params.named_parameters(), ctx.dp, AdamW, parameters=params)
+    loss = model.loss(x, y); loss.backward(); sync.finish()   # each unit gathers itself as it runs
+
+A unit is one of the given layers (the GPT's embedding, each block, its head; a pipeline
+stage's layers); layers that share a parameter (a tied embedding and head) are one unit. Units
+are laid out one after another, each one contiguous range, and sharded as ZeRO-1 shards
+(``zero.flat_layout``). Before a unit runs, its range is all-gathered (uneven pieces) into a new
+buffer whose views its parameters become, and the next unit's gather starts; otherwise a
+parameter's array is a placeholder of its shape holding no memory. With ``reshard_after_forward``
+a unshared unit with Tensor inputs runs its forward as a recomputed region, so its buffer is
+freed once it has run, and backward gathers it again; other units stay gathered to the
+step's end. More: docs/architecture.md, "ZeRO-3".
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import numpy as np
+
+from ..autograd import Parameter, Tensor, is_grad_enabled
+from ..autograd.recompute import recompute
+from ..backend import get_array_module, to_device
+from ..nn.dropout_keys import replay_dropout_key
+from ..state import Checkpointable, LoadPlan, ParameterList, Piece, Read, range_param_slabs
+from .zero import flat_layout
+from .zero_grads import BucketedReduceScatter
+
+
+class Unit:
+    """Layers run as one gathered piece: ``slots`` index their parameters in the layout, [begin, end)."""
+
+    def __init__(self, index: int, name: str, layers: list, slots: list[int], begin: int, end: int, shared: bool):
+        self.index, self.name, self.layers, self.slots = index, name, layers, slots
+        self.begin, self.end, self.shared = begin, end, shared
+        self.buffer = None  # the gathered parameters (or the buffer a gather in flight fills)
+        self.pending = None  # that gather's handle until it is waited for
+
+
+def group_layers(layers) -> list[tuple[list, list]]:
+    """[(layers, their parameters in first-use order)] for the layers holding parameters, those
+    that share one merged into the group of the first; in the order of each group's first layer."""
+    groups: list[tuple[list, list]] = []
+    for layer in layers:
+        params = list({id(p): p for p in layer.parameters()}.values())
+        if not params:
+            continue
+        ids = {id(p) for p in params}
+        joined = [i for i, (_, held) in enumerate(groups) if ids & {id(p) for p in held}]
+        if not joined:
+            groups.append(([layer], params))
+            continue
+        merged_layers = [m for i in joined for m in groups[i][0]] + [layer]
+        merged = {id(p): p for i in joined for p in groups[i][1]} | {id(p): p for p in params}
+        groups[joined[0]] = (merged_layers, list(merged.values()))
+        for i in reversed(joined[1:]):
+            del groups[i]
+    return groups
+
+
+def _unit_name(layers, names: dict) -> str:
+    """What debug messages call a unit: each layer's common name prefix (``blocks.3``, ``embed+head.ln_f``)."""
+    parts = []
+    for layer in layers:
+        dotted = [names[id(p)].split(".")[:-1] for p in layer.parameters()]
+        parts.append(".".join(os.path.commonprefix(dotted) or dotted[0]))
+    return "+".join(dict.fromkeys(parts))
+
+
+class ShardedParameters(Checkpointable):
+    """The ZeRO-3 parameter store: the shard (in ``master_dtype``, default the parameters' dtype,
+    a ``Parameter`` the optimizer steps in place), the units, and their gathers. As a
+    Checkpointable it saves and loads ``model/<name>`` from the shard's slabs."""
+
+    def __init__(self, layers, names: dict, comm, *, reshard_after_forward: bool, master_dtype=None):
+        self.comm, self.reshard_after_forward = comm, reshard_after_forward
+        groups = group_layers(layers)
+        params = [p for _, group_params in groups for p in group_params]
+        self.names, self.params = [names[id(p)] for p in params], params
+        self.offsets, self.shard_size = flat_layout([p.size for p in params], comm.size)
+        self.dtype = params[0].dtype if params else np.dtype(np.float32)
+        self.xp = get_array_module(params[0].data) if params else np
+        self.units, slot = [], 0
+        for index, (unit_layers, unit_params) in enumerate(groups):
+            slots = list(range(slot, slot + len(unit_params)))
+            slot += len(unit_params)
+            end = self.offsets[slots[-1]] + params[slots[-1]].size
+            self.units.append(Unit(index, _unit_name(unit_layers, names), unit_layers, slots,
+                                   self.offsets[slots[0]], end, shared=len(unit_layers) > 1))
+        self.shard = Parameter(self._own_part(master_dtype or self.dtype), name=f"zero3_shard_{comm.rank}")
+        self._placeholders = [self.xp.broadcast_to(self.xp.zeros((), p.dtype), p.shape) for p in params]
+        for p, placeholder in zip(params, self._placeholders):
+            p.data = placeholder  # the whole array is freed: the shard holds this rank's part
+        for unit in self.units:
+            for layer in unit.layers:
+                layer.set_around_forward(functools.partial(self._around, unit))
+        self.peak_gathered_bytes = 0  # the most unit memory alive at once so far
+        self._held = None  # the unit last rerun in backward, gathered until the next one reruns
+
+    def _own_part(self, dtype):
+        """This rank's range of the layout, copied from the parameters (every rank built the same
+        ones from the seed), zeros in the padding."""
+        start = self.comm.rank * self.shard_size
+        shard = self.xp.zeros(self.shard_size, dtype=dtype)
+        for p, offset in zip(self.params, self.offsets):
+            lo, hi = max(offset, start), min(offset + p.size, start + self.shard_size)
+            if lo < hi:
+                shard[lo - start: hi - start] = p.data.reshape(-1)[lo - offset: hi - offset]
+        return shard
+
+    def named_parameters(self) -> list:
+        """(name, parameter) in layout order: what the gradient sync and the optimizer lay out alike."""
+        return list(zip(self.names, self.params))
+
+    def describe(self) -> str:
+        shared = sum(1 for u in self.units if u.shared)
+        kept = "kept to the step's end" if not self.reshard_after_forward else "resharded after forward"
+        return f"ZeRO-3: {len(self.units)} unit(s) {kept}" + (f" ({shared} shared, kept)" if shared else "")
+
+    # ----- gathering ----------------------------------------------------------------
+    def _reshards(self, unit: Unit, args) -> bool:
+        """Whether this call of ``unit`` frees its parameters after its forward (rerun in backward)."""
+        return (self.reshard_after_forward and not unit.shared
+                and all(isinstance(a, Tensor) for a in args))  # recompute's inputs are Tensors
+
+    def _around(self, unit: Unit, forward, *args, **kwargs):
+        """A unit's call: gathered while it runs; under grad with resharding, a recomputed region."""
+        if is_grad_enabled() and not kwargs and self._reshards(unit, args):
+            run = functools.partial(self._run, unit, forward, True)
+            return recompute(run, *args, params=[self.params[s] for s in unit.slots], context=replay_dropout_key())
+        return self._run(unit, forward, False, *args, **kwargs)
+
+    def _run(self, unit: Unit, forward, resharding: bool, *args, **kwargs):
+        rerun = resharding and is_grad_enabled()  # recompute's rerun, in backward
+        if rerun and self._held not in (None, unit):
+            self.release(self._held)  # the unit rerun before this one is through its backward
+        self.gather(unit)
+        neighbour = self._previous(unit) if rerun else self._next(unit)
+        if neighbour is not None:
+            self._start(neighbour)  # prefetch: in flight while this unit computes
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            if rerun:
+                # Held until the next unit reruns (or the step ends): the rerun's backward, and a
+                # region recomputed inside it (model.recompute = "full"), still read the parameters.
+                self._held = unit
+            elif resharding or not is_grad_enabled():  # kept only when a backward will read the arrays
+                self.release(unit)
+
+    def _next(self, unit: Unit):
+        return self.units[unit.index + 1] if unit.index + 1 < len(self.units) else None
+
+    def _previous(self, unit: Unit):
+        return self.units[unit.index - 1] if unit.index > 0 else None
+
+    def _start(self, unit: Unit) -> None:
+        """Start gathering ``unit`` unless it is gathered or on its way."""
+        if unit.buffer is not None:
+            return
+        size, rank = self.shard_size, self.comm.rank
+        counts = [max(0, min(unit.end, (r + 1) * size) - max(unit.begin, r * size)) for r in range(self.comm.size)]
+        lo = max(unit.begin, rank * size) - rank * size
+        mine = self.shard.data[lo: lo + counts[rank]]
+        if mine.dtype != self.dtype:  # float32 masters gathered in the compute dtype
+            mine = mine.astype(self.dtype)
+        unit.buffer = self.xp.empty(unit.end - unit.begin, dtype=self.dtype)
+        unit.pending = self.comm.iallgather(mine, counts, unit.buffer, label=unit.name)
+        alive = sum(u.buffer.nbytes for u in self.units if u.buffer is not None)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, alive)
+
+    def gather(self, unit: Unit) -> None:
+        """``unit``'s parameters whole, as views of its gathered buffer."""
+        self._start(unit)
+        if unit.pending is None:
+            return
+        unit.pending.wait()
+        unit.pending = None
+        for slot in unit.slots:
+            p, at = self.params[slot], self.offsets[slot] - unit.begin
+            p.data = unit.buffer[at: at + p.size].reshape(p.shape)
+
+    def release(self, unit: Unit) -> None:
+        """Free ``unit``'s gathered buffer (the graph may still hold views it needs for backward)."""
+        if unit.pending is not None:
+            unit.pending.wait()  # MPI writes into it until then
+            unit.pending = None
+        for slot in unit.slots:
+            self.params[slot].data = self._placeholders[slot]
+        unit.buffer = None
+
+    def release_all(self) -> None:
+        """The step's end (or a load): no unit stays gathered."""
+        for unit in self.units:
+            self.release(unit)
+        self._held = None
+
+    # ----- the checkpoint protocol (hpcpar.state) -------------------------------------
+    def _slabs(self):
+        begin = self.comm.rank * self.shard_size
+        return range_param_slabs(self.names, self.params, self.offsets, begin, begin + self.shard_size)
+
+    def checkpoint_pieces(self) -> tuple[list, dict]:
+        pieces = [Piece(f"model/{name}", shape, glob, self.shard.data[at: at + math.prod(local)].reshape(local))
+                  for name, _, shape, glob, local, at in self._slabs()]
+        return pieces, {}
+
+    def load_plan(self, saved) -> LoadPlan:
+        """Each slab of the shard from its ``model/<name>``; gathered units are stale after, so freed."""
+        flat = self.shard.data
+
+        def into(at):
+            def assign(values):
+                flat[at: at + values.size] = to_device(values, self.xp).reshape(-1)
+            return assign
+
+        reads = [Read(f"model/{name}", shape, glob, into(at), flat.dtype, flat[at: at + math.prod(local)].reshape(local))
+                 for name, _, shape, glob, local, at in self._slabs()]
+        return LoadPlan(reads, [self.release_all])
+
+
+class ShardedParameterSync(BucketedReduceScatter):
+    """ZeRO-3's gradient sync: ZeRO-2's bucketed reduce-scatter over the units' layout into the
+    shard's dtype; at the step's end the units kept gathered are freed."""
+
+    def __init__(self, parameters: ShardedParameters, ctx, *, bucket_mb: float, overlap: bool):
+        super().__init__(ParameterList(parameters.named_parameters()), ctx, bucket_mb=bucket_mb, overlap=overlap,
+                         dtype=parameters.shard.dtype)
+        self.parameters = parameters
+
+    def finish(self) -> None:
+        super().finish()
+        self.parameters.release_all()
+
+    def describe(self) -> str:
+        return f"{self.parameters.describe()}, {len(self.buckets)} reduce-scatter bucket(s)"

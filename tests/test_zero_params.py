@@ -1,0 +1,120 @@
+"""ZeRO-3's parameter store (``parallel.zero_params``) at any dp: equal to one process in float64
+with and without resharding after forward, the traffic of its units exactly (1.5x DDP's bytes
+less the unit kept gathered), no whole parameter kept between steps, and a rank-dependent
+forward path named under HPCPAR_DEBUG=1 instead of hanging."""
+import pytest
+
+import hpcpar
+from dp_reference import accumulate_share, global_batch, make_model, max_difference, train_single_process
+from hpcpar.optim import AdamW
+from hpcpar.parallel.zero import ZeroRedundancyOptimizer
+from hpcpar.parallel.zero_params import ShardedParameters, ShardedParameterSync
+from hpcpar.runtime import debug
+
+pytestmark = pytest.mark.mpi(min_size=1)
+STEPS = 3
+
+
+def zero_3(ctx, model, reshard=True, bucket_mb=25):
+    names = {id(p): name for name, p in model.named_parameters()}
+    params = ShardedParameters(model.layers(), names, ctx.dp, reshard_after_forward=reshard)
+    sync = ShardedParameterSync(params, ctx, bucket_mb=bucket_mb, overlap=True)
+    optimizer = ZeroRedundancyOptimizer(params.named_parameters(), ctx.dp, AdamW, lr=1e-2, weight_decay=0.1,
+                                        parameters=params)
+    sync.check_layout(optimizer)
+    return params, sync, optimizer
+
+
+def step(sync, optimizer):
+    sync.finish()
+    optimizer.shard.grad = sync.take_shard_gradient()
+    optimizer.step(reduce=False)
+
+
+def whole_parameters(params, ctx) -> dict:
+    """{name: the whole tensor}, gathered from every rank's shard."""
+    flat = ctx.dp.allgather(params.shard.data).reshape(-1)
+    return {name: flat[o: o + p.size].reshape(p.shape) for name, p, o in zip(params.names, params.params, params.offsets)}
+
+
+@pytest.mark.parametrize("reshard, accumulate, bucket_mb", [(True, 1, 25), (False, 1, 0.001), (True, 2, 0.001)])
+def test_zero_3_equals_one_process(reshard, accumulate, bucket_mb):
+    ctx = hpcpar.init(device="cpu")
+    model = make_model()
+    params, sync, optimizer = zero_3(ctx, model, reshard, bucket_mb)
+    for s in range(STEPS):
+        accumulate_share(model, sync, ctx, s, accumulate)
+        step(sync, optimizer)
+    reference, _ = train_single_process(STEPS)
+    assert max_difference(whole_parameters(params, ctx), reference) <= 1e-12
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_traffic_is_one_and_a_half_all_reduces_less_the_kept_unit(reshard):
+    """Per step: each bucket reduce-scattered once; each unit gathered once in forward and, when it
+    is resharded, once more in backward. The tied embedding and head are one unit kept gathered,
+    so the wire bytes are 1.5x DDP's all-reduce less one gather of that unit (exactly, up to each
+    call's rounding down to whole bytes); without resharding, DDP's bytes."""
+    ctx = hpcpar.init(device="cpu")
+    model = make_model()
+    params, sync, optimizer = zero_3(ctx, model, reshard)
+    ids, targets = global_batch(0)
+    n, numel = ctx.dp_size, sum(p.size for p in params.params)
+    kept = [u for u in params.units if u.shared or not reshard]
+    assert [u.name for u in params.units if u.shared] == ["embed+head.ln_f"]
+    for _ in range(2):
+        ctx.reset_stats()
+        model.loss(ids, targets).backward()
+        step(sync, optimizer)
+        stats = ctx.dp.stats
+        gathers = 2 * len(params.units) - len(kept)
+        assert set(stats.ops) == {"ireduce_scatter", "iallgather"}
+        assert stats.calls("ireduce_scatter") == len(sync.buckets) and stats.calls("iallgather") == gathers
+        unit_bytes = sum((u.end - u.begin) * 8 * (1 if u in kept else 2) for u in params.units)
+        assert stats.bytes("ireduce_scatter") == numel * 8 and stats.bytes("iallgather") == unit_bytes
+        wire = lambda nbytes: (n - 1) * nbytes // n  # noqa: E731  (ring_wire_bytes of either call)
+        expected = (sum(wire((b.end - b.begin) * 8) for b in sync.buckets)
+                    + sum(wire((u.end - u.begin) * 8) * (1 if u in kept else 2) for u in params.units))
+        assert stats.total_wire_bytes == expected
+        ddp = 2 * (n - 1) * numel * 8 / n
+        less = sum((n - 1) * (u.end - u.begin) * 8 / n for u in kept)
+        assert abs(stats.total_wire_bytes - (1.5 * ddp - less)) <= len(sync.buckets) + gathers
+
+
+def test_no_whole_parameter_is_kept_between_steps():
+    """After a step every parameter is a placeholder holding no memory; at most the kept unit and
+    two others (the one running, the one prefetched) were gathered at once."""
+    ctx = hpcpar.init(device="cpu")
+    model = make_model()
+    params, sync, optimizer = zero_3(ctx, model)
+    ids, targets = global_batch(0)
+    model.loss(ids, targets).backward()
+    step(sync, optimizer)
+    assert all(p.data.strides == (0,) * p.ndim and p.grad is None for p in params.params)
+    sizes = sorted(((u.end - u.begin) * 8 for u in params.units if not u.shared), reverse=True)
+    kept = sum((u.end - u.begin) * 8 for u in params.units if u.shared)
+    assert 0 < params.peak_gathered_bytes <= kept + sum(sizes[:2])
+    assert all(u.buffer is None and u.pending is None for u in params.units)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_dependent_forward_path_is_named_under_debug():
+    """Rank 1 runs block 0 twice: its fourth gather (block 0 again) meets rank 0's (block 1, rerun
+    in backward). With HPCPAR_DEBUG's check every rank raises, naming the ranks and the units
+    they were gathering, before the gathers mix the two."""
+    ctx = hpcpar.init(device="cpu")
+    model = make_model()
+    params, sync, optimizer = zero_3(ctx, model)
+    ids, targets = global_batch(0)
+    debug.set_enabled(True)
+    try:
+        with pytest.raises(debug.CollectiveMismatchError) as raised:
+            x = model.embed(ids[:2])
+            for block in [model.blocks[0]] * (2 if ctx.dp_rank == 1 else 1) + list(model.blocks[1:]):
+                x = block(x)
+            model.loss_from_logits(model.head(x), targets[:2]).backward()  # rank 0 regathers blocks.1
+    finally:
+        debug.set_enabled(False)
+        params.release_all()
+    message = str(raised.value)
+    assert "iallgather blocks.1" in message and "iallgather blocks.0" in message and "ranks [1]" in message, message

@@ -134,7 +134,7 @@ def measure(job, comm, steps: int) -> dict:
         activation_peak = traced_peak(lambda: losses.append(strategy.train_step(inputs, targets)))
         strategy.finish_step(0.0, losses[0])
     state = strategy.optimizer_state_bytes()  # with the float32 masters under mixed precision
-    params = sum(q.data.nbytes for _, q in strategy.named_parameters())
+    params = strategy.parameter_bytes()
     step_s = statistics.median(times)
     gather = lambda value, op=MPI.MAX: ctx.world.mpi.allreduce(value, op=op)  # noqa: E731
     tokens = job.data.batch_size * (job.model.block_size if job.model.kind == "gpt" else 1)
@@ -217,7 +217,7 @@ def add_arguments(parser) -> None:
                         help="folder for compare.json and compare.png (default: runs/compare-JOB)")
     parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16", "fp16"], default=None,
                         help="also measure each layout in these precisions, beside fp32 (default: the job's only)")
-    parser.add_argument("--zero", nargs="+", type=int, choices=[0, 1, 2], default=None,
+    parser.add_argument("--zero", nargs="+", type=int, choices=[0, 1, 2, 3], default=None,
                         help="measure each layout with replicas under these ZeRO stages, a row each (default: the "
                              "job's parallel.zero only)")
     parser.set_defaults(func=run)

@@ -28,6 +28,8 @@ LAYOUTS = {  # world size -> [(model, overrides)]
         ("gpt", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
         ("gpt", ["parallel.dp=2", "parallel.zero=1"]),
         ("gpt", ["parallel.dp=2", "parallel.zero=2", "parallel.bucket_mb=0.01"]),
+        ("gpt", ["parallel.dp=2", "parallel.zero=3", "parallel.bucket_mb=0.01", "parallel.micro_batches=2"]),
+        ("gpt", ["parallel.dp=2", "parallel.zero=3", "parallel.reshard_after_forward=false"]),
         ("gpt", ["parallel.tp=2", "model.tie_weights=false", "model.bias=false"]),
         ("gpt", ["parallel.tp=2", 'model.recompute="full"', "model.dropout=0.1"]),
         ("gpt", ["parallel.pp=2", "parallel.micro_batches=2", 'model.recompute="selective"']),
@@ -39,12 +41,16 @@ LAYOUTS = {  # world size -> [(model, overrides)]
         ("gpt", ["parallel.dp=2", "parallel.tp=2", "parallel.zero=1", 'model.recompute="full"']),
         ("gpt", ["parallel.dp=2", "parallel.tp=2", "parallel.zero=2", "parallel.sequence_parallel=true"]),
         ("gpt", ["parallel.dp=2", "parallel.pp=2", "parallel.zero=2", "parallel.micro_batches=2"]),
+        ("gpt", ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3", "parallel.sequence_parallel=true"]),
+        ("gpt", ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.micro_batches=2",
+                 "parallel.reshard_after_forward=true"]),
         ("gpt", ["parallel.pp=4", "parallel.micro_batches=8", 'parallel.schedule="1f1b"']),
         ("gpt", ["parallel.dp=4", "parallel.bucket_mb=0.02"]),
         ("cnn", ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=1"]),
         # stage 2 holds only a ReLU and a pooling layer: ZeRO-1 over no parameters
         ("cnn", ["parallel.pp=4", "parallel.micro_batches=4", "parallel.zero=1"]),
-        ("cnn", ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=2"])],
+        ("cnn", ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=2"]),
+        ("cnn", ["parallel.dp=4", "parallel.zero=3"])],
 }
 
 

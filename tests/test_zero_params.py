@@ -49,36 +49,37 @@ def test_zero_3_equals_one_process(reshard, accumulate, bucket_mb):
     assert max_difference(whole_parameters(params, ctx), reference) <= 1e-12
 
 
-@pytest.mark.parametrize("reshard", [True, False])
-def test_traffic_is_one_and_a_half_all_reduces_less_the_kept_unit(reshard):
+@pytest.mark.parametrize("reshard, accumulate", [(True, 1), (True, 2), (False, 2)])
+def test_traffic_is_one_and_a_half_all_reduces_less_the_kept_unit(reshard, accumulate):
     """Per step: each bucket reduce-scattered once; each unit gathered once in forward and, when it
     is resharded, once more in backward. The tied embedding and head are one unit kept gathered,
     so the wire bytes are 1.5x DDP's all-reduce less one gather of that unit (exactly, up to each
-    call's rounding down to whole bytes); without resharding, DDP's bytes."""
+    call's rounding down to whole bytes); without resharding, DDP's bytes. Accumulating
+    micro-batches, a resharded unit is gathered twice per micro-batch, a kept one once a step."""
     ctx = hpcpar.init(device="cpu")
     model = make_model()
     params, sync, optimizer = zero_3(ctx, model, reshard)
-    ids, targets = global_batch(0)
     n, numel = ctx.dp_size, sum(p.size for p in params.params)
     kept = [u for u in params.units if u.shared or not reshard]
     assert [u.name for u in params.units if u.shared] == ["embed+head.ln_f"]
-    for _ in range(2):
+    times = {id(u): 1 if u in kept else 2 * accumulate for u in params.units}  # gathers per step
+    for s in range(2):
         ctx.reset_stats()
-        model.loss(ids, targets).backward()
+        accumulate_share(model, sync, ctx, s, accumulate)
         step(sync, optimizer)
         stats = ctx.dp.stats
-        gathers = 2 * len(params.units) - len(kept)
         assert set(stats.ops) == {"ireduce_scatter", "iallgather"}
-        assert stats.calls("ireduce_scatter") == len(sync.buckets) and stats.calls("iallgather") == gathers
-        unit_bytes = sum((u.end - u.begin) * 8 * (1 if u in kept else 2) for u in params.units)
-        assert stats.bytes("ireduce_scatter") == numel * 8 and stats.bytes("iallgather") == unit_bytes
+        assert stats.calls("ireduce_scatter") == len(sync.buckets) and stats.calls("iallgather") == sum(times.values())
+        assert stats.bytes("ireduce_scatter") == numel * 8
+        assert stats.bytes("iallgather") == sum((u.end - u.begin) * 8 * times[id(u)] for u in params.units)
         wire = lambda nbytes: (n - 1) * nbytes // n  # noqa: E731  (ring_wire_bytes of either call)
         expected = (sum(wire((b.end - b.begin) * 8) for b in sync.buckets)
-                    + sum(wire((u.end - u.begin) * 8) * (1 if u in kept else 2) for u in params.units))
+                    + sum(wire((u.end - u.begin) * 8) * times[id(u)] for u in params.units))
         assert stats.total_wire_bytes == expected
-        ddp = 2 * (n - 1) * numel * 8 / n
-        less = sum((n - 1) * (u.end - u.begin) * 8 / n for u in kept)
-        assert abs(stats.total_wire_bytes - (1.5 * ddp - less)) <= len(sync.buckets) + gathers
+        if accumulate == 1:
+            ddp = 2 * (n - 1) * numel * 8 / n
+            less = sum((n - 1) * (u.end - u.begin) * 8 / n for u in kept)
+            assert abs(stats.total_wire_bytes - (1.5 * ddp - less)) <= len(sync.buckets) + sum(times.values())
 
 
 def test_no_whole_parameter_is_kept_between_steps():

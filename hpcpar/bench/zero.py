@@ -2,12 +2,12 @@
 
     mpiexec -n 2 hpcpar bench zero [--n-layer 4 --n-embd 256 --batch 8 --steps 8] [--no-peer]
 
-Stages 0 (DDP), 1, 2 are ``hpcpar train``'s own strategy at dp = the world (AdamW, clipping,
-float32, one BLAS thread per rank), taking turns step by step with PyTorch FSDP2
+Stages 0 (DDP) to 3 (resharding after forward or not) are ``hpcpar train``'s own strategy at
+dp = the world (AdamW, clipping, float32, one BLAS thread per rank), taking turns step by step with PyTorch FSDP2
 (``torch_fsdp``); medians, the slowest rank deciding a step. Memory per rank, a stage at a
 time, shm off (tracemalloc does not see MPI's windows): what the build and a first step keep
 plus the peak of two more steps on 1 x 8 tokens per rank, beside ``formula`` (hpcpar's bytes
-per stage; its terms: docs/architecture.md, "ZeRO-2").
+per stage; its terms: docs/architecture.md, "ZeRO-2" and "ZeRO-3").
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from mpi4py import MPI
 from ..cli import at_least
 from ..host import blas_kernel
 from ..parallel.zero_grads import IN_FLIGHT
+from ..parallel.zero_params import gathered_at_peak
 from ..runtime.context import init
 from ..tables import format_table
 from ..train.build import build_model
@@ -32,16 +33,26 @@ from ..train.strategies.allreduce import AllReduce
 from ..train.validate import validate
 from .step import limit_blas_threads
 
-STAGES = (0, 1, 2)
+# (ZeRO stage, ZeRO-3's reshard_after_forward) of each measured variant
+STAGES = ((0, None), (1, None), (2, None), (3, True), (3, False))
 
 
-def stage_job(args, world: int, stage: int, batch: int, block: int, shm: bool = True):
-    """The job of ``stage`` at dp = ``world``; ``shm=False``: buffers in NumPy's memory, which
-    tracemalloc sees (not MPI's shared windows)."""
+def stage_name(stage: int, reshard) -> str:
+    if stage == 3:
+        return f"hpcpar ZeRO-3 reshard_after_forward={'true' if reshard else 'false'}"
+    return f"hpcpar ZeRO-{stage}" if stage else "hpcpar DDP"
+
+
+def stage_job(args, world: int, stage, batch: int, block: int, shm: bool = True):
+    """The job of ``stage`` (a pair of ``STAGES``) at dp = ``world``; ``shm=False``: buffers in
+    NumPy's memory, which tracemalloc sees (not MPI's shared windows)."""
+    zero, reshard = stage
     overrides = [f"model.n_layer={args.n_layer}", f"model.n_embd={args.n_embd}", f"model.n_head={args.n_head}",
                  f"model.block_size={block}", f"data.batch_size={batch * world}", f"parallel.dp={world}",
-                 f"parallel.zero={stage}", f"parallel.bucket_mb={args.bucket_mb}", 'train.device="cpu"',
+                 f"parallel.zero={zero}", f"parallel.bucket_mb={args.bucket_mb}", 'train.device="cpu"',
                  f"parallel.shm={'true' if shm else 'false'}"]
+    if reshard is not None:
+        overrides.append(f"parallel.reshard_after_forward={'true' if reshard else 'false'}")
     return validate(load_job(None, overrides), world)
 
 
@@ -61,20 +72,24 @@ def batch_of(job, rows: int, step: int):
     return ids[:, :-1], ids[:, 1:]
 
 
-def formula(stage: int, params, ranks: int, buckets: list[int]) -> float:
+def formula(stage: int, params, ranks: int, buckets: list[int], gathered: int = 0) -> float:
     """Bytes of parameters, gradients and AdamW's state per rank at a step's peak, float32 (the
-    module docstring); ``buckets``: ZeRO-2's bucket sizes in elements."""
+    module docstring); ``buckets``: ZeRO-2's and 3's bucket sizes in elements; ``gathered``:
+    the most elements of ZeRO-3's units gathered at once."""
     psi = sum(p.size for p in params)
     shard = -(-psi // ranks)
     if stage == 0:  # AdamW's scratch: one array per distinct parameter shape
         return 16 * psi + 4 * sum(math.prod(shape) for shape in {p.shape for p in params})
     if stage == 1:
         return 8 * psi + 4 * shard * ranks + 20 * shard
-    return 4 * psi + 20 * shard + 4 * sum(sorted(buckets)[-(IN_FLIGHT + 1):])
+    in_flight = 4 * sum(sorted(buckets)[-(IN_FLIGHT + 1):])
+    if stage == 2:
+        return 4 * psi + 20 * shard + in_flight
+    return 20 * shard + in_flight + 4 * gathered
 
 
-def memory_row(args, world, stage: int) -> list:
-    """[stage, measured MiB, formula MiB, measured / formula] on rank 0 (the largest rank's peak)."""
+def memory_row(args, world, stage) -> list:
+    """[name, measured MiB, formula MiB, measured / formula] on rank 0 (the largest rank's peak)."""
     gc.collect()
     job = stage_job(args, world.Get_size(), stage, batch=1, block=8, shm=False)
     tracemalloc.start()
@@ -88,25 +103,27 @@ def memory_row(args, world, stage: int) -> list:
     finally:
         tracemalloc.stop()
     params = [p for _, p in strategy.named_parameters()]
-    buckets = [b.end - b.begin for b in strategy.grad_sync.buckets] if stage == 2 else []
-    expected = formula(stage, params, world.Get_size(), buckets)
+    buckets = [b.end - b.begin for b in strategy.grad_sync.buckets] if stage[0] >= 2 else []
+    store = strategy.sharded_parameters
+    gathered = gathered_at_peak([(u.end - u.begin, u.shared or not store.reshard_after_forward) for u in store.units]) if store else 0
+    expected = formula(stage[0], params, world.Get_size(), buckets, gathered)
     strategy.ctx.close()
-    return [stage, peak / 2**20, expected / 2**20, peak / expected]
+    return [stage_name(*stage), peak / 2**20, expected / 2**20, peak / expected]
 
 
 def speed_rows(args, world) -> tuple[list, list]:
     """([name, step ms, vs DDP, communication waited ms] per stage and peer, the steps taking
     turns; [(peer, why it did not run)])."""
     jobs = {s: stage_job(args, world.Get_size(), s, batch=args.batch, block=args.block) for s in STAGES}
-    strategies = {f"hpcpar ZeRO-{s}" if s else "hpcpar DDP": make_strategy(job, world) for s, job in jobs.items()}
+    strategies = {stage_name(*s): make_strategy(job, world) for s, job in jobs.items()}
     steps = {name: (lambda strategy=strategy, job=jobs[s]: lambda ids: one_step(strategy, ids[:, :-1], ids[:, 1:],
                                                                                   job.optimizer.grad_clip))()
              for (name, strategy), s in zip(strategies.items(), STAGES)}
-    peers, missing = torch_peers(args, jobs[0], world)
+    peers, missing = torch_peers(args, jobs[STAGES[0]], world)
     steps.update(peers)
     times, waited = {name: [] for name in steps}, {name: [] for name in steps}
     for step in range(args.steps + 2):
-        ids = np.concatenate(batch_of(jobs[0], args.batch, step), axis=1)[:, : args.block + 1]
+        ids = np.concatenate(batch_of(jobs[STAGES[0]], args.batch, step), axis=1)[:, : args.block + 1]
         for name, run in steps.items():
             world.Barrier()
             start = time.perf_counter()
@@ -172,7 +189,7 @@ def run(args) -> int:
         for name, why in missing:
             print(f"{name}: did not run: {why}")
         print(format_table(["stage", "measured MiB", "formula MiB", "measured / formula"],
-                           [[s, f"{m:.2f}", f"{f:.2f}", f"{r:.3f}"] for s, m, f, r in memory]))
+                           [[name, f"{m:.2f}", f"{f:.2f}", f"{r:.3f}"] for name, m, f, r in memory]))
         print("measured: tracemalloc peak per rank (largest rank), what the build and the first step keep and the "
               "next two steps' peak on 1 x 8 tokens per rank, shm off; formula: hpcpar/bench/zero.py")
     return 0

@@ -32,6 +32,18 @@ from .zero import flat_layout
 from .zero_grads import BucketedReduceScatter
 
 
+def reshards(reshard_after_forward: bool | None, pp: int) -> bool:
+    """``parallel.reshard_after_forward``, unset: true without a pipeline, false with one (a stage's
+    units are then gathered once a step, across its micro-batches, as torchtitan's default)."""
+    return reshard_after_forward if reshard_after_forward is not None else pp == 1
+
+
+def gathered_at_peak(units) -> int:
+    """Elements of ZeRO-3's units gathered at once at a step's peak, from (elements, kept) pairs:
+    every kept unit, and of the resharded ones the two largest (one running, one prefetched)."""
+    return sum(n for n, kept in units if kept) + sum(sorted(n for n, kept in units if not kept)[-2:])
+
+
 class Unit:
     """Layers run as one gathered piece: ``slots`` index their parameters in the layout, [begin, end)."""
 
@@ -42,21 +54,22 @@ class Unit:
         self.pending = None  # that gather's handle until it is waited for
 
 
-def group_layers(layers) -> list[tuple[list, list]]:
+def group_layers(layers, params_of=lambda layer: layer.parameters(), key=id) -> list[tuple[list, list]]:
     """[(layers, their parameters in first-use order)] for the layers holding parameters, those
-    that share one merged into the group of the first; in the order of each group's first layer."""
+    that share one (the same ``key``) merged into the group of the first; in the order of each
+    group's first layer. ZeRO-3's units; the planner passes its own layers (``plan.predict``)."""
     groups: list[tuple[list, list]] = []
     for layer in layers:
-        params = list({id(p): p for p in layer.parameters()}.values())
+        params = list({key(p): p for p in params_of(layer)}.values())
         if not params:
             continue
-        ids = {id(p) for p in params}
-        joined = [i for i, (_, held) in enumerate(groups) if ids & {id(p) for p in held}]
+        ids = {key(p) for p in params}
+        joined = [i for i, (_, held) in enumerate(groups) if ids & {key(p) for p in held}]
         if not joined:
             groups.append(([layer], params))
             continue
         merged_layers = [m for i in joined for m in groups[i][0]] + [layer]
-        merged = {id(p): p for i in joined for p in groups[i][1]} | {id(p): p for p in params}
+        merged = {key(p): p for i in joined for p in groups[i][1]} | {key(p): p for p in params}
         groups[joined[0]] = (merged_layers, list(merged.values()))
         for i in reversed(joined[1:]):
             del groups[i]
@@ -96,11 +109,16 @@ class ShardedParameters(Checkpointable):
         self._placeholders = [self.xp.broadcast_to(self.xp.zeros((), p.dtype), p.shape) for p in params]
         for p, placeholder in zip(params, self._placeholders):
             p.data = placeholder  # the whole array is freed: the shard holds this rank's part
-        for unit in self.units:
-            for layer in unit.layers:
-                layer.set_around_forward(functools.partial(self._around, unit))
+        # Each layer's unit in the order the layers run (a unit of two layers twice): what a
+        # forward prefetches next, and a backward rerun before it.
+        self.sequence = []
+        for layer in layers:
+            unit = next((u for u in self.units if any(layer is m for m in u.layers)), None)
+            if unit is not None:
+                layer.set_around_forward(functools.partial(self._around, unit, len(self.sequence)))
+                self.sequence.append(unit)
         self.peak_gathered_bytes = 0  # the most unit memory alive at once so far
-        self._held = None  # the unit last rerun in backward, gathered until the next one reruns
+        self._held = None  # the unit last rerun in backward, gathered until another reruns or a forward starts
 
     def _own_part(self, dtype):
         """This rank's range of the layout, copied from the parameters (every rank built the same
@@ -128,21 +146,24 @@ class ShardedParameters(Checkpointable):
         return (self.reshard_after_forward and not unit.shared
                 and all(isinstance(a, Tensor) for a in args))  # recompute's inputs are Tensors
 
-    def _around(self, unit: Unit, forward, *args, **kwargs):
-        """A unit's call: gathered while it runs; under grad with resharding, a recomputed region."""
+    def _around(self, unit: Unit, at: int, forward, *args, **kwargs):
+        """The call of the layer at ``at`` in ``sequence``: its unit gathered while it runs; under
+        grad with resharding, a recomputed region."""
         if is_grad_enabled() and not kwargs and self._reshards(unit, args):
-            run = functools.partial(self._run, unit, forward, True)
+            run = functools.partial(self._run, unit, at, forward, True)
             return recompute(run, *args, params=[self.params[s] for s in unit.slots], context=replay_dropout_key())
-        return self._run(unit, forward, False, *args, **kwargs)
+        return self._run(unit, at, forward, False, *args, **kwargs)
 
-    def _run(self, unit: Unit, forward, resharding: bool, *args, **kwargs):
+    def _run(self, unit: Unit, at: int, forward, resharding: bool, *args, **kwargs):
         rerun = resharding and is_grad_enabled()  # recompute's rerun, in backward
-        if rerun and self._held not in (None, unit):
-            self.release(self._held)  # the unit rerun before this one is through its backward
+        if self._held is not None and (self._held is not unit or not rerun):
+            # The unit rerun last is through its backward: another one reruns, or a forward starts.
+            self.release(self._held)
+            self._held = None
         self.gather(unit)
-        neighbour = self._previous(unit) if rerun else self._next(unit)
-        if neighbour is not None:
-            self._start(neighbour)  # prefetch: in flight while this unit computes
+        neighbour = at - 1 if rerun else at + 1
+        if 0 <= neighbour < len(self.sequence):
+            self._start(self.sequence[neighbour])  # prefetch: in flight while this unit computes
         try:
             return forward(*args, **kwargs)
         finally:
@@ -152,12 +173,6 @@ class ShardedParameters(Checkpointable):
                 self._held = unit
             elif resharding or not is_grad_enabled():  # kept only when a backward will read the arrays
                 self.release(unit)
-
-    def _next(self, unit: Unit):
-        return self.units[unit.index + 1] if unit.index + 1 < len(self.units) else None
-
-    def _previous(self, unit: Unit):
-        return self.units[unit.index - 1] if unit.index > 0 else None
 
     def _start(self, unit: Unit) -> None:
         """Start gathering ``unit`` unless it is gathered or on its way."""

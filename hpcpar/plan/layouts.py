@@ -43,7 +43,7 @@ def candidates(job, world: int) -> list:
         schedules = SCHEDULES if pp > 1 else ("1f1b",)
         # ZeRO's stages where there are replicas to shard over and no compressor (validation drops the
         # modes that have no ZeRO)
-        zeros = (0, 1, 2) if mesh.size("dp") > 1 and p.compression == "none" else (p.zero,)
+        zeros = (0, 1, 2, 3) if mesh.size("dp") > 1 and p.compression == "none" else (p.zero,)
         for schedule in schedules:
             for m in micro:
                 for sp in ((False, True) if tp > 1 else (False,)):

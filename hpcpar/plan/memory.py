@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..parallel.zero_grads import IN_FLIGHT
+from ..parallel.zero_params import gathered_at_peak
 from .schedule import in_flight, schedule_of
 from .traffic import bucket_bytes, builds_ddp, reduce_scatter_buckets
 
@@ -114,7 +115,8 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
     stages = list(range(rank, lay.pp * lay.chunks, lay.pp))
     state_elements = -(-elements // lay.dp) if job.parallel.zero else elements
     moments = {"adamw": 2, "adam": 2, "sgd": 1 if job.optimizer.momentum else 0}[job.optimizer.name]
-    optimizer = state_elements * master * moments + (elements * 4 if plan.mixed else 0)
+    optimizer = state_elements * master * moments + (elements * 4 if plan.mixed and job.parallel.zero < 3 else 0)
+    parameters = _zero3_parameters(plan, rank, state_elements) if job.parallel.zero == 3 else elements * d
     buffers, all_gradients = _gradient_buffers(plan, params, one_backward=lay.micro_batches == 1 and len(stages) == 1)
     per_stage = [stage_kept_bytes(plan, s) for s in stages]
     # One micro-batch through one stage makes the gradients in its backward; otherwise earlier
@@ -147,9 +149,17 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
         during = kept + gradients + workspace + sum(copies) - min(copies)
         after = elements * d + sum(copies) + max(copies) / 2
         if after > during:
-            return Memory(elements * d, optimizer, buffers, elements * d, 0.0, after - elements * d)
+            return Memory(parameters, optimizer, buffers, elements * d, 0.0, after - elements * d)
         workspace += sum(copies) - min(copies)
-    return Memory(elements * d, optimizer, buffers, gradients, kept, workspace)
+    return Memory(parameters, optimizer, buffers, gradients, kept, workspace)
+
+
+def _zero3_parameters(plan, rank: int, shard: int) -> float:
+    """ZeRO-3's parameter bytes at the peak: the shard (the masters, in their dtype) and the units
+    gathered at once, in the compute dtype: those kept for the step, and with resharding the one
+    running and the one prefetched (``parallel.zero_params``)."""
+    gathered = gathered_at_peak([(e, gathers == 1) for e, gathers in plan.zero3_units(rank)])
+    return shard * plan.master_bytes + gathered * plan.dtype_bytes
 
 
 def _gradient_buffers(plan, params, one_backward: bool) -> tuple[float, float]:
@@ -162,7 +172,7 @@ def _gradient_buffers(plan, params, one_backward: bool) -> tuple[float, float]:
     job, lay, d, master = plan.job, plan.layout, plan.dtype_bytes, plan.master_bytes
     elements = sum(e for _, e, _ in params)
     shard = -(-elements // lay.dp)
-    if job.parallel.zero == 2 and params:
+    if job.parallel.zero >= 2 and params:
         buckets = reduce_scatter_buckets(plan, params)
         held = min(elements * d, max(buckets) / master * d) if one_backward else elements * d
         return shard * master + sum(sorted(buckets)[-(IN_FLIGHT + 1):]), held

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from ..runtime.stats import ring_wire_bytes
 from ..parallel.pipeline.partition import counts_to_bounds, min_max_bounds, uniform_bounds
 from ..parallel.pipeline.schedules import simulate
+from ..parallel.zero_params import group_layers, reshards
 from .machine import Machine
 from .memory import Memory, memory_per_rank
 from .model import Layer, Work, layers, shape_of
@@ -124,6 +125,9 @@ class StepPlan:
         self.dtype_bytes = job.precision.itemsize
         self.master_bytes = job.precision.master_itemsize
         self.recompute = recompute or getattr(job.model, "recompute", "none")
+        self.reshards = job.parallel.zero == 3 and reshards(job.parallel.reshard_after_forward, lay.pp)
+        if self.reshards:  # ZeRO-3 reruns each resharded block as a recomputed region
+            self.recompute = "full"
         self.rows = job.data.batch_size // (lay.dp * lay.micro_batches)
         self.layers = layers(shape_of(job, self.rows, lay.tp))
         self.node_ranks = min(lay.world, machine.ranks_per_node)
@@ -218,11 +222,28 @@ class StepPlan:
         return len(self._holders) > 1 and rank in self._holders
 
     def rank_parameters(self, rank: int) -> list:
-        """This pipeline rank's parameters in the engine's order (computed once per rank)."""
+        """This pipeline rank's parameters in the engine's order (ZeRO-3: its units'; computed once per rank)."""
         if rank not in self._parameters:
             lay = self.layout
-            self._parameters[rank] = stage_parameters([self.stage_layers[s] for s in range(rank, lay.pp * lay.chunks, lay.pp)])
+            mine = [self.stage_layers[s] for s in range(rank, lay.pp * lay.chunks, lay.pp)]
+            self._parameters[rank] = ([p for _, params in self._units(rank) for p in params] if lay.zero == 3
+                                      else stage_parameters(mine))
         return self._parameters[rank]
+
+    def _units(self, rank: int) -> list:
+        lay = self.layout
+        layers = [layer for s in range(rank, lay.pp * lay.chunks, lay.pp) for layer in self.stage_layers[s]]
+        return group_layers(layers, params_of=lambda layer: layer.params, key=lambda param: param[0])
+
+    def zero3_units(self, rank: int) -> list[tuple[int, int]]:
+        """ZeRO-3's units on pipeline rank ``rank`` (``parallel.zero_params``): (elements, gathers a
+        step); kept once a step: layers sharing a weight, the embedding (its input is token ids)
+        and every unit without resharding; else twice each micro-batch."""
+        units = []
+        for unit_layers, params in self._units(rank):
+            kept = not self.reshards or len(unit_layers) > 1 or unit_layers[0] is self.layers[0]
+            units.append((sum(e for _, e, _ in params), 1 if kept else 2 * self.layout.micro_batches))
+        return units
 
     def memory(self) -> Memory:
         return memory_per_rank(self)
@@ -279,21 +300,39 @@ class StepPlan:
         if builds_ddp(job, lay):
             buckets = [self.collective_seconds("dp", "iallreduce", n)
                        for n in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d))]
-        elif job.parallel.zero == 2 and lay.dp > 1:
+        elif job.parallel.zero >= 2 and lay.dp > 1:
             buckets = [self.collective_seconds("dp", "reduce_scatter", n) for n in reduce_scatter_buckets(self, params)]
-        total = sum(buckets)
+        total = sum(buckets) + self._unit_gather_seconds(rank)
         if lay.pp > 1:
             if self.tied_across_stages(rank):
                 total += sum(self.collective_seconds("pp-tied", "allreduce", e * d)
                              for n, e, _ in params if n == "embed.wte.weight")
             total += self.collective_seconds("pp", "allreduce", 8)
         sp = sum(e for _, e, on in params if on)
-        if lay.sequence_parallel and sp and job.parallel.zero == 2:  # the slowest dp rank's part of its shard
+        if lay.sequence_parallel and sp and job.parallel.zero >= 2:  # the slowest dp rank's part of its shard
             total += self.collective_seconds("tp", "allreduce",
                                              max(shard_sequence_parallel_elements(params, lay.dp)) * self.master_bytes)
         elif lay.sequence_parallel and sp:
             total += self.collective_seconds("tp", "allreduce", sp * d)
         return {"buckets": buckets, "total": total}
+
+    def _unit_gather_seconds(self, rank: int) -> float:
+        """ZeRO-3's all-gathers not hidden behind compute: a kept unit's once a step, whole (the
+        first is what the step starts with); a resharded unit's twice a micro-batch, each
+        prefetched during a neighbour's pass, so only what outlasts a block's forward (and its
+        backward) shows."""
+        if self.layout.zero != 3 or self.layout.dp == 1:
+            return 0.0
+        block = next((layer for layer in self.layers if layer.kept_by_recompute), None)
+        forward, backward, _ = self.layer_seconds(block) if block is not None else (0.0, 0.0, 0.0)
+        seconds = 0.0
+        for elements, gathers in self.zero3_units(rank):
+            gather = self.collective_seconds("dp", "iallgather", elements * self.dtype_bytes)
+            if gathers == 1:
+                seconds += gather
+            else:
+                seconds += gathers / 2 * (max(0.0, gather - forward) + max(0.0, gather - backward))
+        return seconds
 
     def _optimizer_seconds(self, rank: int) -> float:
         """The optimizer's elementwise passes over this rank's (shard of the) parameters, and clipping."""
@@ -318,9 +357,10 @@ class StepPlan:
         if job.parallel.zero and lay.dp > 1:
             elements = max(sum(e for _, e, _ in self.rank_parameters(r)) for r in range(lay.pp))
             shard = -(-elements // lay.dp) * self.master_bytes
-            if job.parallel.zero == 1:  # ZeRO-2 reduce-scattered its buckets after (or during) backward
+            if job.parallel.zero == 1:  # ZeRO-2 and 3 reduce-scattered their buckets after (or during) backward
                 seconds += self.collective_seconds("dp", "reduce_scatter", shard * lay.dp)
-            seconds += self.collective_seconds("dp", "allgather", shard)
+            if job.parallel.zero < 3:  # ZeRO-3's units gather themselves as they run
+                seconds += self.collective_seconds("dp", "allgather", shard)
         if job.optimizer.grad_clip > 0:
             seconds += sum(self.collective_seconds(c, "allreduce", 8) for c in ("tp", "pp")) + (
                 self.collective_seconds("dp", "allreduce", 8) if job.parallel.zero else 0.0)

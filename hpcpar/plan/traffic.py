@@ -56,7 +56,7 @@ def bucket_bytes(param_bytes: list[int], bucket_mb: float, dtype: str) -> list[i
 
 
 def reduce_scatter_buckets(plan, params) -> list[int]:
-    """ZeRO-2's buckets (``parallel.zero_grads``): DDP's cut of the parameters, each bucket's
+    """ZeRO-2's (and 3's) buckets (``parallel.zero_grads``): DDP's cut of the parameters, each bucket's
     bytes in the master dtype the shard gradient is reduced in."""
     d = plan.dtype_bytes
     return [n // d * plan.master_bytes for n in bucket_bytes([e * d for _, e, _ in params], plan.job.parallel.bucket_mb, str(d))]
@@ -116,11 +116,14 @@ def step_traffic(plan) -> Traffic:
         if builds_ddp(job, lay):
             for nbytes in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d)):
                 traffic.add("dp", "iallreduce", nbytes, group)
-        if job.parallel.zero == 2:
+        if job.parallel.zero >= 2:
             for nbytes in reduce_scatter_buckets(plan, params):
                 traffic.add("dp", "ireduce_scatter", nbytes, group)
+        if job.parallel.zero == 3:  # each unit's all-gathers, in the compute dtype
+            for elements, gathers in plan.zero3_units(rank):
+                traffic.add("dp", "iallgather", elements * d, group, calls=gathers)
         sp = [e for _, e, on in params if on]
-        if lay.sequence_parallel and tp > 1 and sp and job.parallel.zero == 2:  # each dp rank's part of its shard
+        if lay.sequence_parallel and tp > 1 and sp and job.parallel.zero >= 2:  # each dp rank's part of its shard
             for elements in shard_sequence_parallel_elements(params, dp):
                 if elements:
                     traffic.add("tp", "allreduce", elements * master, tp)
@@ -154,7 +157,7 @@ def _pipeline_messages(traffic: Traffic, plan, rank: int, group: int) -> None:
 
 
 def _optimizer_messages(traffic: Traffic, plan, master_bytes: int, group: int) -> None:
-    """finish_step: ZeRO's reduce-scatter (ZeRO-1; ZeRO-2's ran in backward) and all-gather, the
+    """finish_step: ZeRO's reduce-scatter (ZeRO-1; ZeRO-2's and 3's ran in backward) and all-gather, the
     clipping norm's sums, the finiteness check."""
     job, lay = plan.job, plan.layout
     clip = job.optimizer.grad_clip > 0
@@ -163,7 +166,8 @@ def _optimizer_messages(traffic: Traffic, plan, master_bytes: int, group: int) -
         shard = -(-elements // lay.dp)
         if job.parallel.zero == 1:
             traffic.add("dp", "reduce_scatter", shard * lay.dp * plan.master_bytes, group)
-        traffic.add("dp", "allgather", shard * plan.master_bytes, group)
+        if job.parallel.zero < 3:  # ZeRO-3's units gather themselves as they run
+            traffic.add("dp", "allgather", shard * plan.master_bytes, group)
         if clip:
             traffic.add("dp", "allreduce", SCALAR, group)
     if clip:

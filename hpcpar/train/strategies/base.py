@@ -111,6 +111,10 @@ class Strategy(ABC):
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state (and master weights) this rank holds."""
 
+    def parameter_bytes(self) -> int:
+        """Bytes of the parameters this rank holds between steps."""
+        return sum(param.data.nbytes for _, param in self.named_parameters())
+
     def describe(self) -> str:
         return self.name
 

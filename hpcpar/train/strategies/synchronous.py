@@ -15,7 +15,7 @@ from ...optim.finite import StepHealth
 from ...parallel.compression_state import CompressionState
 from ...parallel.grad_sync import make_gradient_sync
 from ...parallel.zero import ZeroRedundancyOptimizer
-from ...parallel.zero_params import ShardedParameters
+from ...parallel.zero_params import ShardedParameters, reshards
 from ...state import Together
 from .base import Strategy
 from .ingredients import make_gradient_compressor, optimizer_class, state_bytes
@@ -32,9 +32,9 @@ class SynchronousStrategy(Strategy):
         p = self.job.parallel
         if p.zero == 3:
             names = {id(param): name for name, param in holder.named_parameters()}
-            reshard = p.reshard_after_forward if p.reshard_after_forward is not None else self.ctx.pp_size == 1
-            holder = self.sharded_parameters = ShardedParameters(layers, names, self.ctx.dp, reshard_after_forward=reshard,
-                                                                 master_dtype=precision.master_dtype)
+            holder = self.sharded_parameters = ShardedParameters(
+                layers, names, self.ctx.dp, reshard_after_forward=reshards(p.reshard_after_forward, self.ctx.pp_size),
+                master_dtype=precision.master_dtype)
         self.grad_sync = make_gradient_sync(holder, self.ctx, sharded=p.zero, compression=make_gradient_compressor(p),
                                             bucket_mb=p.bucket_mb, overlap=overlap, alone=alone,
                                             master_dtype=precision.master_dtype)
@@ -76,6 +76,12 @@ class SynchronousStrategy(Strategy):
         self.stats["compute_s"] = self.stats.get("compute_s", 0.0) + time.perf_counter() - start - comm
         self.stats.update(self.precision.metrics())
         return health
+
+    def parameter_bytes(self) -> int:
+        """ZeRO-3: its shard (the parameters are placeholders between steps)."""
+        if self.sharded_parameters is not None:
+            return self.sharded_parameters.shard.data.nbytes
+        return super().parameter_bytes()
 
     def optimizer_state_bytes(self) -> int:
         optimizer = self._optimizer.state_bytes() if self.job.parallel.zero else state_bytes(self._optimizer)

@@ -22,10 +22,11 @@ CNN_BASE = {"model.kind": '"cnn"', "model.channels": "[4, 8]", "data.kind": '"di
 # layout draws these again and keeps the rest.
 LAYOUT_KEYS = {"parallel.dp", "parallel.pp", "parallel.tp", "parallel.schedule", "parallel.micro_batches",
                "parallel.chunks", "parallel.partition", "parallel.sequence_parallel", "parallel.zero", "parallel.shm",
-               "parallel.node_size", "parallel.overlap", "parallel.bucket_mb", "checkpoint.async", "model.recompute"}
+               "parallel.node_size", "parallel.overlap", "parallel.bucket_mb", "checkpoint.async", "model.recompute",
+               "parallel.reshard_after_forward"}
 # Keys of data-parallel all-reduce only: a parameter-server or local-SGD job leaves them out.
 ALLREDUCE_KEYS = ("parallel.dp", "parallel.zero", "parallel.compression", "parallel.overlap", "parallel.bucket_mb",
-                  "parallel.shm", "parallel.node_size")
+                  "parallel.shm", "parallel.node_size", "parallel.reshard_after_forward")
 MODE_KEYS = ("parallel.mode", "parallel.staleness", "parallel.local_steps", "parallel.average_optimizer_state")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
 
@@ -73,8 +74,10 @@ def layout(rng: random.Random, world: int, gpt: bool, layers: int | None = None)
     if tp > 1:
         keys["parallel.sequence_parallel"] = flag(rng)
     if dp > 1:
-        keys |= {"parallel.zero": flag(rng), "parallel.shm": flag(rng), "parallel.overlap": flag(rng),
+        keys |= {"parallel.zero": rng.choice([0, 1, 2, 3]), "parallel.shm": flag(rng), "parallel.overlap": flag(rng),
                  "parallel.bucket_mb": rng.choice([0.01, 1.0, 25.0])}
+        if keys["parallel.zero"] == 3:
+            keys["parallel.reshard_after_forward"] = flag(rng)
         if keys["parallel.shm"] == "true" and rng.random() < 0.5:
             keys["parallel.node_size"] = rng.choice([1, 2])
     if gpt:
@@ -107,8 +110,8 @@ def diverges(keys: dict) -> bool:
 
 
 def compression(rng: random.Random, keys: dict) -> dict:
-    """Gradient compression for a job of dp > 1 without ZeRO-1 (the two are exclusive)."""
-    if keys.get("parallel.dp", 1) > 1 and keys.get("parallel.zero") != "true":
+    """Gradient compression for a job of dp > 1 without ZeRO (the two are exclusive)."""
+    if keys.get("parallel.dp", 1) > 1 and not keys.get("parallel.zero"):
         keys["parallel.compression"] = q(rng.choice(["none", "fp16", "topk", "powersgd"]))
     return keys
 
@@ -166,7 +169,7 @@ def relaid(rng: random.Random, keys: dict, world: int, gpt: bool) -> dict:
         new = {k: v for k, v in new.items() if k not in ALLREDUCE_KEYS}
         if kept["parallel.mode"] == q("ps"):
             new.pop("checkpoint.async", None)
-    if new.get("parallel.dp", 1) == 1 or new.get("parallel.zero") == "true":
+    if new.get("parallel.dp", 1) == 1 or new.get("parallel.zero"):
         new.pop("parallel.compression", None)
     return new
 

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.mpi(min_size=1)
 STEPS = 3
 
 
-def zero_3(ctx, model, reshard=True, bucket_mb=25):
+def zero_3(ctx, model, reshard=True, bucket_mb=25, free_pages=None):
     names = {id(p): name for name, p in model.named_parameters()}
-    params = ShardedParameters(model.layers(), names, ctx.dp, reshard_after_forward=reshard)
+    params = ShardedParameters(model.layers(), names, ctx.dp, reshard_after_forward=reshard, free_pages=free_pages)
     sync = ShardedParameterSync(params, ctx, bucket_mb=bucket_mb, overlap=True)
     optimizer = ZeroRedundancyOptimizer(params.named_parameters(), ctx.dp, AdamW, lr=1e-2, weight_decay=0.1,
                                         parameters=params)
@@ -37,11 +37,14 @@ def whole_parameters(params, ctx) -> dict:
     return {name: flat[o: o + p.size].reshape(p.shape) for name, p, o in zip(params.names, params.params, params.offsets)}
 
 
-@pytest.mark.parametrize("reshard, accumulate, bucket_mb", [(True, 1, 25), (False, 1, 0.001), (True, 2, 0.001)])
-def test_zero_3_equals_one_process(reshard, accumulate, bucket_mb):
+@pytest.mark.parametrize("reshard, accumulate, bucket_mb, free_pages", [
+    (True, 1, 25, True), (True, 1, 25, False), (False, 1, 0.001, True), (True, 2, 0.001, True), (True, 2, 0.001, False)])
+def test_zero_3_equals_one_process(reshard, accumulate, bucket_mb, free_pages):
+    """Resharded units freed by dropping their pages (NumPy's default) or by recomputation (a
+    device's), kept, accumulated over micro-batches."""
     ctx = hpcpar.init(device="cpu")
     model = make_model()
-    params, sync, optimizer = zero_3(ctx, model, reshard, bucket_mb)
+    params, sync, optimizer = zero_3(ctx, model, reshard, bucket_mb, free_pages)
     for s in range(STEPS):
         accumulate_share(model, sync, ctx, s, accumulate)
         step(sync, optimizer)
@@ -49,8 +52,9 @@ def test_zero_3_equals_one_process(reshard, accumulate, bucket_mb):
     assert max_difference(whole_parameters(params, ctx), reference) <= 1e-12
 
 
-@pytest.mark.parametrize("reshard, accumulate", [(True, 1), (True, 2), (False, 2)])
-def test_traffic_is_one_and_a_half_all_reduces_less_the_kept_unit(reshard, accumulate):
+@pytest.mark.parametrize("reshard, accumulate, free_pages", [(True, 1, True), (True, 2, True), (True, 2, False),
+                                                              (False, 2, True)])
+def test_traffic_is_one_and_a_half_all_reduces_less_the_kept_unit(reshard, accumulate, free_pages):
     """Per step: each bucket reduce-scattered once; each unit gathered once in forward and, when it
     is resharded, once more in backward. The tied embedding and head are one unit kept gathered,
     so the wire bytes are 1.5x DDP's all-reduce less one gather of that unit (exactly, up to each
@@ -58,7 +62,7 @@ def test_traffic_is_one_and_a_half_all_reduces_less_the_kept_unit(reshard, accum
     micro-batches, a resharded unit is gathered twice per micro-batch, a kept one once a step."""
     ctx = hpcpar.init(device="cpu")
     model = make_model()
-    params, sync, optimizer = zero_3(ctx, model, reshard)
+    params, sync, optimizer = zero_3(ctx, model, reshard, free_pages=free_pages)
     n, numel = ctx.dp_size, sum(p.size for p in params.params)
     kept = [u for u in params.units if u.shared or not reshard]
     assert [u.name for u in params.units if u.shared] == ["embed+head.ln_f"]
@@ -82,20 +86,26 @@ def test_traffic_is_one_and_a_half_all_reduces_less_the_kept_unit(reshard, accum
             assert abs(stats.total_wire_bytes - (1.5 * ddp - less)) <= len(sync.buckets) + sum(times.values())
 
 
-def test_no_whole_parameter_is_kept_between_steps():
+@pytest.mark.parametrize("free_pages", [True, False])
+def test_no_whole_parameter_is_kept_between_steps(free_pages):
     """After a step every parameter is a placeholder holding no memory; at most the kept unit and
     two others (the one running, the one prefetched) were gathered at once."""
     ctx = hpcpar.init(device="cpu")
     model = make_model()
-    params, sync, optimizer = zero_3(ctx, model)
+    params, sync, optimizer = zero_3(ctx, model, free_pages=free_pages)
     ids, targets = global_batch(0)
-    model.loss(ids, targets).backward()
+    loss = model.loss(ids, targets)
+    resharded = [u for u in params.units if not u.shared]
+    assert resharded and not any(u.gathered for u in resharded)
+    if free_pages:  # the graph's views of a dropped page read zeros until backward gathers the unit again
+        assert all(not u.buffer.any() for u in resharded)
+    loss.backward()
     step(sync, optimizer)
     assert all(p.data.strides == (0,) * p.ndim and p.grad is None for p in params.params)
     sizes = sorted(((u.end - u.begin) * 8 for u in params.units if not u.shared), reverse=True)
     kept = sum((u.end - u.begin) * 8 for u in params.units if u.shared)
     assert 0 < params.peak_gathered_bytes <= kept + sum(sizes[:2])
-    assert all(u.buffer is None and u.pending is None for u in params.units)
+    assert not any(u.gathered or u.pending for u in params.units)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import os
 
 import numpy as np
 
 from ..autograd import Parameter, Tensor, is_grad_enabled
+from ..autograd.hooks import on_backward
 from ..autograd.recompute import recompute
 from ..backend import get_array_module, to_device
 from ..nn.dropout_keys import replay_dropout_key
@@ -51,6 +53,8 @@ class Unit:
         self.index, self.name, self.layers, self.slots = index, name, layers, slots
         self.begin, self.end, self.shared = begin, end, shared
         self.buffer = None  # the gathered parameters (or the buffer a gather in flight fills)
+        self.pages = None  # freeing pages: the anonymous mapping under ``buffer``, kept for the run
+        self.gathered = False  # from a gather's start to the release
         self.pending = None  # that gather's handle until it is waited for
 
 
@@ -90,7 +94,12 @@ class ShardedParameters(Checkpointable):
     a ``Parameter`` the optimizer steps in place), the units, and their gathers. As a
     Checkpointable it saves and loads ``model/<name>`` from the shard's slabs."""
 
-    def __init__(self, layers, names: dict, comm, *, reshard_after_forward: bool, master_dtype=None):
+    def __init__(self, layers, names: dict, comm, *, reshard_after_forward: bool, master_dtype=None,
+                 free_pages: bool | None = None):
+        """``free_pages``: how a resharded unit is freed after its forward. True (the default for
+        NumPy arrays): its buffer is an anonymous mapping whose pages are dropped, the graph
+        keeping its views, refilled by a gather before the unit's backward (``autograd.hooks``).
+        False (the default for device arrays): the forward runs as a recomputed region."""
         self.comm, self.reshard_after_forward = comm, reshard_after_forward
         groups = group_layers(layers)
         params = [p for _, group_params in groups for p in group_params]
@@ -98,6 +107,7 @@ class ShardedParameters(Checkpointable):
         self.offsets, self.shard_size = flat_layout([p.size for p in params], comm.size)
         self.dtype = params[0].dtype if params else np.dtype(np.float32)
         self.xp = get_array_module(params[0].data) if params else np
+        self.free_pages = self.xp is np if free_pages is None else free_pages
         self.units, slot = [], 0
         for index, (unit_layers, unit_params) in enumerate(groups):
             slots = list(range(slot, slot + len(unit_params)))
@@ -137,25 +147,40 @@ class ShardedParameters(Checkpointable):
 
     def describe(self) -> str:
         shared = sum(1 for u in self.units if u.shared)
-        kept = "kept to the step's end" if not self.reshard_after_forward else "resharded after forward"
-        return f"ZeRO-3: {len(self.units)} unit(s) {kept}" + (f" ({shared} shared, kept)" if shared else "")
+        how = "pages dropped" if self.free_pages else "recomputed"
+        kept = f"resharded after forward ({how})" if self.reshard_after_forward else "kept to the step's end"
+        return f"ZeRO-3: {len(self.units)} unit(s) {kept}" + (f", {shared} shared, kept" if shared else "")
 
     # ----- gathering ----------------------------------------------------------------
     def _reshards(self, unit: Unit, args) -> bool:
-        """Whether this call of ``unit`` frees its parameters after its forward (rerun in backward)."""
-        return (self.reshard_after_forward and not unit.shared
-                and all(isinstance(a, Tensor) for a in args))  # recompute's inputs are Tensors
+        """Whether this call of ``unit`` frees its parameters after its forward."""
+        return (self.reshard_after_forward and not unit.shared and len(args) == 1
+                and isinstance(args[0], Tensor))  # the hooks' and recompute's input is one Tensor
 
     def _around(self, unit: Unit, at: int, forward, *args, **kwargs):
         """The call of the layer at ``at`` in ``sequence``: its unit gathered while it runs; under
-        grad with resharding, a recomputed region."""
+        grad with resharding, freed after (its pages, or run as a recomputed region)."""
         if is_grad_enabled() and not kwargs and self._reshards(unit, args):
+            if self.free_pages:
+                return self._run_dropping_pages(unit, at, forward, args[0])
             run = functools.partial(self._run, unit, at, forward, True)
             return recompute(run, *args, params=[self.params[s] for s in unit.slots], context=replay_dropout_key())
         return self._run(unit, at, forward, False, *args, **kwargs)
 
+    def _run_dropping_pages(self, unit: Unit, at: int, forward, x):
+        """Gathered, run with its graph, its pages dropped; the hooks gather it again before its
+        backward and drop the pages after."""
+        x = on_backward(x, functools.partial(self.release, unit))
+        out = self._run(unit, at, forward, True, x)
+        return on_backward(out, functools.partial(self._before_backward, unit, at))
+
+    def _before_backward(self, unit: Unit, at: int) -> None:
+        self.gather(unit)
+        if at > 0:
+            self._start(self.sequence[at - 1])  # prefetch the unit whose backward comes next
+
     def _run(self, unit: Unit, at: int, forward, resharding: bool, *args, **kwargs):
-        rerun = resharding and is_grad_enabled()  # recompute's rerun, in backward
+        rerun = resharding and is_grad_enabled() and not self.free_pages  # recompute's rerun, in backward
         if self._held is not None and (self._held is not unit or not rerun):
             # The unit rerun last is through its backward: another one reruns, or a forward starts.
             self.release(self._held)
@@ -176,7 +201,7 @@ class ShardedParameters(Checkpointable):
 
     def _start(self, unit: Unit) -> None:
         """Start gathering ``unit`` unless it is gathered or on its way."""
-        if unit.buffer is not None:
+        if unit.gathered:
             return
         size, rank = self.shard_size, self.comm.rank
         counts = [max(0, min(unit.end, (r + 1) * size) - max(unit.begin, r * size)) for r in range(self.comm.size)]
@@ -184,10 +209,20 @@ class ShardedParameters(Checkpointable):
         mine = self.shard.data[lo: lo + counts[rank]]
         if mine.dtype != self.dtype:  # float32 masters gathered in the compute dtype
             mine = mine.astype(self.dtype)
-        unit.buffer = self.xp.empty(unit.end - unit.begin, dtype=self.dtype)
+        if unit.buffer is None:
+            unit.buffer = self._new_buffer(unit)
+        unit.gathered = True
         unit.pending = self.comm.iallgather(mine, counts, unit.buffer, label=unit.name)
-        alive = sum(u.buffer.nbytes for u in self.units if u.buffer is not None)
+        alive = sum(u.buffer.nbytes for u in self.units if u.gathered)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, alive)
+
+    def _new_buffer(self, unit: Unit):
+        n = unit.end - unit.begin
+        if not self.free_pages:
+            return self.xp.empty(n, dtype=self.dtype)
+        # Private: dropping a shared mapping's pages keeps their contents (and memory) for the next touch.
+        unit.pages = mmap.mmap(-1, n * self.dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return np.frombuffer(unit.pages, dtype=self.dtype, count=n)
 
     def gather(self, unit: Unit) -> None:
         """``unit``'s parameters whole, as views of its gathered buffer."""
@@ -201,13 +236,20 @@ class ShardedParameters(Checkpointable):
             p.data = unit.buffer[at: at + p.size].reshape(p.shape)
 
     def release(self, unit: Unit) -> None:
-        """Free ``unit``'s gathered buffer (the graph may still hold views it needs for backward)."""
+        """Free ``unit``'s gathered parameters: drop its pages (the graph's views of them read
+        zeros until the next gather refills them), or its buffer (the graph keeps what it holds)."""
+        if not unit.gathered:
+            return
         if unit.pending is not None:
             unit.pending.wait()  # MPI writes into it until then
             unit.pending = None
         for slot in unit.slots:
             self.params[slot].data = self._placeholders[slot]
-        unit.buffer = None
+        if unit.pages is not None:
+            unit.pages.madvise(mmap.MADV_DONTNEED)
+        else:
+            unit.buffer = None
+        unit.gathered = False
 
     def release_all(self) -> None:
         """The step's end (or a load): no unit stays gathered."""

@@ -126,7 +126,9 @@ class StepPlan:
         self.master_bytes = job.precision.master_itemsize
         self.recompute = recompute or getattr(job.model, "recompute", "none")
         self.reshards = job.parallel.zero == 3 and reshards(job.parallel.reshard_after_forward, lay.pp)
-        if self.reshards:  # ZeRO-3 reruns each resharded block as a recomputed region
+        if self.reshards and job.train.device != "cpu":
+            # ZeRO-3 frees a resharded unit's pages on CPUs; device arrays (train.device = auto: a
+            # GPU is assumed) rerun each resharded block as a recomputed region instead
             self.recompute = "full"
         self.rows = job.data.batch_size // (lay.dp * lay.micro_batches)
         self.layers = layers(shape_of(job, self.rows, lay.tp))

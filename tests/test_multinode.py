@@ -13,6 +13,8 @@ import hpcpar
 from hpcpar.runtime.topology import crossing_axes
 
 import test_3d
+from hpcpar.parallel.hybrid import default_shard_size, dp_ranks_per_node
+from test_zero_params import train_hybrid
 
 pytestmark = pytest.mark.mpi(min_size=4)
 
@@ -132,3 +134,16 @@ def test_hierarchical_allreduce_across_nodes_equals_the_flat_one(ctx):
         np.testing.assert_array_equal(comm.allreduce(x, "sum"), flat)  # a plain array: copied through the window
     assert comm.shm.describe() == "on: 2 node(s) x 2 ranks"  # set up on first use: hierarchical
     assert comm.shm.stats.calls("allreduce") >= 3  # the shared-memory path, not MPI's
+
+
+def test_hybrid_sharding_shards_inside_nodes_and_equals_one_process(ctx, capsys):
+    """ZeRO-3 at dp 4 on 2 nodes: by default it shards over each node's 2 ranks and averages the
+    shard gradients across the nodes (HSDP 2 x 2), equal to one process in float64."""
+    dp = hpcpar.init(dp=4, device="cpu")
+    size = default_shard_size(dp.dp_size, dp_ranks_per_node(dp))
+    assert size == 2
+    diff = dp.world.mpi.allreduce(train_hybrid(dp, size), op=MPI.MAX)
+    if dp.rank == 0:
+        with capsys.disabled():
+            print(f"\nHSDP 2 x 2 on 2 nodes: max |parameter - one process| = {diff:.2e}", flush=True)
+    assert diff <= 1e-12

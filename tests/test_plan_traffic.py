@@ -50,7 +50,11 @@ LAYOUTS = {  # world size -> [(model, overrides)]
         # stage 2 holds only a ReLU and a pooling layer: ZeRO-1 over no parameters
         ("cnn", ["parallel.pp=4", "parallel.micro_batches=4", "parallel.zero=1"]),
         ("cnn", ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=2"]),
-        ("cnn", ["parallel.dp=4", "parallel.zero=3"])],
+        ("cnn", ["parallel.dp=4", "parallel.zero=3"]),
+        ("gpt", ["parallel.dp=4", "parallel.zero=3", "parallel.shard_size=2", "parallel.micro_batches=2"]),
+        ("gpt", ["parallel.dp=4", "parallel.zero=1", "parallel.shard_size=2"]),
+        ("gpt", ["parallel.dp=2", "parallel.tp=2", "parallel.zero=2", "parallel.shard_size=1",
+                 "parallel.sequence_parallel=true"])],
 }
 
 

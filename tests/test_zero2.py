@@ -19,6 +19,7 @@ COMMON = ["model.n_layer=2", "model.n_embd=32", "model.dropout=0.1", "data.batch
 LAYOUTS = {  # ranks, overrides; small buckets so that a bucket holds few parameters and many are in flight
     "dp2": (2, ["parallel.dp=2"]),
     "dp4-accumulate": (4, ["parallel.dp=4", "parallel.micro_batches=2", "parallel.bucket_mb=0.01"]),
+    "dp4-hybrid": (4, ["parallel.dp=4", "parallel.shard_size=2"]),  # HSDP: 2 groups of 2
     "dp2-tp2-sp": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.bucket_mb=0.01"]),
     "dp2-pp2-1f1b": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2"]),
     "dp2-pp2-zb1": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2", 'parallel.schedule="zb1"']),

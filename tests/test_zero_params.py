@@ -7,6 +7,7 @@ import pytest
 import hpcpar
 from dp_reference import accumulate_share, global_batch, make_model, max_difference, train_single_process
 from hpcpar.optim import AdamW
+from hpcpar.parallel.hybrid import shard_groups
 from hpcpar.parallel.zero import ZeroRedundancyOptimizer
 from hpcpar.parallel.zero_params import ShardedParameters, ShardedParameterSync
 from hpcpar.runtime import debug
@@ -15,12 +16,14 @@ pytestmark = pytest.mark.mpi(min_size=1)
 STEPS = 3
 
 
-def zero_3(ctx, model, reshard=True, bucket_mb=25, free_pages=None):
+def zero_3(ctx, model, reshard=True, bucket_mb=25, free_pages=None, shard_size=None):
+    """The store, its sync and the optimizer over dp, or with ``shard_size`` hybrid sharding's groups."""
+    shards, replicas = shard_groups(ctx, shard_size or ctx.dp_size)
     names = {id(p): name for name, p in model.named_parameters()}
-    params = ShardedParameters(model.layers(), names, ctx.dp, reshard_after_forward=reshard, free_pages=free_pages)
-    sync = ShardedParameterSync(params, ctx, bucket_mb=bucket_mb, overlap=True)
-    optimizer = ZeroRedundancyOptimizer(params.named_parameters(), ctx.dp, AdamW, lr=1e-2, weight_decay=0.1,
-                                        parameters=params)
+    params = ShardedParameters(model.layers(), names, shards, reshard_after_forward=reshard, free_pages=free_pages)
+    sync = ShardedParameterSync(params, ctx, bucket_mb=bucket_mb, overlap=True, replicas=replicas)
+    optimizer = ZeroRedundancyOptimizer(params.named_parameters(), shards, AdamW, lr=1e-2, weight_decay=0.1,
+                                        parameters=params, replicas=replicas)
     sync.check_layout(optimizer)
     return params, sync, optimizer
 
@@ -31,9 +34,9 @@ def step(sync, optimizer):
     optimizer.step(reduce=False)
 
 
-def whole_parameters(params, ctx) -> dict:
+def whole_parameters(params) -> dict:
     """{name: the whole tensor}, gathered from every rank's shard."""
-    flat = ctx.dp.allgather(params.shard.data).reshape(-1)
+    flat = params.comm.allgather(params.shard.data).reshape(-1)
     return {name: flat[o: o + p.size].reshape(p.shape) for name, p, o in zip(params.names, params.params, params.offsets)}
 
 
@@ -49,7 +52,24 @@ def test_zero_3_equals_one_process(reshard, accumulate, bucket_mb, free_pages):
         accumulate_share(model, sync, ctx, s, accumulate)
         step(sync, optimizer)
     reference, _ = train_single_process(STEPS)
-    assert max_difference(whole_parameters(params, ctx), reference) <= 1e-12
+    assert max_difference(whole_parameters(params), reference) <= 1e-12
+
+
+def train_hybrid(ctx, shard_size):
+    """STEPS of ZeRO-3 with hybrid sharding; the largest difference from one process."""
+    model = make_model()
+    params, sync, optimizer = zero_3(ctx, model, shard_size=shard_size)
+    for s in range(STEPS):
+        accumulate_share(model, sync, ctx, s, 1)
+        step(sync, optimizer)
+    reference, _ = train_single_process(STEPS)
+    return max_difference(whole_parameters(params), reference)
+
+
+def test_hybrid_sharding_equals_one_process():
+    """Shards over groups of half the ranks (of one rank at 2), their gradients averaged across."""
+    ctx = hpcpar.init(device="cpu")
+    assert train_hybrid(ctx, max(1, ctx.dp_size // 2)) <= 1e-12
 
 
 @pytest.mark.parametrize("reshard, accumulate, free_pages", [(True, 1, True), (True, 2, True), (True, 2, False),

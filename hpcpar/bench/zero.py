@@ -173,6 +173,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--bucket-mb", type=float, default=4.0, help="DDP's and ZeRO-2's bucket size in MiB")
     parser.add_argument("--steps", type=at_least(1), default=8, help="timed steps per stage (after 2 warm-up)")
     parser.add_argument("--no-peer", action="store_true", help="leave out PyTorch FSDP2 (default: run it if installed)")
+    parser.add_argument("--memory-only", action="store_true", help="measure memory per rank only, no step times")
     parser.set_defaults(func=run)
 
 
@@ -180,14 +181,16 @@ def run(args) -> int:
     world = MPI.COMM_WORLD
     with limit_blas_threads(1):
         memory = [memory_row(args, world, s) for s in STAGES]
-        speed, missing = speed_rows(args, world)
+        speed, missing = speed_rows(args, world) if not args.memory_only else ([], [])
     if world.Get_rank() == 0:
         n = world.Get_size()
         print(f"ZeRO stages against DDP: GPT {args.n_layer} layers, width {args.n_embd}, AdamW fp32, grad_clip 1, "
               f"dp {n}, buckets {args.bucket_mb} MiB, one BLAS thread per rank ({blas_kernel()})")
-        print(format_table(["step", "ms", "vs hpcpar DDP", "waited for comm ms"],
-                           [[name, f"{ms:.1f}", f"{r:.3f}", "-" if w != w else f"{w:.1f}"] for name, ms, r, w in speed]))
-        print(f"(batch {args.batch} x {args.block} tokens per rank, median of {args.steps} steps, taking turns)")
+        if speed:
+            print(format_table(["step", "ms", "vs hpcpar DDP", "waited for comm ms"],
+                               [[name, f"{ms:.1f}", f"{r:.3f}", "-" if w != w else f"{w:.1f}"]
+                                for name, ms, r, w in speed]))
+            print(f"(batch {args.batch} x {args.block} tokens per rank, median of {args.steps} steps, taking turns)")
         for name, why in missing:
             print(f"{name}: did not run: {why}")
         print(format_table(["stage", "measured MiB", "formula MiB", "measured / formula"],

@@ -23,7 +23,7 @@ from .zero_params import ShardedParameterSync
 
 
 def make_gradient_sync(holder, ctx, *, sharded: int, compression=None, bucket_mb: float, overlap: bool,
-                       alone=(), master_dtype=None) -> "GradientSync":
+                       alone=(), master_dtype=None, shards=None, replicas=None) -> "GradientSync":
     """The sync of ``holder``'s gradients (a module, or a pipeline's stages; ZeRO-3's
     ``ShardedParameters`` for ``sharded`` = 3): ZeRO-1 (1) reduce-scatters in its optimizer;
     ZeRO-2 (2) and 3 reduce-scatter buckets during backward
@@ -31,13 +31,14 @@ def make_gradient_sync(holder, ctx, *, sharded: int, compression=None, bucket_mb
     changes the gradient even at dp = 1), take DDP's bucketed all-reduce; one replica keeps its
     gradients where backward left them. ``alone``: parameters another rank holds too (a
     pipeline's tied embedding), which a compressor sees whole and alike on each holder only in
-    a bucket of their own."""
+    a bucket of their own. ``shards``, ``replicas``: hybrid sharding's groups (``parallel.hybrid``)."""
     if sharded == 3:  # ``holder`` is then the ZeRO-3 parameter store
-        return ShardedParameterSync(holder, ctx, bucket_mb=bucket_mb, overlap=overlap)
+        return ShardedParameterSync(holder, ctx, bucket_mb=bucket_mb, overlap=overlap, replicas=replicas)
     if sharded == 2:
         # a stage without parameters (a CNN's pooling) reduces an empty shard: any dtype
         dtype = master_dtype or next((p.dtype for _, p in holder.named_parameters()), np.dtype(np.float32))
-        return BucketedReduceScatter(holder, ctx, bucket_mb=bucket_mb, overlap=overlap, dtype=dtype)
+        return BucketedReduceScatter(holder, ctx, bucket_mb=bucket_mb, overlap=overlap, dtype=dtype, comm=shards,
+                                     replicas=replicas)
     if sharded:
         return OptimizerReduces(holder, ctx)
     if ctx.dp_size > 1 or compression is not None:

@@ -22,6 +22,7 @@ import numpy as np
 from ..autograd import Parameter, precision
 from ..backend import get_array_module, to_host
 from ..runtime.shm import shared_zeros
+from .hybrid import average_over
 from ..optim.clip import scale_to_norm
 from ..optim.groups import flat_range_decays, flatten_groups, set_flat_range_decay
 from ..optim.optimizer import named_parameter_list
@@ -38,10 +39,11 @@ def flat_layout(sizes, ranks: int) -> tuple[list[int], int]:
 
 class ZeroRedundancyOptimizer(Checkpointable):
     def __init__(self, params, comm, optimizer_class, broadcast_parameters: bool = True, no_decay=(),
-                 parameters=None, **optimizer_options):
+                 parameters=None, replicas=None, **optimizer_options):
         """``parameters``: ZeRO-3's ``zero_params.ShardedParameters`` over the same (name, parameter)
         pairs; its shard is then the parameters' only copy, stepped in place and never all-gathered
-        here (each unit gathers itself before it runs)."""
+        here (each unit gathers itself before it runs). ``replicas``: hybrid sharding's
+        communicator across the groups ``comm`` shards within (``parallel.hybrid``)."""
         items, given = flatten_groups(params)
         named = named_parameter_list(items)
         self.names = [name for name, _ in named]
@@ -49,7 +51,7 @@ class ZeroRedundancyOptimizer(Checkpointable):
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) > 1:
             raise ValueError(f"ZeroRedundancyOptimizer needs one parameter dtype, got {sorted(map(str, dtypes))}")
-        self.comm = comm
+        self.comm, self.replicas = comm, replicas
         self.offsets, self.shard_size = flat_layout([p.size for p in self.params], comm.size)
         self.numel = sum(p.size for p in self.params)
         if parameters is not None:
@@ -122,6 +124,7 @@ class ZeroRedundancyOptimizer(Checkpointable):
             else:
                 target[...] = p.grad.reshape(-1)
         self.shard.grad = self.comm.reduce_scatter(self._flat_grad, "mean")
+        average_over(self.replicas, self.shard.grad)
         return self.shard.grad
 
     def named_shard_grads(self):

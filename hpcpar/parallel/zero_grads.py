@@ -22,6 +22,7 @@ import numpy as np
 from .. import defaults
 from ..backend import get_array_module
 from .data import plan_buckets
+from .hybrid import average_over
 from .zero import flat_layout
 
 IN_FLIGHT = 2  # buckets reduced at once: one filling while one is on the wire, as DeepSpeed's double buffer
@@ -47,9 +48,12 @@ class BucketedReduceScatter:
 
     ddp = None  # no DDP: nothing is all-reduced
 
-    def __init__(self, holder, ctx, *, bucket_mb: float = defaults.BUCKET_MB, overlap: bool = True, dtype):
+    def __init__(self, holder, ctx, *, bucket_mb: float = defaults.BUCKET_MB, overlap: bool = True, dtype,
+                 comm=None, replicas=None):
+        """``comm``: what the shards are over (default dp); ``replicas``: hybrid sharding's groups
+        across, over which the shard gradient is averaged at the end (``parallel.hybrid``)."""
         self.holder, self.ctx = holder, ctx
-        self.comm, self.overlap, self.dtype = ctx.dp, overlap, dtype
+        self.comm, self.replicas, self.overlap, self.dtype = comm or ctx.dp, replicas, overlap, dtype
         named = list(holder.named_parameters())
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
@@ -86,7 +90,7 @@ class BucketedReduceScatter:
             self._launch_ready()
         for bucket in self.buckets:
             self._complete(bucket)
-        self._shard()  # a stage without parameters still has its (empty) shard
+        average_over(self.replicas, self._shard())  # a stage without parameters still has its (empty) shard
         self._next_launch = 0
         self.sync_seconds += time.perf_counter() - start
 

@@ -285,9 +285,9 @@ class ShardedParameterSync(BucketedReduceScatter):
     """ZeRO-3's gradient sync: ZeRO-2's bucketed reduce-scatter over the units' layout into the
     shard's dtype; at the step's end the units kept gathered are freed."""
 
-    def __init__(self, parameters: ShardedParameters, ctx, *, bucket_mb: float, overlap: bool):
+    def __init__(self, parameters: ShardedParameters, ctx, *, bucket_mb: float, overlap: bool, replicas=None):
         super().__init__(ParameterList(parameters.named_parameters()), ctx, bucket_mb=bucket_mb, overlap=overlap,
-                         dtype=parameters.shard.dtype)
+                         dtype=parameters.shard.dtype, comm=parameters.comm, replicas=replicas)
         self.parameters = parameters
 
     def finish(self) -> None:

@@ -28,8 +28,7 @@ def counted_step(job, comm) -> dict | None:
     ctx = init(**job.parallel.grid_sizes(), comm=comm, **context_options(job))
     run = build(job, ctx)
     strategy = run.strategy
-    tied = [(c.name, c) for c, _, _ in getattr(getattr(strategy, "pipe", None), "_tied", [])]
-    communicators = list(ctx.communicators().items()) + tied
+    communicators = list(ctx.communicators().items()) + [(c.name, c) for c in strategy.derived_communicators()]
     for step in range(2):
         if step == 1:
             for _, c in communicators:

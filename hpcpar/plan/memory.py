@@ -113,7 +113,7 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
     params = plan.rank_parameters(rank)
     elements = sum(e for _, e, _ in params)
     stages = list(range(rank, lay.pp * lay.chunks, lay.pp))
-    state_elements = -(-elements // lay.dp) if job.parallel.zero else elements
+    state_elements = -(-elements // plan.shards) if job.parallel.zero else elements
     moments = {"adamw": 2, "adam": 2, "sgd": 1 if job.optimizer.momentum else 0}[job.optimizer.name]
     optimizer = state_elements * master * moments + (elements * 4 if plan.mixed and job.parallel.zero < 3 else 0)
     parameters = _zero3_parameters(plan, rank, state_elements) if job.parallel.zero == 3 else elements * d
@@ -171,13 +171,13 @@ def _gradient_buffers(plan, params, one_backward: bool) -> tuple[float, float]:
     each is freed into its bucket, so no more than a bucket of them is held."""
     job, lay, d, master = plan.job, plan.layout, plan.dtype_bytes, plan.master_bytes
     elements = sum(e for _, e, _ in params)
-    shard = -(-elements // lay.dp)
+    shard = -(-elements // plan.shards)
     if job.parallel.zero >= 2 and params:
         buckets = reduce_scatter_buckets(plan, params)
         held = min(elements * d, max(buckets) / master * d) if one_backward else elements * d
         return shard * master + sum(sorted(buckets)[-(IN_FLIGHT + 1):]), held
     if job.parallel.zero:
-        return shard * lay.dp * master, elements * d
+        return shard * plan.shards * master, elements * d
     return (elements * d if builds_ddp(job, lay) else 0.0), elements * d
 
 

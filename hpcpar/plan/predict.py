@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from ..runtime.stats import ring_wire_bytes
 from ..parallel.pipeline.partition import counts_to_bounds, min_max_bounds, uniform_bounds
 from ..parallel.pipeline.schedules import simulate
+from ..parallel.hybrid import default_shard_size
 from ..parallel.zero_params import group_layers, reshards
 from .machine import Machine
 from .memory import Memory, memory_per_rank
@@ -125,6 +126,10 @@ class StepPlan:
         self.dtype_bytes = job.precision.itemsize
         self.master_bytes = job.precision.master_itemsize
         self.recompute = recompute or getattr(job.model, "recompute", "none")
+        # ZeRO's shard groups (parallel.hybrid): dp ranks in a node are consecutive, tp fastest
+        self.shards = (job.parallel.shard_size or default_shard_size(lay.dp, machine.ranks_per_node // lay.tp)
+                       if job.parallel.zero else lay.dp)
+        self.zero_comm = "dp" if self.shards == lay.dp else "dp-shard"  # where ZeRO's collectives run
         self.reshards = job.parallel.zero == 3 and reshards(job.parallel.reshard_after_forward, lay.pp)
         if self.reshards and job.train.device != "cpu":
             # ZeRO-3 frees a resharded unit's pages on CPUs; device arrays (train.device = auto: a
@@ -152,7 +157,8 @@ class StepPlan:
     # ----- pieces -------------------------------------------------------------------------
     def crosses_nodes(self, comm: str) -> bool:
         lay, per_node = self.layout, self.machine.ranks_per_node
-        span = {"tp": lay.tp, "dp": lay.tp * lay.dp, "pp": lay.world, "pp-tied": lay.world, "world": lay.world}[comm]
+        span = {"tp": lay.tp, "dp": lay.tp * lay.dp, "dp-shard": lay.tp * self.shards, "dp-replica": lay.tp * lay.dp,
+                "pp": lay.world, "pp-tied": lay.world, "world": lay.world}[comm]
         return span > per_node
 
     def collective_seconds(self, comm: str, op: str, nbytes: float) -> float:
@@ -165,7 +171,8 @@ class StepPlan:
         return self._collective_cache[key]
 
     def _collective_seconds(self, comm: str, op: str, nbytes: float) -> float:
-        ranks = {"tp": self.layout.tp, "dp": self.layout.dp, "pp": self.layout.pp, "pp-tied": 2,
+        ranks = {"tp": self.layout.tp, "dp": self.layout.dp, "dp-shard": self.shards,
+                 "dp-replica": self.layout.dp // self.shards, "pp": self.layout.pp, "pp-tied": 2,
                  "world": self.layout.world}[comm]
         if ranks == 1:
             return 0.0
@@ -303,7 +310,8 @@ class StepPlan:
             buckets = [self.collective_seconds("dp", "iallreduce", n)
                        for n in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d))]
         elif job.parallel.zero >= 2 and lay.dp > 1:
-            buckets = [self.collective_seconds("dp", "reduce_scatter", n) for n in reduce_scatter_buckets(self, params)]
+            buckets = [self.collective_seconds(self.zero_comm, "reduce_scatter", n)
+                       for n in reduce_scatter_buckets(self, params)]
         total = sum(buckets) + self._unit_gather_seconds(rank)
         if lay.pp > 1:
             if self.tied_across_stages(rank):
@@ -313,7 +321,7 @@ class StepPlan:
         sp = sum(e for _, e, on in params if on)
         if lay.sequence_parallel and sp and job.parallel.zero >= 2:  # the slowest dp rank's part of its shard
             total += self.collective_seconds("tp", "allreduce",
-                                             max(shard_sequence_parallel_elements(params, lay.dp)) * self.master_bytes)
+                                             max(shard_sequence_parallel_elements(params, self.shards)) * self.master_bytes)
         elif lay.sequence_parallel and sp:
             total += self.collective_seconds("tp", "allreduce", sp * d)
         return {"buckets": buckets, "total": total}
@@ -329,7 +337,7 @@ class StepPlan:
         forward, backward, _ = self.layer_seconds(block) if block is not None else (0.0, 0.0, 0.0)
         seconds = 0.0
         for elements, gathers in self.zero3_units(rank):
-            gather = self.collective_seconds("dp", "iallgather", elements * self.dtype_bytes)
+            gather = self.collective_seconds(self.zero_comm, "iallgather", elements * self.dtype_bytes)
             if gathers == 1:
                 seconds += gather
             else:
@@ -344,7 +352,7 @@ class StepPlan:
         # the ops of one update (8, as calibration counts them) and clipping's two (norm, scale).
         tensors = 1 if self.job.parallel.zero else len(params)
         if self.job.parallel.zero:
-            elements = -(-elements // self.layout.dp)
+            elements = -(-elements // self.shards)
         passes = {"adamw": 14, "adam": 14, "sgd": 4 if self.job.optimizer.momentum else 3}[self.job.optimizer.name]
         ops_per_tensor = 8
         if self.job.optimizer.grad_clip > 0:
@@ -358,12 +366,14 @@ class StepPlan:
         seconds = 0.0
         if job.parallel.zero and lay.dp > 1:
             elements = max(sum(e for _, e, _ in self.rank_parameters(r)) for r in range(lay.pp))
-            shard = -(-elements // lay.dp) * self.master_bytes
+            shard = -(-elements // self.shards) * self.master_bytes
             if job.parallel.zero == 1:  # ZeRO-2 and 3 reduce-scattered their buckets after (or during) backward
-                seconds += self.collective_seconds("dp", "reduce_scatter", shard * lay.dp)
+                seconds += self.collective_seconds(self.zero_comm, "reduce_scatter", shard * self.shards)
             if job.parallel.zero < 3:  # ZeRO-3's units gather themselves as they run
-                seconds += self.collective_seconds("dp", "allgather", shard)
+                seconds += self.collective_seconds(self.zero_comm, "allgather", shard)
+            if self.shards < lay.dp:  # hybrid sharding: the shard gradient averaged over the groups
+                seconds += self.collective_seconds("dp-replica", "allreduce", shard)
         if job.optimizer.grad_clip > 0:
             seconds += sum(self.collective_seconds(c, "allreduce", 8) for c in ("tp", "pp")) + (
-                self.collective_seconds("dp", "allreduce", 8) if job.parallel.zero else 0.0)
+                self.collective_seconds(self.zero_comm, "allreduce", 8) if job.parallel.zero else 0.0)
         return seconds

@@ -98,7 +98,9 @@ def step_traffic(plan) -> Traffic:
     """Every counted call of one step of ``plan`` (a ``predict.StepPlan``)."""
     lay, job = plan.layout, plan.job
     dp, pp, tp = lay.dp, lay.pp, lay.tp
-    traffic = Traffic(sizes={"dp": dp, "pp": pp, "tp": tp, "world": dp * pp * tp, "pp-tied": 2})
+    traffic = Traffic(sizes={"dp": dp, "pp": pp, "tp": tp, "world": dp * pp * tp, "pp-tied": 2,
+                             "dp-shard": plan.shards, "dp-replica": dp // plan.shards})
+    zero = plan.zero_comm  # ZeRO's collectives: over dp, or hybrid sharding's groups
     d, master = plan.dtype_bytes, plan.master_bytes
     for rank in range(pp):
         mine = [plan.stage_layers[s] for s in range(rank, pp * lay.chunks, pp)]
@@ -118,15 +120,15 @@ def step_traffic(plan) -> Traffic:
                 traffic.add("dp", "iallreduce", nbytes, group)
         if job.parallel.zero >= 2:
             for nbytes in reduce_scatter_buckets(plan, params):
-                traffic.add("dp", "ireduce_scatter", nbytes, group)
+                traffic.add(zero, "ireduce_scatter", nbytes, group)
         if job.parallel.zero == 3:  # each unit's all-gathers, in the compute dtype
             for elements, gathers in plan.zero3_units(rank):
-                traffic.add("dp", "iallgather", elements * d, group, calls=gathers)
+                traffic.add(zero, "iallgather", elements * d, group, calls=gathers)
         sp = [e for _, e, on in params if on]
-        if lay.sequence_parallel and tp > 1 and sp and job.parallel.zero >= 2:  # each dp rank's part of its shard
-            for elements in shard_sequence_parallel_elements(params, dp):
+        if lay.sequence_parallel and tp > 1 and sp and job.parallel.zero >= 2:  # each shard's part, on its holders
+            for elements in shard_sequence_parallel_elements(params, plan.shards):
                 if elements:
-                    traffic.add("tp", "allreduce", elements * master, tp)
+                    traffic.add("tp", "allreduce", elements * master, tp * (dp // plan.shards))
         elif lay.sequence_parallel and tp > 1 and sp:
             traffic.add("tp", "allreduce", sum(sp) * d, group)
         if pp > 1:
@@ -163,13 +165,15 @@ def _optimizer_messages(traffic: Traffic, plan, master_bytes: int, group: int) -
     clip = job.optimizer.grad_clip > 0
     if job.parallel.zero:
         elements = master_bytes // plan.master_bytes
-        shard = -(-elements // lay.dp)
+        shard, zero = -(-elements // plan.shards), plan.zero_comm
         if job.parallel.zero == 1:
-            traffic.add("dp", "reduce_scatter", shard * lay.dp * plan.master_bytes, group)
+            traffic.add(zero, "reduce_scatter", shard * plan.shards * plan.master_bytes, group)
+        if plan.shards < lay.dp:  # hybrid sharding: the shard gradient averaged over the groups
+            traffic.add("dp-replica", "allreduce", shard * plan.master_bytes, group)
         if job.parallel.zero < 3:  # ZeRO-3's units gather themselves as they run
-            traffic.add("dp", "allgather", shard * plan.master_bytes, group)
+            traffic.add(zero, "allgather", shard * plan.master_bytes, group)
         if clip:
-            traffic.add("dp", "allreduce", SCALAR, group)
+            traffic.add(zero, "allreduce", SCALAR, group)
     if clip:
         traffic.add("tp", "allreduce", SCALAR, group)
         traffic.add("pp", "allreduce", SCALAR, group)

@@ -135,11 +135,16 @@ class ParallelSection(GridSizes):
                                "during backward, overlapped as DDP's all-reduce, only the shard kept); 3 also "
                                "parameters (each unit, a layer, all-gathered before it runs, the next one prefetched)",
                      check=Check("0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)))
+    shard_size: int | None = _key(None, INTEGER, "ZeRO shards within groups of this many consecutive dp ranks and "
+                                                 "averages the shard gradients across the groups (hybrid sharding, "
+                                                 "HSDP); unset: all of dp when dp is on one node, else a node's dp "
+                                                 "ranks", check=at_least(1), applies=("parallel.zero", (1, 2, 3)))
     reshard_after_forward: bool | None = _key(None, BOOLEAN, "ZeRO-3: free a unit's gathered parameters after its "
-                                                             "forward (it reruns as a recomputed region in backward, "
-                                                             "gathering again) instead of keeping them to the step's "
-                                                             "end; unset: true with pp = 1, false with a pipeline "
-                                                             "(kept across its micro-batches)",
+                                                             "forward and gather them again for its backward (on CPUs "
+                                                             "their pages are dropped; device arrays rerun the unit "
+                                                             "as a recomputed region) instead of keeping them to the "
+                                                             "step's end; unset: true with pp = 1, false with a "
+                                                             "pipeline (kept across its micro-batches)",
                                               applies=("parallel.zero", (3,)))
     shm: bool | None = _key(None, BOOLEAN, "shared-memory collectives among a node's ranks (DDP buckets and ZeRO's "
                                             "buffers in an MPI shared window; CPUs); unset: HPCPAR_SHM, else on")

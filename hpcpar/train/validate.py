@@ -73,6 +73,9 @@ def _check_modes(job: Job) -> list:
     if p.zero and p.compression != "none":
         problems.append(("parallel.zero", f"ZeRO reduce-scatters gradients itself and cannot use "
                                           f"compression = {toml_value(p.compression)}; set one of them off"))
+    if p.zero and p.shard_size is not None and p.dp % p.shard_size:
+        problems.append(("parallel.shard_size", f"{p.shard_size} does not divide dp = {p.dp}: the shard groups "
+                                                f"would be unequal"))
     return problems
 
 

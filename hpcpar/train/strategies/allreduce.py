@@ -40,4 +40,4 @@ class AllReduce(SynchronousStrategy):
         return loss
 
     def describe(self) -> str:
-        return f"allreduce: {self.ctx.dp_size} replicas, {self.grad_sync.describe()}"
+        return f"allreduce: {self.ctx.dp_size} replicas, {self.grad_sync.describe()}{self.sharding()}"

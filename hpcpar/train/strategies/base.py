@@ -122,7 +122,13 @@ class Strategy(ABC):
     def communicators(self) -> list:
         """Every communicator this rank's strategy talks on (what a trace watches)."""
         contexts = [self.world_ctx] + ([self.ctx] if self.ctx is not None else [])
-        return list({id(c): c for ctx in contexts for c in ctx.communicators().values()}.values())
+        every = [c for ctx in contexts for c in ctx.communicators().values()] + self.derived_communicators()
+        return list({id(c): c for c in every}.values())
+
+    def derived_communicators(self) -> list:
+        """Communicators the strategy split from the context's (a pipeline's tied weights, hybrid
+        sharding's groups), which the context owns but does not list."""
+        return []
 
     def use_trace(self, tracer) -> None:
         """Record this rank's spans (forward, backward, communication) in ``tracer``."""

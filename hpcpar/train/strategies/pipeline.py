@@ -36,6 +36,9 @@ class Pipeline(SynchronousStrategy):
     def named_parameters(self) -> list:
         return self.pipe.named_parameters()
 
+    def derived_communicators(self) -> list:
+        return super().derived_communicators() + [comm for comm, _, _ in self.pipe.stages.tied.groups]
+
     def train_step(self, inputs, targets):
         tp_before = self.ctx.tp.stats.total_seconds
         loss = self.pipe.train_step(inputs, targets)
@@ -63,4 +66,4 @@ class Pipeline(SynchronousStrategy):
     def describe(self) -> str:
         p = self.job.parallel
         return (f"pipeline: {self.ctx.pp_size} stages, {p.schedule}, {p.micro_batches} micro-batches, "
-                f"{self.grad_sync.describe()}")
+                f"{self.grad_sync.describe()}{self.sharding()}")

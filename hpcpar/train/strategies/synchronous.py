@@ -14,6 +14,7 @@ import time
 from ...optim.finite import StepHealth
 from ...parallel.compression_state import CompressionState
 from ...parallel.grad_sync import make_gradient_sync
+from ...parallel.hybrid import default_shard_size, dp_ranks_per_node, shard_groups
 from ...parallel.zero import ZeroRedundancyOptimizer
 from ...parallel.zero_params import ShardedParameters, reshards
 from ...state import Together
@@ -30,14 +31,28 @@ class SynchronousStrategy(Strategy):
         (ZeRO-2 and 3 reduce into ``precision``'s master dtype); ZeRO-3 first shards the
         parameters of ``layers`` (its units) into the store."""
         p = self.job.parallel
+        self.shards, self.replicas = self.ctx.dp, None
+        if p.zero:  # hybrid sharding: ZeRO within groups of shard_size dp ranks (parallel.hybrid)
+            size = p.shard_size or default_shard_size(self.ctx.dp_size, dp_ranks_per_node(self.ctx))
+            self.shards, self.replicas = shard_groups(self.ctx, size)
         if p.zero == 3:
             names = {id(param): name for name, param in holder.named_parameters()}
             holder = self.sharded_parameters = ShardedParameters(
-                layers, names, self.ctx.dp, reshard_after_forward=reshards(p.reshard_after_forward, self.ctx.pp_size),
+                layers, names, self.shards, reshard_after_forward=reshards(p.reshard_after_forward, self.ctx.pp_size),
                 master_dtype=precision.master_dtype)
         self.grad_sync = make_gradient_sync(holder, self.ctx, sharded=p.zero, compression=make_gradient_compressor(p),
                                             bucket_mb=p.bucket_mb, overlap=overlap, alone=alone,
-                                            master_dtype=precision.master_dtype)
+                                            master_dtype=precision.master_dtype, shards=self.shards,
+                                            replicas=self.replicas)
+
+    def derived_communicators(self) -> list:
+        return [c for c in (self.shards, self.replicas) if c is not None and c is not self.ctx.dp]
+
+    def sharding(self) -> str:
+        """How hybrid sharding splits dp, for ``describe`` (empty without it)."""
+        if self.replicas is None:
+            return ""
+        return f", hybrid: shards over {self.shards.size} dp ranks, averaged over {self.replicas.size} groups"
 
     def build_precision(self, precision, named) -> None:
         """The master weights of ``precision`` (an ``optim.Precision``) for this rank's parameters ``named``:
@@ -50,7 +65,8 @@ class SynchronousStrategy(Strategy):
         masters = self.precision.named_master_parameters() if store is None else store.named_parameters()
         cls, options = optimizer_class(self.job)
         if self.job.parallel.zero:
-            self._optimizer = ZeroRedundancyOptimizer(masters, self.ctx.dp, cls, parameters=store, **options)
+            self._optimizer = ZeroRedundancyOptimizer(masters, self.shards, cls, parameters=store, replicas=self.replicas,
+                                                      **options)
             reduced_in_backward = self.grad_sync if self.job.parallel.zero >= 2 else None
             if reduced_in_backward is not None:
                 reduced_in_backward.check_layout(self._optimizer)

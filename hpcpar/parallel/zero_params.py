@@ -8,12 +8,12 @@
 A unit is one of the given layers (the GPT's embedding, each block, its head; a pipeline
 stage's layers); layers that share a parameter (a tied embedding and head) are one unit. Units
 are laid out one after another, each one contiguous range, and sharded as ZeRO-1 shards
-(``zero.flat_layout``). Before a unit runs, its range is all-gathered (uneven pieces) into a new
-buffer whose views its parameters become, and the next unit's gather starts; otherwise a
+(``zero.flat_layout``). Before a unit runs, its range is all-gathered (uneven pieces) into its
+buffer, whose views its parameters become, and the next unit's gather starts; otherwise a
 parameter's array is a placeholder of its shape holding no memory. With ``reshard_after_forward``
-a unshared unit with Tensor inputs runs its forward as a recomputed region, so its buffer is
-freed once it has run, and backward gathers it again; other units stay gathered to the
-step's end. More: docs/architecture.md, "ZeRO-3".
+an unshared unit is freed after its forward (NumPy: the buffer's pages are dropped and refilled
+before its backward; device arrays: the forward is a recomputed region) and gathered again for
+its backward; other units stay gathered to the step's end. More: docs/architecture.md, "ZeRO-3".
 """
 from __future__ import annotations
 

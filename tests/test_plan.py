@@ -179,10 +179,14 @@ def test_a_20b_gpt_on_two_dgx_h100_nodes_keeps_tensor_parallelism_inside_a_node(
     ranked = plan_layouts(load_job(str(path)), 16, machines.load_machine("dgx-h100"))
     best = ranked.predictions[0]
     assert ranked.fits[id(best)] and best.layout.tp <= 8  # tensor parallelism stays inside a node
-    pure_data = [q for q in ranked.predictions if q.label.startswith("16x1x1 m4")]  # even with recomputation
-    # 20 B parameters with their gradients and Adam do not fit one GPU unless ZeRO-3 shards the parameters too
-    assert {q.layout.zero for q in pure_data} == {0, 1, 2, 3}
-    assert [q.layout.zero for q in pure_data if ranked.fits[id(q)]] == [3]
+    # 20 B parameters with their gradients and Adam do not fit one GPU even with recomputation, nor with
+    # ZeRO-3 sharding within each node (the default when dp spans nodes); over all 16 ranks ZeRO-3 fits
+    for shard_size, fitting in ((None, []), (16, [3])):
+        job = load_job(str(path), [] if shard_size is None else [f"parallel.shard_size={shard_size}"])
+        ranked = plan_layouts(job, 16, machines.load_machine("dgx-h100"))
+        pure_data = [q for q in ranked.predictions if q.label.startswith("16x1x1 m4")]
+        assert {q.layout.zero for q in pure_data} == {0, 1, 2, 3}
+        assert [q.layout.zero for q in pure_data if ranked.fits[id(q)]] == fitting, shard_size
 
 
 def run_hpcpar(*args):

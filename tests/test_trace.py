@@ -122,8 +122,9 @@ def test_each_rank_of_a_2x2x1_job_records_its_schedule(job_trace):
             assert len(reduce) >= 1 and all(e["args"]["comm"] == "dp" and sync["ts"] <= e["ts"] for e in reduce)
             assert all(e["args"]["wire_bytes"] == e["args"]["bytes"] for e in reduce)  # 2(n-1)/n = 1 at n = 2
             comm = [e for e in inside if e["cat"] == "comm"]
-            # the world: the step's finiteness flag, agreed over every rank
-            assert all(e["args"]["comm"] in ("dp", "pp", "tp", "world") and e["args"]["bytes"] >= 0 for e in comm)
+            # the world: the step's finiteness flag, agreed over every rank; pp-tied: the tied embedding's sum
+            assert all(e["args"]["comm"] in ("dp", "pp", "tp", "world", "pp-tied") and e["args"]["bytes"] >= 0
+                       for e in comm)
             # activations go down (stage 0 sends, stage 1 receives), gradients up, one per micro-batch
             sent = [e for e in comm if e["name"] == "isend" and e["args"]["bytes"] == ROWS * BLOCK * WIDTH * 4]
             received = [e for e in comm if e["name"] == "irecv wait"]

@@ -14,6 +14,8 @@ from .function import Function
 
 
 class BackwardHook(Function):
+    op = "backward_hook"
+
     def forward(self, x, hook):
         self.hook = hook
         return x

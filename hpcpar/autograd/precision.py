@@ -64,6 +64,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "tp_communication": (COMPUTE, "copy/reduce/scatter/gather over tp; bfloat16 reduces in float32"),
     "recompute": (COMPUTE, "not an op: a recomputed region; its ops follow their own rules, its output "
                            "is what the region returns"),
+    "backward_hook": (COMPUTE, "identity (its output is its input); its backward calls a hook"),
     "softmax": (FLOAT32_INSIDE, "max, exp, sum and backward in float32"),
     "log_softmax": (FLOAT32_INSIDE, "max, exp, log-sum and backward in float32"),
     "layer_norm": (FLOAT32_INSIDE, "mean, variance, normalisation and backward in float32; keeps the "

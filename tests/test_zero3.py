@@ -16,6 +16,9 @@ from test_zero2 import LAYOUTS, largest_difference, resumed_from_step_3, run
 
 one_process = test_zero2.one_process  # the same module fixture, built once for this module too
 LAYOUTS_3 = {**LAYOUTS, "dp2-pp2-zb1-resharded": (4, [*LAYOUTS["dp2-pp2-zb1"][1], "parallel.reshard_after_forward=true"]),
+             "dp2-pp2-interleaved-resharded": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2",
+                                                   'parallel.schedule="interleaved"', "parallel.chunks=2",
+                                                   "parallel.reshard_after_forward=true"]),
              "dp2-recompute-full": (2, ["parallel.dp=2", 'model.recompute="full"'])}  # a recomputed region inside a unit's
 
 

@@ -49,8 +49,8 @@ def gathered_at_peak(units) -> int:
 class Unit:
     """Layers run as one gathered piece: ``slots`` index their parameters in the layout, [begin, end)."""
 
-    def __init__(self, index: int, name: str, layers: list, slots: list[int], begin: int, end: int, shared: bool):
-        self.index, self.name, self.layers, self.slots = index, name, layers, slots
+    def __init__(self, name: str, layers: list, slots: list[int], begin: int, end: int, shared: bool):
+        self.name, self.layers, self.slots = name, layers, slots
         self.begin, self.end, self.shared = begin, end, shared
         self.buffer = None  # the gathered parameters (or the buffer a gather in flight fills)
         self.pages = None  # freeing pages: the anonymous mapping under ``buffer``, kept for the run
@@ -109,12 +109,12 @@ class ShardedParameters(Checkpointable):
         self.xp = get_array_module(params[0].data) if params else np
         self.free_pages = self.xp is np if free_pages is None else free_pages
         self.units, slot = [], 0
-        for index, (unit_layers, unit_params) in enumerate(groups):
+        for unit_layers, unit_params in groups:
             slots = list(range(slot, slot + len(unit_params)))
             slot += len(unit_params)
             end = self.offsets[slots[-1]] + params[slots[-1]].size
-            self.units.append(Unit(index, _unit_name(unit_layers, names), unit_layers, slots,
-                                   self.offsets[slots[0]], end, shared=len(unit_layers) > 1))
+            self.units.append(Unit(_unit_name(unit_layers, names), unit_layers, slots, self.offsets[slots[0]], end,
+                                   shared=len(unit_layers) > 1))
         self.shard = Parameter(self._own_part(master_dtype or self.dtype), name=f"zero3_shard_{comm.rank}")
         self._placeholders = [self.xp.broadcast_to(self.xp.zeros((), p.dtype), p.shape) for p in params]
         for p, placeholder in zip(params, self._placeholders):

@@ -3,11 +3,11 @@
     mpiexec -n 2 hpcpar bench zero [--n-layer 4 --n-embd 256 --batch 8 --steps 8] [--no-peer]
 
 Stages 0 (DDP) to 3 (resharding after forward or not) are ``hpcpar train``'s own strategy at
-dp = the world (AdamW, clipping, float32, one BLAS thread per rank), taking turns step by step with PyTorch FSDP2
-(``torch_fsdp``); medians, the slowest rank deciding a step. Memory per rank, a stage at a
+dp = the world (AdamW, clipping, float32, one BLAS thread per rank), taking turns step by step
+with PyTorch FSDP2 (``torch_fsdp``); medians, the slowest rank deciding a step. Memory per rank, a stage at a
 time, shm off (tracemalloc does not see MPI's windows): what the build and a first step keep
 plus the peak of two more steps on 1 x 8 tokens per rank, beside ``formula`` (hpcpar's bytes
-per stage; its terms: docs/architecture.md, "ZeRO-2" and "ZeRO-3").
+per stage; its terms: docs/architecture.md, "ZeRO-2" and "ZeRO-3") and what backward keeps.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from ..cli import at_least
 from ..host import blas_kernel
+from ..nn import activation_memory
 from ..parallel.zero_grads import IN_FLIGHT
 from ..parallel.zero_params import gathered_at_peak
 from ..runtime.context import init
@@ -72,10 +73,18 @@ def batch_of(job, rows: int, step: int):
     return ids[:, :-1], ids[:, 1:]
 
 
+def kept_for_backward(job, rows: int, tokens: int) -> float:
+    """What the GPT keeps for backward on ``rows`` x ``tokens`` (``nn.activation_memory``, float32)."""
+    m = job.model
+    block = activation_memory.block_kept_bytes(rows, tokens, m.n_embd, m.n_head, dropout=m.dropout)
+    return (m.n_layer * block + activation_memory.embedding_kept_bytes(rows, tokens, m.n_embd, dropout=m.dropout)
+            + activation_memory.head_kept_bytes(rows, tokens, m.n_embd, m.vocab_size))
+
+
 def formula(stage: int, params, ranks: int, buckets: list[int], gathered: int = 0) -> float:
     """Bytes of parameters, gradients and AdamW's state per rank at a step's peak, float32 (the
     module docstring); ``buckets``: ZeRO-2's and 3's bucket sizes in elements; ``gathered``:
-    the most elements of ZeRO-3's units gathered at once."""
+    the most elements of ZeRO-3's units gathered at once. Activations are added apart."""
     psi = sum(p.size for p in params)
     shard = -(-psi // ranks)
     if stage == 0:  # AdamW's scratch: one array per distinct parameter shape
@@ -108,7 +117,7 @@ def memory_row(args, world, stage) -> list:
     params = [p for _, p in strategy.named_parameters()]
     buckets = [b.end - b.begin for b in strategy.grad_sync.buckets] if stage[0] >= 2 else []
     gathered = gathered_at_peak([(u.end - u.begin, u.shared or not store.reshard_after_forward) for u in store.units]) if store else 0
-    expected = formula(stage[0], params, world.Get_size(), buckets, gathered)
+    expected = formula(stage[0], params, world.Get_size(), buckets, gathered) + kept_for_backward(job, 1, 8)
     strategy.ctx.close()
     return [stage_name(*stage), peak / 2**20, expected / 2**20, peak / expected]
 
@@ -196,5 +205,6 @@ def run(args) -> int:
         print(format_table(["stage", "measured MiB", "formula MiB", "measured / formula"],
                            [[name, f"{m:.2f}", f"{f:.2f}", f"{r:.3f}"] for name, m, f, r in memory]))
         print("measured: tracemalloc peak per rank (largest rank), what the build and the first step keep and the "
-              "next two steps' peak on 1 x 8 tokens per rank, shm off; formula: hpcpar/bench/zero.py")
+              "next two steps' peak on 1 x 8 tokens per rank, shm off, and ZeRO-3's mapped units; formula: "
+              "hpcpar/bench/zero.py, with what backward keeps of 1 x 8 tokens (nn.activation_memory)")
     return 0

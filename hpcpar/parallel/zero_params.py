@@ -21,6 +21,7 @@ import functools
 import math
 import mmap
 import os
+import time
 
 import numpy as np
 
@@ -128,6 +129,7 @@ class ShardedParameters(Checkpointable):
                 layer.set_around_forward(functools.partial(self._around, unit, len(self.sequence)))
                 self.sequence.append(unit)
         self.peak_gathered_bytes = 0  # the most unit memory alive at once so far
+        self.wait_seconds = 0.0  # spent waiting for gathers (inside forward and backward)
         self._held = None  # the unit last rerun in backward, gathered until another reruns or a forward starts
 
     def _own_part(self, dtype):
@@ -229,8 +231,7 @@ class ShardedParameters(Checkpointable):
         self._start(unit)
         if unit.pending is None:
             return
-        unit.pending.wait()
-        unit.pending = None
+        self._wait(unit)
         for slot in unit.slots:
             p, at = self.params[slot], self.offsets[slot] - unit.begin
             p.data = unit.buffer[at: at + p.size].reshape(p.shape)
@@ -241,8 +242,7 @@ class ShardedParameters(Checkpointable):
         if not unit.gathered:
             return
         if unit.pending is not None:
-            unit.pending.wait()  # MPI writes into it until then
-            unit.pending = None
+            self._wait(unit)  # MPI writes into it until then
         for slot in unit.slots:
             self.params[slot].data = self._placeholders[slot]
         if unit.pages is not None:
@@ -250,6 +250,12 @@ class ShardedParameters(Checkpointable):
         else:
             unit.buffer = None
         unit.gathered = False
+
+    def _wait(self, unit: Unit) -> None:
+        start = time.perf_counter()
+        unit.pending.wait()
+        unit.pending = None
+        self.wait_seconds += time.perf_counter() - start
 
     def release_all(self) -> None:
         """The step's end (or a load): no unit stays gathered."""
@@ -293,6 +299,11 @@ class ShardedParameterSync(BucketedReduceScatter):
     def finish(self) -> None:
         super().finish()
         self.parameters.release_all()
+
+    @property
+    def seconds(self) -> float:
+        """Waiting for the reduce-scatters and for the units' gathers, so far."""
+        return self.sync_seconds + self.parameters.wait_seconds
 
     def describe(self) -> str:
         return f"{self.parameters.describe()}, {len(self.buckets)} reduce-scatter bucket(s)"

@@ -5,15 +5,14 @@
     zero = ZeroRedundancyOptimizer(params.named_parameters(), ctx.dp, AdamW, parameters=params)
     loss = model.loss(x, y); loss.backward(); sync.finish()   # each unit gathers itself as it runs
 
-A unit is one of the given layers (the GPT's embedding, each block, its head; a pipeline
-stage's layers); layers that share a parameter (a tied embedding and head) are one unit. Units
-are laid out one after another, each one contiguous range, and sharded as ZeRO-1 shards
-(``zero.flat_layout``). Before a unit runs, its range is all-gathered (uneven pieces) into its
-buffer, whose views its parameters become, and the next unit's gather starts; otherwise a
-parameter's array is a placeholder of its shape holding no memory. With ``reshard_after_forward``
-an unshared unit is freed after its forward (NumPy: the buffer's pages are dropped and refilled
-before its backward; device arrays: the forward is a recomputed region) and gathered again for
-its backward; other units stay gathered to the step's end. More: docs/architecture.md, "ZeRO-3".
+A unit is one of the given layers (the GPT's embedding, each block, its head); layers sharing
+a parameter (a tied embedding and head) are one. Units are laid out one after another, each
+one range, sharded as ZeRO-1 shards (``zero.flat_layout``). Before a unit runs, its range is
+all-gathered (uneven pieces) into its buffer, whose views its parameters become, and the next
+unit's gather starts; otherwise a parameter is a placeholder of its shape holding no memory.
+With ``reshard_after_forward`` an unshared unit is freed after its forward (NumPy: its pages
+are dropped, refilled before its backward; device arrays: the forward is a recomputed region)
+and gathered again for its backward; others stay gathered to the step's end (docs/architecture.md, "ZeRO-3").
 """
 from __future__ import annotations
 

@@ -3,7 +3,6 @@
     params = ShardedParameters(model.layers(), names, ctx.dp, reshard_after_forward=True)
     sync = ShardedParameterSync(params, ctx, bucket_mb=25, overlap=True)  # ZeRO-2's, then units freed
     zero = ZeroRedundancyOptimizer(params.named_parameters(), ctx.dp, AdamW, parameters=params)
-    loss = model.loss(x, y); loss.backward(); sync.finish()   # each unit gathers itself as it runs
 
 A unit is one of the given layers (the GPT's embedding, each block, its head); layers sharing
 a parameter (a tied embedding and head) are one. Units are laid out one after another, each

@@ -8,9 +8,9 @@ The parameters become views into one flat buffer (``flat_layout``); each dp rank
 optimizer state of its contiguous 1/dp shard only. A step reduce-scatters the flat gradient
 (ZeRO-2's sync, ``parallel.zero_grads``, already did, and the flat gradient is never made),
 steps the shard and all-gathers the shards back in place (ZeRO-3 keeps no flat buffer:
-``zero_params`` gathers each unit from the shard before it runs). Weight decay stays per parameter, as
-``DecayRuns`` along the shard. A checkpoint holds the shard's state as slabs of the
-per-parameter tensors ``optim/<name>/<key>`` (``hpcpar.state``): it loads into any layout.
+``zero_params`` gathers each unit from the shard before it runs). Weight decay stays per
+parameter, as ``DecayRuns`` along the shard. A checkpoint holds the shard's state as slabs of
+the per-parameter tensors ``optim/<name>/<key>`` (``hpcpar.state``): it loads into any layout.
 """
 from __future__ import annotations
 
@@ -35,6 +35,13 @@ def flat_layout(sizes, ranks: int) -> tuple[list[int], int]:
     contiguous shards): rank r owns [r * shard, (r + 1) * shard), the last one padded."""
     offsets = [0, *itertools.accumulate(sizes)][:len(sizes)]
     return offsets, math.ceil(sum(sizes) / ranks)
+
+
+def range_pieces(begin: int, end: int, shard: int, ranks: int) -> list[int]:
+    """The elements of the layout's range [begin, end) inside each of ``ranks`` shards of
+    ``shard`` elements: the uneven counts in which a bucket is reduce-scattered (ZeRO-2) and a
+    unit all-gathered (ZeRO-3)."""
+    return [max(0, min(end, (r + 1) * shard) - max(begin, r * shard)) for r in range(ranks)]
 
 
 class ZeroRedundancyOptimizer(Checkpointable):

@@ -23,7 +23,7 @@ from .. import defaults
 from ..backend import get_array_module
 from .data import plan_buckets
 from .hybrid import average_over
-from .zero import flat_layout
+from .zero import flat_layout, range_pieces
 
 IN_FLIGHT = 2  # buckets reduced at once: one filling while one is on the wire, as DeepSpeed's double buffer
 
@@ -36,10 +36,6 @@ class ShardBucket:
         self.flat = None  # made when its first gradient arrives, dropped once reduced
         self.ready: set = set()
         self.pending = None
-
-    def pieces(self, shard: int, ranks: int) -> list[int]:
-        """The elements of [begin, end) inside each rank's shard."""
-        return [max(0, min(self.end, (r + 1) * shard) - max(self.begin, r * shard)) for r in range(ranks)]
 
 
 class BucketedReduceScatter:
@@ -159,7 +155,7 @@ class BucketedReduceScatter:
             in_flight = [b for b in self.buckets[:self._next_launch] if b.pending is not None]
             if len(in_flight) >= IN_FLIGHT:
                 self._complete(in_flight[0])
-            counts = bucket.pieces(self.shard_size, self.comm.size)
+            counts = range_pieces(bucket.begin, bucket.end, self.shard_size, self.comm.size)
             lo = max(bucket.begin, self.comm.rank * self.shard_size) - self.comm.rank * self.shard_size
             out = self._shard()[lo: lo + counts[self.comm.rank]]
             bucket.pending = self.comm.ireduce_scatter(bucket.flat, counts, out, "mean")

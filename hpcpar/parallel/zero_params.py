@@ -29,7 +29,7 @@ from ..autograd.recompute import recompute
 from ..backend import get_array_module, to_device
 from ..nn.dropout_keys import replay_dropout_key
 from ..state import Checkpointable, LoadPlan, ParameterList, Piece, Read, range_param_slabs
-from .zero import flat_layout
+from .zero import flat_layout, range_pieces
 from .zero_grads import BucketedReduceScatter
 
 
@@ -204,7 +204,7 @@ class ShardedParameters(Checkpointable):
         if unit.gathered:
             return
         size, rank = self.shard_size, self.comm.rank
-        counts = [max(0, min(unit.end, (r + 1) * size) - max(unit.begin, r * size)) for r in range(self.comm.size)]
+        counts = range_pieces(unit.begin, unit.end, size, self.comm.size)
         lo = max(unit.begin, rank * size) - rank * size
         mine = self.shard.data[lo: lo + counts[rank]]
         if mine.dtype != self.dtype:  # float32 masters gathered in the compute dtype

@@ -234,9 +234,11 @@ class StepPlan:
         """This pipeline rank's parameters in the engine's order (ZeRO-3: its units'; computed once per rank)."""
         if rank not in self._parameters:
             lay = self.layout
-            mine = [self.stage_layers[s] for s in range(rank, lay.pp * lay.chunks, lay.pp)]
-            self._parameters[rank] = ([p for _, params in self._units(rank) for p in params] if lay.zero == 3
-                                      else stage_parameters(mine))
+            if lay.zero == 3:
+                self._parameters[rank] = [p for _, params in self._units(rank) for p in params]
+            else:
+                self._parameters[rank] = stage_parameters([self.stage_layers[s]
+                                                           for s in range(rank, lay.pp * lay.chunks, lay.pp)])
         return self._parameters[rank]
 
     def _units(self, rank: int) -> list:

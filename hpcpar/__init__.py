@@ -1,4 +1,4 @@
-"""hpcpar: data, pipeline and tensor parallel training of neural networks over MPI.
+"""hpcpar: data, pipeline, tensor and context parallel training of neural networks over MPI.
 
     import hpcpar
     ctx = hpcpar.init(pp=2, tp=2)        # dp fills the rest of the world

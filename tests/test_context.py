@@ -13,10 +13,10 @@ def factorisations(n):
     return [(dp, pp, tp) for dp, pp, tp in itertools.product(range(1, n + 1), repeat=3) if dp * pp * tp == n]
 
 
-def test_coordinates_put_tp_fastest_then_dp_then_pp():
+def test_coordinates_put_tp_fastest_then_cp_dp_and_pp():
     # The 8-rank example of the ParallelContext docstring.
     assert [coordinates(r, 2, 2, 2) for r in range(8)] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+        (0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 0, 0), (0, 1, 0, 1), (1, 0, 0, 0), (1, 0, 0, 1), (1, 1, 0, 0), (1, 1, 0, 1)]
     assert "tp (shard)    0  1  0  1  0  1  0  1" in format_grid(2, 2, 2)
 
 
@@ -32,8 +32,9 @@ def test_wrong_layouts_name_the_numbers(world, kwargs, message):
 
 
 def test_dp_fills_the_world_by_default():
-    assert resolve_layout(8, pp=2, tp=2) == (2, 2, 2)
-    assert resolve_layout(4) == (4, 1, 1)
+    assert resolve_layout(8, pp=2, tp=2) == (2, 2, 2, 1)
+    assert resolve_layout(4) == (4, 1, 1, 1)
+    assert resolve_layout(8, tp=2, cp=2) == (2, 1, 2, 2)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -41,15 +42,15 @@ def test_grid_for_every_factorisation(world):
     size, rank = world.Get_size(), world.Get_rank()
     for dp, pp, tp in factorisations(size):
         ctx = hpcpar.init(dp=dp, pp=pp, tp=tp, device="cpu")
-        assert (ctx.pp_rank, ctx.dp_rank, ctx.tp_rank) == coordinates(rank, dp, pp, tp)
+        assert (ctx.pp_rank, ctx.dp_rank, ctx.cp_rank, ctx.tp_rank) == coordinates(rank, dp, pp, tp)
         assert (ctx.dp.size, ctx.pp.size, ctx.tp.size) == (dp, pp, tp)
         assert (ctx.dp.rank, ctx.pp.rank, ctx.tp.rank) == (ctx.dp_rank, ctx.pp_rank, ctx.tp_rank)
         # Members of each group: same coordinates on the other two axes.
-        for comm, axis in ((ctx.tp, 2), (ctx.dp, 1), (ctx.pp, 0)):
+        for comm, axis in ((ctx.tp, 3), (ctx.dp, 1), (ctx.pp, 0)):
             members = comm.allgather_object(rank)
             mine = coordinates(rank, dp, pp, tp)
             expected = [r for r in range(size)
-                        if all(coordinates(r, dp, pp, tp)[a] == mine[a] for a in range(3) if a != axis)]
+                        if all(coordinates(r, dp, pp, tp)[a] == mine[a] for a in range(4) if a != axis)]
             assert members == expected, (dp, pp, tp, comm.name)
         assert ctx.pp_prev == (None if ctx.pp_rank == 0 else ctx.pp_rank - 1)
         assert ctx.pp_next == (None if ctx.pp_rank == pp - 1 else ctx.pp_rank + 1)

@@ -112,7 +112,7 @@ def test_defaults_alone_make_a_valid_job():
 def test_unknown_key_names_it_suggests_and_lists_the_allowed(tmp_path):
     message = job_error(tmp_path, GOOD.replace("pp = 2", "tpp = 2"))
     assert "parallel.tpp: unknown key; did you mean 'tp'?" in message
-    assert "[parallel] keys are dp, pp, tp, schedule" in message
+    assert "[parallel] keys are dp, pp, tp, cp, schedule" in message
     message = job_error(tmp_path, GOOD, "parallel.micro_batch=2")
     assert "parallel.micro_batch (--set): unknown key; did you mean 'micro_batches'?" in message
     assert "train.lr: unknown key; did you mean optimizer.lr?" in job_error(tmp_path, GOOD + "lr = 0.1\n")

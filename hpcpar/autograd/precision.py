@@ -72,6 +72,8 @@ POLICY: dict[str, tuple[str, str]] = {
     "gelu": (FLOAT32_INSIDE, "tanh polynomial in float32; backward recomputes it from the input"),
     "attention": (FLOAT32_INSIDE, "scores, softmax and its backward in float32; the products in the "
                                   "compute dtype; probabilities kept in the compute dtype"),
+    "ring_attention": (FLOAT32_INSIDE, "as attention, over the cp ring: scores, log-sum-exp merges, the output "
+                                       "accumulator and the dK/dV passed around the ring in float32"),
     "sum": (FLOAT32, "accumulated in float32"),
     "mean": (FLOAT32, "accumulated in float32, divided by an integer count"),
     "cross_entropy": (FLOAT32, "log-softmax in float32, valid targets counted as integers"),

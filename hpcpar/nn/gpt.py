@@ -15,6 +15,8 @@ from ..autograd import Tensor, no_grad
 from ..autograd import ops
 from ..autograd.recompute import recompute
 from ..autograd.ops import mappings
+from ..autograd.ops.ring_attention import ring_attention
+from ..autograd.ops.sequence_chunks import ChunkLayout, SequencePlace
 from ..backend import array_module, resolve_device, to_device, to_host
 from . import init, tensor_parallel
 from .dropout_keys import DropoutKey, active_dropout_key, dropout_key, replay_dropout_key
@@ -64,16 +66,18 @@ class GPTEmbedding(Module):
         self.wte = tensor_parallel.VocabParallelEmbedding(config.vocab_size, config.n_embd, tp, dtype, xp)
         self.wpe = Embedding(config.block_size, config.n_embd, dtype, xp)
         self.drop = Dropout(config.dropout)
+        self.chunks = ChunkLayout()  # context parallelism: which chunks of each sequence this rank takes
 
     def forward(self, ids):
+        """ids (B, T), whole sequences on every rank: this rank's cp chunks are taken here."""
         ids = ids.data if isinstance(ids, Tensor) else ids
         T = ids.shape[1]
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds the context block_size {self.block_size}")
-        tokens = self.wte(ids)  # (B, T, C), or (B, T/tp, C) with sequence parallelism
-        shards = self.wte.comm if self.wte.sequence_parallel else None  # positions of this rank's slice
-        positions = self.wpe.weight.xp.arange(*mappings.sequence_range(tokens.shape[1], shards))
-        return self.drop(tokens + self.wpe(positions))  # (B, T', C) + (T', C)
+        tokens = self.wte(self.chunks.take(ids))  # (B, T/cp, C), or (B, T/cp/tp, C) with sequence parallelism
+        xp = self.wpe.weight.xp
+        positions = xp.concatenate([xp.arange(run.start, run.stop) for run in self.drop.place.ranges(tokens.shape[1])])
+        return self.drop(tokens + self.wpe(positions))  # (B, T', C) + (T', C): global positions
 
 
 class CausalSelfAttention(Module):
@@ -95,6 +99,7 @@ class CausalSelfAttention(Module):
         self.proj = tensor_parallel.RowParallelLinear(config.n_embd, config.n_embd, tp, config.bias, dtype=dtype, xp=xp)
         self.drop = Dropout(config.dropout)
         self.recompute_core = False  # selective recomputation (GPT.recompute)
+        object.__setattr__(self, "cp", None)  # the cp communicator when context parallelism is on
 
     def forward(self, x):
         nh, hs = self.local_heads, self.head_size
@@ -112,10 +117,13 @@ class CausalSelfAttention(Module):
 
     def core(self, q, k, v):
         """Attention's dropout masks, softmax and products: what selective recomputation reruns. It
-        has no communication (the heads are local), and its (B, nh, T, T) arrays are most of a
-        block's activation memory at long sequences (Korthikanti et al. 2022)."""
+        has no communication (the heads are local) but context parallelism's ring, and its
+        (B, nh, T, T) arrays are most of a block's activation memory at long sequences
+        (Korthikanti et al. 2022); the ring keeps none of them."""
         B, _, T, _ = q.shape
         keep = self.attn_drop(B, T, q.dtype, q.xp)  # None unless training with attn_dropout > 0
+        if self.cp is not None:  # this rank's chunks against the whole sequence, around the cp ring
+            return ring_attention(q, k, v, self.cp, self.attn_drop.chunks, keep=keep)
         return ops.attention(q, k, v, causal=True, keep=keep)
 
 
@@ -187,11 +195,13 @@ class GPT(Module):
     zero biases, unit LayerNorm weights, each from its own named stream (``hpcpar.nn.init``).
     """
 
-    def __init__(self, config: GPTConfig, dtype=np.float32, device: str = "cpu", tp=None):
-        """``tp``: the tensor-parallel communicator (``ctx.tp``); None or one rank is the plain GPT."""
+    def __init__(self, config: GPTConfig, dtype=np.float32, device: str = "cpu", tp=None, cp=None):
+        """``tp``, ``cp``: the tensor- and context-parallel communicators (``ctx.tp``, ``ctx.cp``);
+        None or one rank each is the plain GPT."""
         super().__init__()
         self.config = config
         object.__setattr__(self, "tp", tp)
+        object.__setattr__(self, "cp", cp)
         xp = array_module(resolve_device(device))
         self.embed = GPTEmbedding(config, dtype, xp, tp)
         self.blocks = ModuleList(Block(config, dtype, xp, tp) for _ in range(config.n_layer))
@@ -213,8 +223,44 @@ class GPT(Module):
             module.seed, module.site = config.seed, site
         self.has_dropout = any(m.p > 0 for m in dropouts)
         self.unkeyed_forwards = 0  # training forwards run without a dropout key (each drew its own step's masks)
+        object.__setattr__(self, "_context_parallel", mappings.tp_size(cp) > 1)
         self.sequence_parallel = False
         self.recompute = "none"
+
+    @property
+    def context_parallel(self) -> bool:
+        """Whether each sequence is split over the cp ranks (on when ``cp`` has several).
+
+        Rank i of the cp group takes chunks i and 2C-1-i of every sequence (``sequence_chunks``)
+        at the embedding, with their global positions; attention is ``ring_attention`` over the
+        group; dropout masks are drawn by global position; the loss is the mean over this rank's
+        tokens, so the mean over cp (and dp) of the ranks' losses and gradients is one process's.
+        Sequences must divide by 2C. ``generate`` switches it off (contexts of any length)."""
+        return self._context_parallel
+
+    @context_parallel.setter
+    def context_parallel(self, on: bool) -> None:
+        object.__setattr__(self, "_context_parallel", bool(on) and mappings.tp_size(self.cp) > 1)
+        self._place_sequence()
+
+    @property
+    def chunks(self) -> ChunkLayout:
+        """The chunks of each sequence this rank holds (all of it without context parallelism)."""
+        cp = self.cp if self.context_parallel else None
+        return ChunkLayout(mappings.tp_rank(cp), mappings.tp_size(cp))
+
+    def _place_sequence(self) -> None:
+        """Tell the layers which positions their activations hold: cp chunks, then tp slices."""
+        chunks, on = self.chunks, self.sequence_parallel
+        residual = SequencePlace(chunks, self.tp.size, self.tp.rank) if on else SequencePlace(chunks)
+        self.embed.chunks = chunks
+        for _, module in self.named_modules():
+            if isinstance(module, Dropout):  # every Dropout of the GPT acts on residual-stream activations
+                module.place = residual
+            if isinstance(module, HeadDropout):
+                module.chunks = chunks
+            if isinstance(module, CausalSelfAttention):
+                object.__setattr__(module, "cp", self.cp if self.context_parallel else None)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -237,14 +283,13 @@ class GPT(Module):
         for _, module in self.named_modules():
             if isinstance(module, split_layers):
                 module.sequence_parallel = on
-            if isinstance(module, Dropout):  # every Dropout of the GPT acts on residual-stream activations
-                object.__setattr__(module, "sequence_shards", self.tp if on else None)
             on_slices = (list(module.parameters()) if isinstance(module, LayerNorm) else
                          [module.bias] if isinstance(module, tensor_parallel.RowParallelLinear) else
                          [module.wpe.weight] if isinstance(module, GPTEmbedding) else [])
             for param in on_slices:
                 if param is not None:
                     param.sequence_parallel = on
+        self._place_sequence()
 
     @property
     def recompute(self) -> str:
@@ -273,7 +318,8 @@ class GPT(Module):
         return [self.embed, *self.blocks, self.head]
 
     def forward(self, ids) -> Tensor:
-        """ids (B, T) integer array -> logits (B, T, vocab_size).
+        """ids (B, T) integer array -> logits (B, T, vocab_size); (B, T/cp, V/tp): this rank's
+        chunks (``context_parallel``) and vocabulary rows (tensor parallelism).
 
         Dropout draws the masks of the active key (``dropout_keys``: the training loop sets one
         per step). A training forward with dropout and no key takes ``DropoutKey(n)`` for its
@@ -293,11 +339,12 @@ class GPT(Module):
         return self.loss_from_logits(self.forward(ids), targets, ignore_index)
 
     def loss_from_logits(self, logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
-        """The loss a pipeline's last stage applies to the head's output (B, T, V/tp)."""
+        """The loss a pipeline's last stage applies to the head's output (B, T/cp, V/tp); ``targets``
+        (B, T): whole sequences, of which this rank's cp chunks are taken."""
+        targets = self.chunks.take(targets.data if isinstance(targets, Tensor) else targets)
         if mappings.tp_size(self.tp) == 1:
             return ops.cross_entropy(logits, targets, ignore_index=ignore_index)
         B, T, V = logits.shape
-        targets = targets.data if isinstance(targets, Tensor) else targets
         # (B, T, V/tp) -> (B*T, V/tp): the vocabulary stays split, the loss is completed by all-reduce
         return tensor_parallel.vocab_parallel_cross_entropy(ops.reshape(logits, (B * T, V)), targets.reshape(B * T), self.tp,
                                             ignore_index)
@@ -314,9 +361,10 @@ class GPT(Module):
         rng = np.random.default_rng(self.config.seed) if rng is None else rng
         xp = self.embed.wte.weight.xp
         ids = xp.asarray(ids.data if isinstance(ids, Tensor) else ids)
-        was_training, was_sequence_parallel = self.training, self.sequence_parallel
+        was_training, was_sequence_parallel, was_context_parallel = self.training, self.sequence_parallel, \
+            self.context_parallel
         self.eval()
-        self.sequence_parallel = False  # contexts of any length: the whole sequence on every rank
+        self.sequence_parallel = self.context_parallel = False  # contexts of any length: the whole sequence on every rank
         try:
             with no_grad():
                 for _ in range(max_new_tokens):
@@ -336,5 +384,5 @@ class GPT(Module):
                     ids = xp.concatenate([ids, next_ids], axis=1)
         finally:
             self.train(was_training)
-            self.sequence_parallel = was_sequence_parallel
+            self.sequence_parallel, self.context_parallel = was_sequence_parallel, was_context_parallel
         return ids

@@ -12,6 +12,7 @@ import numpy as np
 from ..autograd import Parameter, Tensor
 from ..autograd import ops
 from ..autograd.ops.nn_functional import scale_from_uniform
+from ..autograd.ops.sequence_chunks import ChunkLayout, SequencePlace
 from . import init
 from .dropout_keys import DropoutKey, active_dropout_key, draw_dtype, keyed_uniform
 from .module import Module
@@ -91,21 +92,20 @@ class Dropout(Module):
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p, self.seed, self.site = p, seed, site
-        # The tp communicator when the input is this rank's slice of the sequence (axis 1): the
-        # rank draws its positions of the whole sequence's masks, so they are the unsharded model's.
-        object.__setattr__(self, "sequence_shards", None)
+        # Where axis 1 of the input sits in the sequence (cp chunks, tp slices: ``sequence_chunks``):
+        # the rank draws its positions of the whole sequence's masks, so they are one process's.
+        self.place = SequencePlace()
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
         key = _key_for(self)
         batch, length = x.shape[0], (x.shape[1] if x.ndim > 1 else 1)  # axis 1: positions in the sample
-        shards = self.sequence_shards
-        parts = 1 if shards is None else shards.size
-        positions = range(length) if parts == 1 else range(shards.rank * length, (shards.rank + 1) * length)
-        uniform = keyed_uniform((self.seed, key.step, self.site), (length * parts,) + tuple(x.shape[2:]),
-                                range(key.first_sample, key.first_sample + batch), positions, draw_dtype(x.dtype),
-                                x.xp)
+        per_sample = (self.place.total(length),) + tuple(x.shape[2:])
+        samples = range(key.first_sample, key.first_sample + batch)
+        runs = [keyed_uniform((self.seed, key.step, self.site), per_sample, samples, run, draw_dtype(x.dtype), x.xp)
+                for run in self.place.ranges(length)]
+        uniform = runs[0] if len(runs) == 1 else x.xp.concatenate(runs, axis=1)
         scale = scale_from_uniform(uniform.reshape(x.shape), self.p, x.dtype)
         return ops.dropout(x, self.p, scale=scale)
 
@@ -129,17 +129,25 @@ class HeadDropout(Module):
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p, self.heads, self.seed, self.site = p, heads, seed, site
+        self.chunks = ChunkLayout()  # the query rows this rank holds under context parallelism
 
     def forward(self, batch: int, steps: int, dtype, xp):
-        """The (B, local heads, T, T) scales (0 or 1/(1-p)) for ``ops.attention``, or None when off."""
+        """The (B, local heads, T', T) scales (0 or 1/(1-p)) for ``ops.attention`` (T' = T) or
+        ``ops.ring_attention`` (T': this rank's query rows, its cp chunks), or None when off.
+        ``steps``: the query rows held here."""
         if not self.training or self.p == 0.0:
             return None
         key = _key_for(self)
         samples = range(key.first_sample, key.first_sample + batch)
-        keep = xp.empty((batch, len(self.heads), steps, steps), dtype=draw_dtype(dtype))
+        total = steps * self.chunks.size
+        keep = xp.empty((batch, len(self.heads), steps, total), dtype=draw_dtype(dtype))
         for local, head in enumerate(self.heads):
-            keep[:, local] = keyed_uniform((self.seed, key.step, self.site, head), (steps, steps), samples, None,
-                                           keep.dtype, xp)
+            row = 0
+            for run in self.chunks.ranges(total):
+                keep[:, local, row:row + len(run)] = keyed_uniform((self.seed, key.step, self.site, head), (total, total),
+                                                                   samples, None if len(run) == total else run,
+                                                                   keep.dtype, xp)
+                row += len(run)
         # 16-bit models: float32 scales, as dropout_scale gives them (1/(1-p) unrounded)
         return scale_from_uniform(keep, self.p, dtype)
 

@@ -10,7 +10,7 @@
 As PyTorch DDP: gradients are copied into flat buckets in reverse registration order, and the
 buckets are launched strictly in index order, so every rank issues the same collectives
 (docs/architecture.md, the ``parallel`` package). Strategies reach it through
-``parallel.grad_sync``; gradients are averaged over ``ctx.dp`` only, so it composes with
+``parallel.grad_sync``; gradients are averaged over ``ctx.dp_cp`` only, so it composes with
 pipeline and tensor parallelism.
 """
 from __future__ import annotations
@@ -71,13 +71,14 @@ def plan_buckets(params: list, bucket_bytes: float, alone=frozenset(), apart=fro
 
 
 class DistributedDataParallel(ParameterHolder):
-    """Wraps a Module: broadcasts its parameters and averages its gradients over ``ctx.dp``."""
+    """Wraps a Module: broadcasts its parameters and averages its gradients over ``ctx.dp_cp`` (dp,
+    times cp when context parallelism splits the sequence)."""
 
     def __init__(self, module, ctx, bucket_mb: float = defaults.BUCKET_MB, overlap: bool = True, compression=None,
                  broadcast_parameters: bool = True, alone=()):
         self.module = module
         self.ctx = ctx
-        self.comm = ctx.dp
+        self.comm = ctx.dp_cp
         self.overlap = overlap
         self.compression = compression or NoCompression()
         self.params: list[Parameter] = [p for _, p in module.named_parameters() if p.requires_grad]

@@ -41,7 +41,7 @@ def make_gradient_sync(holder, ctx, *, sharded: int, compression=None, bucket_mb
                                      replicas=replicas)
     if sharded:
         return OptimizerReduces(holder, ctx)
-    if ctx.dp_size > 1 or compression is not None:
+    if ctx.dp_cp.size > 1 or compression is not None:
         return BucketedAllReduce(DistributedDataParallel(holder, ctx, bucket_mb=bucket_mb, overlap=overlap,
                                                          compression=compression,
                                                          alone=alone if compression is not None else ()), ctx)

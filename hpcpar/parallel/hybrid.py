@@ -23,18 +23,18 @@ def default_shard_size(dp_size: int, dp_ranks_per_node: int) -> int:
 
 
 def dp_ranks_per_node(ctx) -> int:
-    """The fewest ranks of this dp group on one node (collective over dp)."""
-    local = ctx.dp.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+    """The fewest ranks of this dp (x cp) group on one node (collective over it)."""
+    local = ctx.dp_cp.mpi.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        return ctx.dp.mpi.allreduce(local.Get_size(), op=MPI.MIN)
+        return ctx.dp_cp.mpi.allreduce(local.Get_size(), op=MPI.MIN)
     finally:
         local.Free()
 
 
 def shard_groups(ctx, shard_size: int):
     """(the communicator ZeRO shards over, the one its shard gradients are averaged over or None);
-    collective over dp. The context owns (and closes) what it makes."""
-    dp = ctx.dp
+    collective over dp (x cp: ``ctx.dp_cp``). The context owns (and closes) what it makes."""
+    dp = ctx.dp_cp
     if shard_size == dp.size:
         return dp, None
     shards = ctx.adopt(dp.split(dp.rank // shard_size, dp.rank, "dp-shard"))

@@ -49,7 +49,7 @@ class BucketedReduceScatter:
         """``comm``: what the shards are over (default dp); ``replicas``: hybrid sharding's groups
         across, over which the shard gradient is averaged at the end (``parallel.hybrid``)."""
         self.holder, self.ctx = holder, ctx
-        self.comm, self.replicas, self.overlap, self.dtype = comm or ctx.dp, replicas, overlap, dtype
+        self.comm, self.replicas, self.overlap, self.dtype = comm or ctx.dp_cp, replicas, overlap, dtype
         named = list(holder.named_parameters())
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]

@@ -105,6 +105,13 @@ class ParallelContext:
         return self.products[key]
 
     @property
+    def dp_cp(self) -> Communicator:
+        """The ranks whose gradients are averaged: dp, times cp when cp splits the sequence (each cp
+        rank's gradient is its chunks' share of the replica's); ``dp`` itself at cp = 1. ZeRO shards
+        over it, and losses are averaged over it (Megatron's data-parallel group with context parallelism)."""
+        return self.across("dp", "cp") if self.mesh.size("cp") > 1 else self.axes["dp"]
+
+    @property
     def crossing_axes(self) -> list[str]:
         """The axes (fastest first) some of whose communicators span more than one node."""
         return _topology.crossing_axes(self.topology, self.mesh)
@@ -143,6 +150,10 @@ class ParallelContext:
     def comm_seconds(self) -> float:
         """Seconds spent in communication so far, on all of this rank's communicators."""
         return sum(comm.stats.total_seconds for comm in self.communicators().values())
+
+    def layer_comm_seconds(self) -> float:
+        """Seconds spent in the communication inside layers so far: tp's collectives, cp's ring."""
+        return self.axes["tp"].stats.total_seconds + self.axes["cp"].stats.total_seconds
 
     def reset_stats(self) -> None:
         for comm in self.communicators().values():
@@ -214,6 +225,7 @@ def build(process: Process, mesh: Mesh) -> ParallelContext:
                           pp_prev=None if prev_stage == MPI.PROC_NULL else prev_stage,
                           pp_next=None if next_stage == MPI.PROC_NULL else next_stage, serial=next(_serials))
     _open.add(ctx)
+    ctx.dp_cp  # made now, collectively, so that later first uses on some ranks only cannot hang
     if process.shm_color is not None:
         ctx.shm = True
         for communicator in ctx.communicators().values():

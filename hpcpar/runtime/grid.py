@@ -1,11 +1,11 @@
 """The grid of ranks as a table of named axes: sizes, rank order, coordinates, groups, labels.
 
-``GRID`` is hpcpar's table (dp, pp, tp); a ``Mesh`` is a table with a size per axis. Everything
+``GRID`` is hpcpar's table (dp, pp, tp, cp); a ``Mesh`` is a table with a size per axis. Everything
 here is arithmetic on sizes, so every rank reaches the same answer without communicating
 (``context.py`` builds the communicators along the axes). Layouts are spelt in table order
-(``2x1x4``: dp 2, pp 1, tp 4); ranks are numbered in ``rank_order``, the last axis fastest
-(why tp, then dp, then pp: docs/architecture.md, runtime). An axis nothing uses yet (limit 1)
-has a communicator and a coordinate (0) but is not spelt: no job key, label, row or digit.
+(``2x1x4``: dp 2, pp 1, tp 4; a ``suffix`` axis only above 1: ``2x1x4-cp2``); ranks are numbered
+in ``rank_order``, the last axis fastest (tp, then cp, dp, pp: docs/architecture.md, runtime).
+An axis nothing uses yet (limit 1) has a communicator and a coordinate (0) but is not spelt.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ class Axis:
     kind: str  # the parallelism it is: "tensor" (``hpcpar compare``'s "pure tensor")
     help: str  # the job key's meaning
     limit: int | None = None  # the largest size anything supports (1: an axis nothing uses yet)
+    suffix: bool = False  # spelt after the digits, by name, only above 1 ("2x1x1-cp2"): labels of before stay
 
     @property
     def varies(self) -> bool:
@@ -82,7 +83,8 @@ class AxisTable:
         LayoutError naming the numbers. Sizes as for ``mesh``; the fill axis's default is unset."""
         values = dict(zip(self.names, self.sizes(sizes, named, lambda name: None if name == self.fill else 1)))
         self._check(values)
-        others = [n for n in self.spelt if n != self.fill]  # the axes that cannot vary are at 1 now
+        # the axes that cannot vary are at 1 now; a suffix axis at 1 is left out of the messages
+        others = [n for n in self.spelt if n != self.fill and (not self.axis(n).suffix or values[n] != 1)]
         product = math.prod(values[n] for n in others)
         if values[self.fill] is None:
             if world_size % product:
@@ -93,8 +95,9 @@ class AxisTable:
             values[self.fill] = world_size // product
         mesh = Mesh(self, tuple(values[n] for n in self.names))
         if mesh.world_size != world_size:
+            shown = [n for n in self.spelt if mesh._shown(n)]
             raise LayoutError(
-                f"{' x '.join(self.spelt)} = {' x '.join(map(str, mesh.shape))} = {mesh.world_size} does not equal "
+                f"{' x '.join(shown)} = {' x '.join(str(mesh.size(n)) for n in shown)} = {mesh.world_size} does not equal "
                 f"the world size {world_size}; launch {mesh.world_size} ranks or leave {self.fill} unset to fill the world")
         return mesh
 
@@ -146,13 +149,18 @@ class Mesh:
     def world_size(self) -> int:
         return math.prod(self.sizes)
 
+    def _shown(self, name: str) -> bool:
+        return not self.table.axis(name).suffix or self.size(name) > 1
+
     def label(self) -> str:
-        """The layout as hpcpar spells it: "2x1x4"."""
-        return "x".join(map(str, self.shape))
+        """The layout as hpcpar spells it: "2x1x4", "2x1x4-cp2"."""
+        digits = "x".join(str(size) for name, size in self.by_name().items() if not self.table.axis(name).suffix)
+        return digits + "".join(f"-{name}{size}" for name, size in self.by_name().items()
+                                if self.table.axis(name).suffix and size > 1)
 
     def words(self) -> str:
-        """The layout in words: "dp 2 x pp 1 x tp 4"."""
-        return " x ".join(f"{name} {size}" for name, size in self.by_name().items())
+        """The layout in words: "dp 2 x pp 1 x tp 4" (x cp 2)."""
+        return " x ".join(f"{name} {size}" for name, size in self.by_name().items() if self._shown(name))
 
     def stride(self, name: str) -> int:
         """How far apart in world rank two neighbours along ``name`` are."""
@@ -181,15 +189,17 @@ class Mesh:
         width = max(2, len(str(self.world_size - 1)))
         rows = [("world rank", list(ranks))]
         rows += [(f"{name} ({self.table.axis(name).role})", [self.coordinate(r, name) for r in ranks])
-                 for name in self.table.spelt_order]
+                 for name in self.table.spelt_order if self._shown(name)]
         return "\n".join(f"{label:<13}" + " ".join(f"{v:>{width}}" for v in values) for label, values in rows)
 
 
 GRID = AxisTable(
     axes=(Axis("dp", "replica", "data", "data-parallel replicas"),
           Axis("pp", "stage", "pipeline", "pipeline stages"),
-          Axis("tp", "shard", "tensor", "tensor-parallel shards of each layer")),
-    rank_order=("pp", "dp", "tp"),
+          Axis("tp", "shard", "tensor", "tensor-parallel shards of each layer"),
+          Axis("cp", "chunk", "context", "context-parallel ranks splitting each sequence (zigzag chunks, ring "
+               "attention)", suffix=True)),
+    rank_order=("pp", "dp", "cp", "tp"),
     fill="dp",
 )
 
@@ -202,13 +212,13 @@ def mesh_of(*sizes, **named) -> Mesh:
 
 
 def resolve_layout(world_size: int, *sizes, **named) -> tuple[int, ...]:
-    """``GRID``'s sizes (dp, pp, tp) whose product is ``world_size``, or raise LayoutError naming
+    """``GRID``'s sizes (dp, pp, tp, cp) whose product is ``world_size``, or raise LayoutError naming
     the numbers (``AxisTable.resolve``): pure arithmetic, so every rank reaches the same verdict."""
     return GRID.resolve(world_size, *sizes, **named).shape
 
 
 def coordinates(world_rank: int, *sizes, **named) -> tuple[int, ...]:
-    """(pp_rank, dp_rank, tp_rank) of a world rank: slowest axis first."""
+    """(pp_rank, dp_rank, cp_rank, tp_rank) of a world rank: slowest axis first."""
     return mesh_of(*sizes, **named).coordinates(world_rank)
 
 

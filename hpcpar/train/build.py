@@ -67,7 +67,7 @@ def compute_dtype(job: Job):
 
 def build_model(job: Job, ctx, dtype):
     if job.model.kind == "gpt":
-        model = GPT(job.gpt_config(), dtype=dtype, device=ctx.device, tp=ctx.tp)
+        model = GPT(job.gpt_config(), dtype=dtype, device=ctx.device, tp=ctx.tp, cp=ctx.cp)
         model.sequence_parallel = job.parallel.sequence_parallel
         model.recompute = job.model.recompute
         return model

@@ -25,7 +25,7 @@ def evaluate(run) -> dict:
                 total += run.strategy.evaluate_loss(inputs, targets) * len(targets)
             count += len(targets)
     model.train(was_training)
-    summed = ctx.dp.allreduce(np.array([total, count, correct], dtype=np.float64), "sum")
+    summed = ctx.dp_cp.allreduce(np.array([total, count, correct], dtype=np.float64), "sum")
     return {"val_loss": summed[0] / summed[1], **({"val_accuracy": summed[2] / summed[1]} if cnn else {})}
 
 

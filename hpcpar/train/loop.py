@@ -140,7 +140,7 @@ def train_one_step(run: Run, step: int) -> tuple:
 
 def mean_loss(run: Run, loss) -> float:
     """The step's loss averaged over dp, on every rank (collective: what the spike trigger watches)."""
-    return float(run.ctx.dp.allreduce(np.array([float(to_host(loss))]), "mean")[0])
+    return float(run.ctx.dp_cp.allreduce(np.array([float(to_host(loss))]), "mean")[0])
 
 
 def agreed_why(run: Run) -> str:
@@ -209,7 +209,7 @@ def report_step(run: Run, log: Logger, step: int, start_step: int, loss, lr: flo
         log.step(record)
         loss = record["loss"]
     elif log.every_loss:  # one device-to-host copy of the loss per step, only with a live bar
-        loss = float(run.ctx.dp.allreduce(np.array([float(to_host(loss))]), "mean")[0])
+        loss = float(run.ctx.dp_cp.allreduce(np.array([float(to_host(loss))]), "mean")[0])
     else:
         loss = None  # not read: it stays on the device
     log.progress.step(step, loss, tokens_per_step(run.job), seconds)
@@ -254,7 +254,8 @@ def start_context(job: Job):
     p = job.parallel
     with warnings.catch_warnings():  # the placement report (describe) carries the warning
         warnings.simplefilter("ignore", PlacementWarning)
-        ctx = init(dp=None if strategy_class(job).own_context else p.dp, pp=p.pp, tp=p.tp, **context_options(job))
+        sizes = {**p.grid_sizes(), "dp": None if strategy_class(job).own_context else p.dp}
+        ctx = init(**sizes, **context_options(job))
     # before anything allocates; agreed, since a node's CuPy can lack a dtype another node's has: one
     # line on every rank, never one rank leaving the others in build's first collective
     precision = job.precision
@@ -296,7 +297,7 @@ def finish_trace(run: Run, tracer: Tracer | None, log: Logger) -> None:
 def step_record(run, step: int, loss: float, lr: float, step_s: float, peak_mb: float) -> dict:
     """The metrics of a logged step: the loss averaged over dp, peak memory of every rank (collective)."""
     stats, ctx = run.strategy.stats, run.ctx
-    return {"step": step, "loss": float(ctx.dp.allreduce(np.array([loss]), "mean")[0]), "lr": lr,
+    return {"step": step, "loss": float(ctx.dp_cp.allreduce(np.array([loss]), "mean")[0]), "lr": lr,
             "tokens_per_s": tokens_per_step(run.job) / step_s, "step_s": step_s, "compute_s": stats.get("compute_s", 0.0),
             "comm_s": stats.get("comm_s", 0.0), "idle_s": stats.get("idle_s", 0.0),
             "peak_mem_mb": ctx.world.allgather_object(round(peak_mb, 1)), "time": time.time(),

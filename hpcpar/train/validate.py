@@ -60,7 +60,8 @@ def _check_layout(job: Job, world_size: int) -> tuple[int | None, list]:
     try:
         mesh = GRID.resolve(workers, **p.grid_sizes())
     except LayoutError as err:
-        keys = ", ".join(f"parallel.{name}" for name, size in p.grid_sizes().items() if size is not None)  # given
+        keys = ", ".join(f"parallel.{name}" for name, size in p.grid_sizes().items()  # given (a suffix axis: above 1)
+                         if size is not None and not (GRID.axis(name).suffix and size == 1))
         servers = (f" (the grid holds the {workers} of the {world_size} ranks that train)"
                    if workers < world_size else "")
         return None, [(keys, f"{err}{servers}")]
@@ -73,9 +74,14 @@ def _check_modes(job: Job) -> list:
     if p.zero and p.compression != "none":
         problems.append(("parallel.zero", f"ZeRO reduce-scatters gradients itself and cannot use "
                                           f"compression = {toml_value(p.compression)}; set one of them off"))
-    if p.zero and p.shard_size is not None and p.dp % p.shard_size:
-        problems.append(("parallel.shard_size", f"{p.shard_size} does not divide dp = {p.dp}: the shard groups "
+    replicas = None if p.dp is None else p.dp * p.cp  # ZeRO shards over dp x cp
+    if p.zero and p.shard_size is not None and replicas is not None and replicas % p.shard_size:
+        over = f"dp = {p.dp}" if p.cp == 1 else f"dp x cp = {p.dp} x {p.cp} = {replicas}"
+        problems.append(("parallel.shard_size", f"{p.shard_size} does not divide {over}: the shard groups "
                                                 f"would be unequal"))
+    if p.cp > 1 and p.compression != "none":
+        problems.append(("parallel.compression", f"compression = {toml_value(p.compression)} is not supported with "
+                                                 f"context parallelism (cp = {p.cp}); set compression = \"none\" or cp = 1"))
     return problems
 
 
@@ -100,15 +106,31 @@ def _check_model(job: Job) -> list:
     if p.sequence_parallel and p.tp == 1:
         problems.append(("parallel.sequence_parallel", "splits activations over the tp ranks; with tp = 1 there "
                                                        "is nothing to split: set tp > 1 or sequence_parallel = false"))
-    elif p.sequence_parallel and m.kind == "gpt" and m.block_size % p.tp:
+    elif p.sequence_parallel and m.kind == "gpt" and m.block_size % (p.tp * p.cp):
+        over = f"tp = {p.tp} ranks" if p.cp == 1 else f"the tp = {p.tp} ranks of each of cp = {p.cp}"
         problems.append(("parallel.sequence_parallel", f"block_size = {m.block_size} tokens do not split over "
-                                                       f"tp = {p.tp} ranks; use a block_size that is a multiple of "
-                                                       f"{p.tp} or sequence_parallel = false"))
+                                                       f"{over}; use a block_size that is a multiple of "
+                                                       f"{p.tp * p.cp} or sequence_parallel = false"))
+    problems += _check_context(job)
     if (m.kind == "gpt") != (job.data.kind == "text"):
         want = "text" if m.kind == "gpt" else "digits"
         problems.append(("data.kind", f"model.kind = {toml_value(m.kind)} trains on data.kind = "
                                       f"{toml_value(want)}, got {toml_value(job.data.kind)}"))
     return problems
+
+
+def _check_context(job: Job) -> list:
+    """Context parallelism against the model: the GPT's sequences cut into 2 x cp chunks."""
+    p, m = job.parallel, job.model
+    if p.cp == 1:
+        return []
+    if m.kind != "gpt":
+        return [("parallel.cp", f"context parallelism splits the GPT's sequences; model.kind = {toml_value(m.kind)} "
+                                f"needs cp = 1, got {p.cp}")]
+    if m.block_size % (2 * p.cp):
+        return [("parallel.cp", f"block_size = {m.block_size} is not divisible by 2 x cp = {2 * p.cp}: each sequence "
+                                f"is cut into 2 x cp zigzag chunks; use a block_size that is a multiple of {2 * p.cp}")]
+    return []
 
 
 def _check_pipeline(job: Job) -> list:
@@ -196,7 +218,7 @@ def _check_memory(job: Job) -> list[tuple[str, str]]:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     count = 12 * m.n_layer * m.n_embd ** 2 + (m.vocab_size + m.block_size) * m.n_embd  # blocks + embeddings
     weights = 4 * count / (p.pp * p.tp)
-    tokens = job.data.batch_size // ((p.dp or 1) * p.micro_batches) * m.block_size  # one micro-batch of a replica
+    tokens = job.data.batch_size // ((p.dp or 1) * p.micro_batches) * m.block_size // p.cp  # one micro-batch's, per rank
     logits = 4 * tokens * m.vocab_size / p.tp
     if weights > memory:
         problem = ("model.n_embd, model.n_layer, model.vocab_size",

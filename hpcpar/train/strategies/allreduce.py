@@ -30,12 +30,12 @@ class AllReduce(SynchronousStrategy):
 
     def train_step(self, inputs, targets):
         start = time.perf_counter()
-        comm_before = self.ctx.tp.stats.total_seconds + self.grad_sync.seconds
+        comm_before = self.ctx.layer_comm_seconds() + self.grad_sync.seconds
         loss = accumulate_gradients(self.model, inputs, targets, self.job.parallel.micro_batches,
                                     self.precision.backward, self.grad_sync.no_sync, self.trace)
         self.grad_sync.finish()
         step = time.perf_counter() - start
-        comm = self.ctx.tp.stats.total_seconds + self.grad_sync.seconds - comm_before
+        comm = self.ctx.layer_comm_seconds() + self.grad_sync.seconds - comm_before
         self.stats = {"step_s": step, "compute_s": step - comm, "comm_s": comm, "idle_s": 0.0}
         return loss
 

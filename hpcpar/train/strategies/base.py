@@ -215,9 +215,9 @@ class DataParallelOnly(Strategy):
     @classmethod
     def check_job(cls, job, world_size: int) -> list:
         p, problems, mode = job.parallel, [], toml_value(job.parallel.mode)
-        if p.pp > 1 or p.tp > 1:
-            problems.append(("parallel.mode", f"{mode} runs data parallel only, but pp = {p.pp} and "
-                                              f"tp = {p.tp}; set pp = tp = 1 or mode = \"allreduce\""))
+        if p.pp > 1 or p.tp > 1 or p.cp > 1:
+            problems.append(("parallel.mode", f"{mode} runs data parallel only, but pp = {p.pp}, tp = {p.tp} and "
+                                              f"cp = {p.cp}; set pp = tp = cp = 1 or mode = \"allreduce\""))
         if p.zero:
             problems.append(("parallel.zero", f"ZeRO shards optimizer state across all-reducing replicas; "
                                               f"mode = {mode} needs zero = 0"))

@@ -40,11 +40,11 @@ class Pipeline(SynchronousStrategy):
         return super().derived_communicators() + [comm for comm, _, _ in self.pipe.stages.tied.groups]
 
     def train_step(self, inputs, targets):
-        tp_before = self.ctx.tp.stats.total_seconds
+        tp_before = self.ctx.layer_comm_seconds()
         loss = self.pipe.train_step(inputs, targets)
         self.trace.add_actions(self.pipe.trace)  # F, B, W, sends and receives, as the schedule ran them
         s = self.pipe.stats
-        tp = self.ctx.tp.stats.total_seconds - tp_before
+        tp = self.ctx.layer_comm_seconds() - tp_before
         self.stats = {"step_s": s["step_s"], "compute_s": s["compute_s"] - tp, "comm_s": s["comm_s"] + tp,
                       "idle_s": s["idle_s"]}
         return loss

@@ -31,9 +31,9 @@ class SynchronousStrategy(Strategy):
         (ZeRO-2 and 3 reduce into ``precision``'s master dtype); ZeRO-3 first shards the
         parameters of ``layers`` (its units) into the store."""
         p = self.job.parallel
-        self.shards, self.replicas = self.ctx.dp, None
-        if p.zero:  # hybrid sharding: ZeRO within groups of shard_size dp ranks (parallel.hybrid)
-            size = p.shard_size or default_shard_size(self.ctx.dp_size, dp_ranks_per_node(self.ctx))
+        self.shards, self.replicas = self.ctx.dp_cp, None
+        if p.zero:  # hybrid sharding: ZeRO within groups of shard_size dp x cp ranks (parallel.hybrid)
+            size = p.shard_size or default_shard_size(self.ctx.dp_cp.size, dp_ranks_per_node(self.ctx))
             self.shards, self.replicas = shard_groups(self.ctx, size)
         if p.zero == 3:
             names = {id(param): name for name, param in holder.named_parameters()}
@@ -46,7 +46,7 @@ class SynchronousStrategy(Strategy):
                                             replicas=self.replicas)
 
     def derived_communicators(self) -> list:
-        return [c for c in (self.shards, self.replicas) if c is not None and c is not self.ctx.dp]
+        return [c for c in (self.shards, self.replicas) if c is not None and c is not self.ctx.dp_cp]
 
     def sharding(self) -> str:
         """How hybrid sharding splits dp, for ``describe`` (empty without it)."""

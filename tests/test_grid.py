@@ -4,7 +4,6 @@
 and tables are those of ``THREE`` (a ``suffix`` axis is spelt only above 1); at cp > 1 the cp
 peers are adjacent after tp. ``EP`` is an axis nothing uses (limit 1): not spelt at all.
 """
-from dataclasses import replace
 
 import pytest
 

@@ -9,6 +9,7 @@ Each rank now reads its own file, and compare checks that every rank holds the s
 layout runs (``JobsDiffer``, one clear report instead of an MPI error).
 """
 import importlib.util
+import math
 import os
 
 import pytest
@@ -45,7 +46,7 @@ def test_every_layout_is_built_trained_and_torn_down_in_one_job(tokens):
     world = MPI.COMM_WORLD
     waiting = Communicator(world, "world", wait_policy="yield")
     job = load_job(None, TINY + [f'data.path="{tokens}"'])
-    layouts = [(1, 1, 1)] + compare.factorisations(world.Get_size())
+    layouts = [(1, 1, 1, 1)] + compare.factorisations(world.Get_size())
     measured = []
     for _ in range(2):  # the second round's groups reuse the first round's freed context ids
         for layout in layouts:
@@ -54,7 +55,7 @@ def test_every_layout_is_built_trained_and_torn_down_in_one_job(tokens):
             except JobError:
                 continue
             figures = compare.measure_on_first_ranks(layout_run, world, steps=1)
-            inside = world.Get_rank() < layout[0] * layout[1] * layout[2]
+            inside = world.Get_rank() < math.prod(layout)
             assert (figures is not None) == inside
             if world.Get_rank() == 0:
                 measured.append(tuple(figures["layout"]))

@@ -207,7 +207,7 @@ def test_closing_a_context_destroys_its_nccl_communicators(world):
         ctx.close()
         if ctx.world_size > 1:
             np.testing.assert_array_equal(host(got.wait()), rank_data(left, (4,)))
-    assert nccl_double.calls["destroy"] - destroyed == 300 * len({id(c) for c in (ctx.dp, ctx.pp, ctx.tp)})
+    assert nccl_double.calls["destroy"] - destroyed == 300 * len({id(c) for c in (ctx.dp, ctx.pp, ctx.tp, ctx.cp)})
 
 
 @mpi

@@ -1,5 +1,5 @@
 """Training steps through the NCCL communicator, on CPUs: the transfer guard's device and the NCCL
-double (tests/nccl_double.py). A few steps of the GPT under DDP, a pipeline and tensor parallelism
+double (tests/nccl_double.py). A few steps of the GPT under DDP, a pipeline, tensor and context parallelism
 end exactly where the same job on the MPI communicator ends (also ZeRO-1 and the
 interleaved schedule, whose pair of ranks carries several channels), and every NCCL call passed the
 double's stream-order checks. Run at 1, 2 and 4 ranks (layouts that do not fit are skipped).
@@ -25,8 +25,9 @@ LAYOUTS = {"ddp": ["parallel.pp=1", "parallel.tp=1"],
                            "model.n_layer=4"],
            "tp": ["parallel.pp=1", "parallel.tp=2", "parallel.sequence_parallel=true"],
            "zero": ["parallel.pp=1", "parallel.tp=1", "parallel.zero=1"],
+           "cp": ["parallel.pp=1", "parallel.tp=1", "parallel.cp=2"],  # ring attention's isend/irecv pairs
            "ps": ["parallel.pp=1", "parallel.tp=1", 'parallel.mode="ps"', "parallel.servers=1", "data.batch_size=6"]}
-RANKS_NEEDED = {"ddp": 1, "pipeline": 2, "interleaved": 2, "tp": 2, "zero": 1, "ps": 2}
+RANKS_NEEDED = {"ddp": 1, "pipeline": 2, "interleaved": 2, "tp": 2, "zero": 1, "ps": 2, "cp": 2}
 
 
 @pytest.fixture(scope="module")

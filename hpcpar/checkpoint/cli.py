@@ -25,7 +25,7 @@ import h5py
 from .. import log
 from ..paths import output_problem
 from ..tables import format_table, human_bytes
-from .manifest import (INDEX, LATEST, MANIFEST, CheckpointError, latest_step, list_steps,
+from .manifest import (INDEX, LATEST, MANIFEST, CheckpointError, latest_step, layout_words, list_steps,
                        read_manifest, resolve_step_dir, step_dirname, verify_files)
 from ..state import saved_weight_decays
 
@@ -105,7 +105,8 @@ def _folder_bytes(path: str) -> int:
 
 
 def _layout(layout: dict) -> str:
-    return f"{layout['dp']}/{layout['pp']}/{layout['tp']}/{layout['world']}"
+    cp = f"/cp{layout['cp']}" if layout.get("cp", 1) > 1 else ""
+    return f"{layout['dp']}/{layout['pp']}/{layout['tp']}{cp}/{layout['world']}"
 
 
 def _when(seconds: float | None) -> str:
@@ -163,7 +164,7 @@ def inspect(args) -> int:
     lines = [f"checkpoint  {step_dir}",
              f"step        {manifest['step']}",
              f"committed   {_when(manifest.get('created'))}",
-             f"layout      dp {layout['dp']} x pp {layout['pp']} x tp {layout['tp']} = {layout['world']} ranks",
+             f"layout      {layout_words(layout)} = {layout['world']} ranks",
              f"files       {shards} shard file(s), {human_bytes(data_bytes)}; {INDEX}, {MANIFEST}"]
     lines += provenance_lines(manifest["extra"])
     for name, saved in sorted(manifest["extra"].items()):

@@ -262,3 +262,8 @@ def resolve_step_dir(path: str, step: int | None = None) -> str:
     if not os.path.isdir(step_dir):
         raise CheckpointError(f"{step_dir}: no such checkpoint (have steps {list_steps(path)})")
     return step_dir
+
+
+def layout_words(layout: dict) -> str:
+    """A recorded layout ({axis: size, "world": n}; cp only above 1) in words: "dp 2 x pp 1 x tp 1 x cp 2"."""
+    return " x ".join(f"{name} {size}" for name, size in layout.items() if name != "world")

@@ -46,7 +46,8 @@ class ufunc:  # noqa: N801 - named after cupy.ufunc
 
 # cupy's ufuncs (docs.cupy.dev reference/ufunc.html) that hpcpar calls or may call
 UFUNCS = ("add", "subtract", "multiply", "divide", "true_divide", "floor_divide", "negative", "power", "remainder",
-          "mod", "absolute", "sign", "exp", "exp2", "log", "log2", "log10", "expm1", "log1p", "sqrt", "square",
+          "mod", "absolute", "sign", "exp", "exp2", "log", "log2", "log10", "expm1", "log1p", "logaddexp", "sqrt",
+          "square",
           "reciprocal", "sin", "cos", "tanh", "maximum", "minimum", "fmax", "fmin", "greater", "greater_equal",
           "less", "less_equal", "equal", "not_equal", "logical_and", "logical_or", "logical_xor", "logical_not",
           "isfinite", "isinf", "isnan", "floor", "ceil", "rint", "bitwise_and", "bitwise_or", "bitwise_xor",

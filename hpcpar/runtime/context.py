@@ -142,7 +142,8 @@ class ParallelContext:
 
     @property
     def layout(self) -> dict:
-        return {**self.mesh.by_name(), "world": self.world_size}
+        """{axis: size, "world": n}, a suffix axis (cp) only above 1: what a checkpoint records."""
+        return {**{k: v for k, v in self.mesh.by_name().items() if self.mesh.shown(k)}, "world": self.world_size}
 
     def communicators(self) -> dict:
         return {"world": self.world, **self.axes, **{comm.name: comm for comm in self.products.values()}}

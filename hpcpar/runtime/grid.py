@@ -95,7 +95,7 @@ class AxisTable:
             values[self.fill] = world_size // product
         mesh = Mesh(self, tuple(values[n] for n in self.names))
         if mesh.world_size != world_size:
-            shown = [n for n in self.spelt if mesh._shown(n)]
+            shown = [n for n in self.spelt if mesh.shown(n)]
             raise LayoutError(
                 f"{' x '.join(shown)} = {' x '.join(str(mesh.size(n)) for n in shown)} = {mesh.world_size} does not equal "
                 f"the world size {world_size}; launch {mesh.world_size} ranks or leave {self.fill} unset to fill the world")
@@ -149,7 +149,8 @@ class Mesh:
     def world_size(self) -> int:
         return math.prod(self.sizes)
 
-    def _shown(self, name: str) -> bool:
+    def shown(self, name: str) -> bool:
+        """Whether labels, words and tables spell this axis (a suffix axis only above 1)."""
         return not self.table.axis(name).suffix or self.size(name) > 1
 
     def label(self) -> str:
@@ -160,7 +161,7 @@ class Mesh:
 
     def words(self) -> str:
         """The layout in words: "dp 2 x pp 1 x tp 4" (x cp 2)."""
-        return " x ".join(f"{name} {size}" for name, size in self.by_name().items() if self._shown(name))
+        return " x ".join(f"{name} {size}" for name, size in self.by_name().items() if self.shown(name))
 
     def stride(self, name: str) -> int:
         """How far apart in world rank two neighbours along ``name`` are."""
@@ -189,7 +190,7 @@ class Mesh:
         width = max(2, len(str(self.world_size - 1)))
         rows = [("world rank", list(ranks))]
         rows += [(f"{name} ({self.table.axis(name).role})", [self.coordinate(r, name) for r in ranks])
-                 for name in self.table.spelt_order if self._shown(name)]
+                 for name in self.table.spelt_order if self.shown(name)]
         return "\n".join(f"{label:<13}" + " ".join(f"{v:>{width}}" for v in values) for label, values in rows)
 
 

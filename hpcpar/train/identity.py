@@ -22,6 +22,9 @@ import subprocess
 import sys
 import time
 
+from ..checkpoint.manifest import layout_words
+
+
 def version() -> str:
     """hpcpar's version. The package is loaded whenever this module is (it is its parent); reading it
     from ``sys.modules`` keeps the layers' rule that nothing here imports the facade above ``train``."""
@@ -103,7 +106,7 @@ def changes(saved_job: dict | None, job, saved_layout: dict | None, layout: dict
         old, new = saved_job.get(section, {}).get(key), now[section][key]
         if key in saved_job.get(section, {}) and old != new and job.applies(dotted):
             lines.append(f"{dotted}: {_shown(old)} in the checkpoint, {_shown(new)} now (allowed: the job's value is used)")
-    if saved_layout and any(saved_layout.get(k) != layout.get(k) for k in ("dp", "pp", "tp", "world")):
+    if saved_layout and any(saved_layout.get(k, 1) != layout.get(k, 1) for k in {*saved_layout, *layout}):
         lines.append(f"layout: {layout_text(saved_layout)} in the checkpoint, {layout_text(layout)} now "
                      f"(allowed: resharded)")
     old_path, new_path = (saved_print.get("data") or {}).get("path"), (current_print.get("data") or {}).get("path")
@@ -116,7 +119,7 @@ def changes(saved_job: dict | None, job, saved_layout: dict | None, layout: dict
 
 
 def layout_text(layout: dict) -> str:
-    return f"dp {layout['dp']} x pp {layout['pp']} x tp {layout['tp']}"
+    return layout_words(layout)
 
 
 def _shown(value) -> str:

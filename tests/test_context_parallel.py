@@ -17,7 +17,10 @@ from hpcpar.autograd.ops.sequence_chunks import ChunkLayout, SequencePlace
 from hpcpar.train.config import JobError
 from hpcpar.train.config_load import load_job
 from hpcpar.train.validate import validate
-from test_zero2 import largest_difference, one_process, resumed_from_step_3, run  # noqa: F401 (a fixture)
+import test_zero2
+from test_zero2 import largest_difference, resumed_from_step_3, run
+
+one_process = test_zero2.one_process  # the same module fixture, built once for this module too
 
 LAYOUTS = {  # ranks, overrides
     "cp2": (2, ["parallel.cp=2"]),

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import log
+from .checkpoint.manifest import layout_words
 from .runtime.failfast import UsageError
 from .paths import input_problem, output_problem
 
@@ -103,8 +104,7 @@ def title_of(path: str, segments: list[Segment]) -> str:
     layout = start.get("layout", {})
     text = start.get("job", os.path.basename(path))
     if layout:
-        text += (f": dp {layout.get('dp', 1)} x pp {layout.get('pp', 1)} x tp {layout.get('tp', 1)}"
-                 f" on {layout.get('world', '?')} ranks")
+        text += f": {layout_words(layout)} on {layout.get('world', '?')} ranks"
     return text
 
 

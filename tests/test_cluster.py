@@ -137,13 +137,14 @@ def test_compare_shows_the_communication_across_nodes(cluster, token_file, tmp_p
               timeout=300)
     assert "4 ranks on 2 nodes" in out and "comm (inter-node)" in out and "across nodes" in out, out
     results = {tuple(r["layout"]): r for r in json.load(open(tmp_path / "compare.json"))["results"]}
-    # Ranks 0-1 on node1, 2-3 on node2; tp fastest, then dp, then pp.
-    expected = {(1, 1, 1): [], (4, 1, 1): ["dp"], (1, 4, 1): ["pp"], (1, 1, 4): ["tp"], (1, 2, 2): ["pp"],
-                (2, 1, 2): ["dp"], (2, 2, 1): ["pp"]}
+    # Ranks 0-1 on node1, 2-3 on node2; tp fastest, then cp, dp, pp. Layouts as (dp, pp, tp, cp).
+    expected = {(1, 1, 1, 1): [], (4, 1, 1, 1): ["dp"], (1, 4, 1, 1): ["pp"], (1, 1, 4, 1): ["tp"],
+                (1, 1, 1, 4): ["cp"], (1, 1, 2, 2): ["cp"], (1, 2, 1, 2): ["pp"], (1, 2, 2, 1): ["pp"],
+                (2, 1, 1, 2): ["dp"], (2, 1, 2, 1): ["dp"], (2, 2, 1, 1): ["pp"]}
     assert {layout: r["across_nodes"] for layout, r in results.items()} == expected, out
     for layout, r in results.items():
-        assert r["nodes"] == (1 if layout == (1, 1, 1) else 2)
-        assert (r["inter_node_share"] > 0) == (layout != (1, 1, 1)), (layout, r)
+        assert r["nodes"] == (1 if layout == (1, 1, 1, 1) else 2)
+        assert (r["inter_node_share"] > 0) == (layout != (1, 1, 1, 1)), (layout, r)
         assert r["inter_node_share"] <= r["comm_share"]
 
 

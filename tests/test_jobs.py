@@ -156,10 +156,11 @@ def test_compare_plot_and_generate(tmp_path, token_file):
                            "--steps", "2", "--out", str(tmp_path), *small], capture_output=True, text=True,
                           timeout=240, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in ("1x1x1 one rank", "2x1x1 pure data", "1x2x1 pure pipeline", "1x1x2 pure tensor"):
+    for name in ("1x1x1 one rank", "2x1x1 pure data", "1x2x1 pure pipeline", "1x1x2 pure tensor",
+                 "1x1x1-cp2 pure context"):
         assert name in proc.stdout
-    results = json.load(open(tmp_path / "compare.json"))["results"]
-    assert [r["layout"] for r in results] == [[1, 1, 1], [2, 1, 1], [1, 2, 1], [1, 1, 2]]
+    results = json.load(open(tmp_path / "compare.json"))["results"]  # dp, pp, tp, cp
+    assert [r["layout"] for r in results] == [[1, 1, 1, 1], [2, 1, 1, 1], [1, 2, 1, 1], [1, 1, 2, 1], [1, 1, 1, 2]]
     assert results[0]["bytes_per_step"] == 0 and all(r["bytes_per_step"] > 0 for r in results[1:])
     for r in results:  # where the time goes: compute, communication and idle partition the step
         shares = (r["compute_share"], r["comm_share"], r["bubble_share"])
@@ -194,7 +195,7 @@ def test_compare_measures_each_precision_beside_float32(tmp_path, token_file):
                           env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.load(open(tmp_path / "compare.json"))["results"]
-    assert [(r["layout"], r["precision"]) for r in results] == [([1, 1, 1], "fp32"), ([1, 1, 1], "bf16")]
+    assert [(r["layout"], r["precision"]) for r in results] == [([1, 1, 1, 1], "fp32"), ([1, 1, 1, 1], "bf16")]
     fp32, bf16 = results
     # tracemalloc, not timing; 0.61 at this width (the float32 loss weighs more), 0.52 for the bench GPT
     assert bf16["activations_vs_fp32"] <= 0.7 and fp32["activations_vs_fp32"] == 1.0

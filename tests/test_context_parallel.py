@@ -67,7 +67,9 @@ def test_zigzag_chunks_give_every_rank_the_same_causal_work():
 def test_context_parallel_equals_one_process_in_every_layout(tmp_path, token_file, one_process, layout):
     ranks, overrides = LAYOUTS[layout]
     proc = run(tmp_path, token_file, ranks, *overrides, "checkpoint.interval=5")
-    assert "x cp 2" in proc.stdout or "x cp 4" in proc.stdout, proc.stdout  # the layout line names cp
+    cp = next(o for o in overrides if o.startswith("parallel.cp="))[-1]
+    assert f"x cp {cp}" in proc.stdout, proc.stdout  # the layout line names cp, and the strategy line what it does
+    assert f"context parallel: each sequence over {cp} ranks (zigzag chunks, ring attention)" in proc.stdout
     assert largest_difference(final_parameters(str(tmp_path / "ckpt")), one_process) <= 1e-12
 
 

@@ -49,10 +49,14 @@ class SynchronousStrategy(Strategy):
         return [c for c in (self.shards, self.replicas) if c is not None and c is not self.ctx.dp_cp]
 
     def sharding(self) -> str:
-        """How hybrid sharding splits dp, for ``describe`` (empty without it)."""
-        if self.replicas is None:
-            return ""
-        return f", hybrid: shards over {self.shards.size} dp ranks, averaged over {self.replicas.size} groups"
+        """How context parallelism and hybrid sharding split the ranks, for ``describe`` (empty without them)."""
+        text = ""
+        if self.ctx.cp_size > 1:
+            text += (f", context parallel: each sequence over {self.ctx.cp_size} ranks (zigzag chunks, ring attention), "
+                     f"gradients averaged over dp x cp = {self.ctx.dp_cp.size}")
+        if self.replicas is not None:
+            text += f", hybrid: shards over {self.shards.size} dp ranks, averaged over {self.replicas.size} groups"
+        return text
 
     def build_precision(self, precision, named) -> None:
         """The master weights of ``precision`` (an ``optim.Precision``) for this rank's parameters ``named``:

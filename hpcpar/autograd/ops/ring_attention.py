@@ -35,6 +35,15 @@ class _Ring:
         return (self.comm.isend(block, self.next, tag), self.comm.irecv(incoming, self.prev, tag)), incoming
 
     @staticmethod
+    def progress(posted) -> None:
+        """Let MPI move the transfers on between two blocks of compute: without an asynchronous
+        progress thread a large message moves only inside MPI calls, so a transfer nobody tests
+        until its wait is not hidden behind anything."""
+        if posted is not None:
+            for handle in posted[0]:
+                handle.test()
+
+    @staticmethod
     def finish(posted):
         (send, recv), incoming = posted
         recv.wait()
@@ -81,6 +90,7 @@ class RingAttention(Function):
                 merged = xp.logaddexp(lses[i], lse)
                 outs[i] = outs[i] * xp.exp(lses[i] - merged) + precision.upcast(part) * xp.exp(lse - merged)
                 lses[i] = merged
+                ring.progress(posted)
             if posted is not None:
                 block = ring.finish(posted)
         out = xp.concatenate(outs, axis=2)
@@ -140,6 +150,8 @@ class RingAttention(Function):
                 grad_q[:, :, rows] += precision.matmul(d_scores, block[0][:, :, keys], keep_float32=True)
                 part[0][:, :, keys] += precision.matmul(d_scores.swapaxes(-1, -2), self.q_scaled[:, :, rows],
                                                          keep_float32=True)
+                ring.progress(posted)
+                ring.progress(carried)
             if carried is not None:
                 part += ring.finish(carried)
             carried = ring.start(part, GRAD_TAG)  # on to the next rank: after C steps each is home

@@ -13,9 +13,10 @@ BENCHMARKS = {
     "dp": "data-parallel gradient sync vs one raw flat all-reduce; overlap; weak scaling",
     "pipeline": "measured pipeline bubble vs (p-1)/(m+p-1) per schedule, step time",
     "recompute": "activation recomputation none/selective/full: bytes kept for backward, tracemalloc peak, time",
-    "zero": "ZeRO stages 0-2 against DDP on the same GPT: step time, communication waited, memory per rank vs formula",
+    "zero": "ZeRO stages 0-3 against DDP on the same GPT: step time, communication waited, memory per rank vs formula",
     "ckpt": "checkpoint save/load vs raw tofile+fsync / preadv of the same bytes per rank",
     "async": "all-reduce vs parameter server (sync, async s=1/4) vs local SGD (H=4/16) with a straggler",
+    "cp": "context parallelism: zigzag vs contiguous ring-attention balance, overlap, step vs 1 rank, memory per rank",
     "net": "point-to-point and all-reduce across nodes vs the same inside a node (needs 2 nodes)",
 }
 MODULES = {"async": "async_training"}  # benchmark names that are not module names (async is a keyword)

@@ -239,6 +239,41 @@ def test_plan_prints_the_ranked_table_and_explains_a_layout(job_file):
     assert explained.returncode == 0 and "per virtual stage" in explained.stdout and "pp-tied" in explained.stdout
 
 
+def test_plan_lists_context_parallel_layouts_where_the_block_size_divides_by_2_cp(job_file):
+    """A block of 36 tokens cuts into 2 x 2 chunks, not into 2 x 4: cp = 2 is planned, cp = 4 excluded."""
+    table = run_hpcpar("plan", job_file, "--world", "4", "--machine", "dgx-a100", "--top", "0",
+                       "--set", "model.block_size=36")
+    assert table.returncode == 0, table.stderr
+    assert "dp x pp x tp[-cp]" in table.stdout
+    rows = [line.split()[1] for line in table.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert {"2x1x1-cp2", "1x1x2-cp2", "1x2x1-cp2"} <= set(rows)  # each layout's grid label, its variants after it
+    assert not [row for row in rows if row.endswith("-cp4")]
+    excluded = next(line for line in table.stdout.splitlines() if line.startswith("excluded 1x1x1-cp4"))
+    assert "not divisible by 2 x cp = 8" in excluded
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_a_cp_rank_s_activation_memory_is_about_1_over_cp_at_a_long_context(job_file, recompute):
+    """At 4096 tokens: selective recomputation keeps no (T, T) arrays with or without cp, so a cp
+    rank keeps 1/C of the tokens' bytes; without recomputation the plain attention's probabilities
+    dominate and ring attention keeps none of them: less than 1/C."""
+    machine = machines.load_machine("dgx-a100")
+    base = ["model.block_size=4096", "model.n_layer=2", "model.n_embd=256", "data.batch_size=2", "parallel.dp=1",
+            f'model.recompute="{recompute}"']
+    plain = StepPlan(validate(load_job(job_file, base), 1), machine)
+    for cp in (2, 4, 8):
+        ring = StepPlan(validate(load_job(job_file, base + [f"parallel.cp={cp}"]), cp), machine)
+        assert ring.layout.label() == f"1x1x1-cp{cp}" and ring.layers[1].ring.ranks == cp
+        ratio = ring.memory().activations / plain.memory().activations
+        if recompute == "selective":
+            assert ratio == pytest.approx(1 / cp, rel=0.02), cp
+        else:
+            assert ratio < 1 / cp, cp
+        # ring attention computes 2C + 1 chunk pairs of (T / 2C)^2 of the plain T^2 scores
+        assert ring.layers[1].forward.units["attention"] == pytest.approx(
+            plain.layers[1].forward.units["attention"] * (2 * cp + 1) / (4 * cp * cp))
+
+
 @pytest.mark.parametrize("args, message", [
     (["calibrate", "--world", "4", "--top", "3"], "--world, --top do nothing here: calibrate measures this machine"),
     (["JOB", "--world", "2", "--machine", "dgx-a100", "--out", "m.toml"], "--out does nothing here: planning a job"),

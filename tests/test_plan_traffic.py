@@ -33,7 +33,10 @@ LAYOUTS = {  # world size -> [(model, overrides)]
         ("gpt", ["parallel.tp=2", "model.tie_weights=false", "model.bias=false"]),
         ("gpt", ["parallel.tp=2", 'model.recompute="full"', "model.dropout=0.1"]),
         ("gpt", ["parallel.pp=2", "parallel.micro_batches=2", 'model.recompute="selective"']),
-        ("cnn", ["parallel.pp=2", "parallel.micro_batches=2"])],
+        ("cnn", ["parallel.pp=2", "parallel.micro_batches=2"]),
+        # context parallelism: ring attention's K/V blocks and dK/dV on "cp", gradients on "dp*cp"
+        ("gpt", ["parallel.cp=2"]),
+        ("gpt", ["parallel.cp=2", 'model.recompute="selective"', "model.dropout=0.1"])],
     4: [("gpt", ["parallel.dp=2", "parallel.pp=2", 'parallel.schedule="interleaved"', "parallel.chunks=2",
                  "parallel.micro_batches=4"]),
         ("gpt", ["parallel.pp=2", "parallel.tp=2", 'parallel.schedule="zb1"', "parallel.micro_batches=4",
@@ -54,7 +57,13 @@ LAYOUTS = {  # world size -> [(model, overrides)]
         ("gpt", ["parallel.dp=4", "parallel.zero=3", "parallel.shard_size=2", "parallel.micro_batches=2"]),
         ("gpt", ["parallel.dp=4", "parallel.zero=1", "parallel.shard_size=2"]),
         ("gpt", ["parallel.dp=2", "parallel.tp=2", "parallel.zero=2", "parallel.shard_size=1",
-                 "parallel.sequence_parallel=true"])],
+                 "parallel.sequence_parallel=true"]),
+        ("gpt", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=1"]),
+        ("gpt", ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("gpt", ["parallel.cp=2", "parallel.pp=2", "parallel.micro_batches=2"]),
+        ("gpt", ["parallel.cp=4"]),
+        ("gpt", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=3"]),
+        ("gpt", ["parallel.cp=2", "parallel.dp=2", 'model.recompute="full"'])],
 }
 
 

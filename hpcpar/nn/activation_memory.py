@@ -5,7 +5,8 @@ saved for their backward and the arrays of leaf inputs, each buffer once (an int
 backward reads is not kept: the graph links it by a node without its array).
 ``tests/test_recompute.py`` checks these formulas against that count, byte for byte, for each
 recomputation mode, float64, float32 and bfloat16, with and without dropout, with tensor and
-sequence parallelism. ``block_kept_bytes`` is one block (by recomputation mode),
+sequence parallelism (and ``tests/test_cp_memory.py`` on a context-parallel rank, ``cp``: T / cp
+tokens, ring attention's arrays). ``block_kept_bytes`` is one block (by recomputation mode),
 ``embedding_kept_bytes`` and ``head_kept_bytes`` what lies outside the blocks; each block counts
 the input it keeps itself, so embedding + n_layer blocks + head is the whole graph (the planner's
 activation term). docs/architecture.md ("Activation memory") compares it with Korthikanti et al.
@@ -20,10 +21,11 @@ from .gpt import RECOMPUTE
 
 def block_kept_bytes(batch: int, seq: int, n_embd: int, n_head: int, *, dtype=np.float32, tp: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none", dropout: float = 0.0,
-                     attn_dropout: float | None = None) -> float:
-    """Bytes one block keeps for backward on one tp rank for one micro-batch of ``batch`` x ``seq`` tokens.
+                     attn_dropout: float | None = None, cp: int = 1) -> float:
+    """Bytes one block keeps for backward on one tp (and cp) rank for one micro-batch of ``batch`` x ``seq`` tokens.
 
-    With b rows of s tokens (N = b s), width h, a heads, t tensor-parallel ranks, e the bytes of the
+    With b rows of s tokens (N = b s; on a rank of C context-parallel ones N = b s / C, its two
+    chunks of every sequence), width h, a heads, t tensor-parallel ranks, e the bytes of the
     compute dtype, f those of its accumulation dtype (4 for 16-bit, else e), and sigma = 1/t under
     sequence parallelism (else 1), a block keeps, by recomputation mode:
 
@@ -39,6 +41,10 @@ def block_kept_bytes(batch: int, seq: int, n_embd: int, n_head: int, *, dtype=np
         rank), fc's output (GELU's input), GELU's output (4 each), GELU's tanh (4, 32/64-bit only);
         plus q scaled by 1/sqrt(hs), N h / t in e (NumPy 16-bit: float32, f);
       - b (a / t) s^2 (e + [attention dropout] f): the probabilities and the dropout scales;
+        under cp > 1 ring attention keeps none of them but its log-sum-exp, N a / t f, and the
+        dropout scales of its rows against the whole sequence, N (a / t) s f; its output is
+        kept in f, and the proj input beside it (N h / t e) unless it is a view of that output
+        (one head per rank, 32/64-bit);
       - with residual dropout: 2 sigma N h f, its two scales (float32 under 16 bits).
       Not kept: the products of the two row-parallel projections (before and after their
       all-reduce or reduce-scatter, and after the bias add), the dropout outputs, and (32/64-bit)
@@ -49,28 +55,48 @@ def block_kept_bytes(batch: int, seq: int, n_embd: int, n_head: int, *, dtype=np
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
-    dtype = np.dtype(dtype)
-    low = precision.is_low(dtype)
-    e, f = dtype.itemsize, precision.accumulation_dtype(dtype).itemsize
+    e, f, low, sigma, _ = _shares(dtype, tp, sequence_parallel)
     t = tp
-    sp = sequence_parallel and t > 1
-    sigma = 1 / t if sp else 1
-    n, h = batch * seq, n_embd
+    n, h = batch * local_length(seq, cp), n_embd
     if recompute == "full":
         return sigma * n * h * e
     wide = 0 if low else 1
     kept = 2 * n * h * e + 2 * sigma * n * h * e
     kept += sigma * n * (4 * f if low else 2 * e)
-    copy = 1 if n_head > t else 0  # (B, T, nh, hs) -> (B, T, nh hs) needs a copy unless one head per rank
     if dropout > 0:
         kept += 2 * sigma * n * h * f
     if recompute == "selective":  # the attention output is kept only as the proj input it is a view of
         return kept + (12 + 4 * wide) * n * h * e / t
-    kept += (12 + copy + 4 * wide) * n * h * e / t
+    kept += (11 + 4 * wide) * n * h * e / t  # qkv's output, fc's, GELU's and its tanh
     attn_dropout = dropout if attn_dropout is None else attn_dropout
-    kept += n * h / t * f  # q scaled: float32 under 16 bits on NumPy (and e otherwise, where f = e)
-    kept += batch * (n_head / t) * seq * seq * (e + (f if attn_dropout > 0 else 0))
-    return kept
+    return kept + attention_kept_bytes(batch, seq, n_embd, n_head, dtype=dtype, tp=tp, cp=cp,
+                                       dropout=attn_dropout > 0)
+
+
+def attention_kept_bytes(batch: int, seq: int, n_embd: int, n_head: int, *, dtype=np.float32, tp: int = 1,
+                         cp: int = 1, dropout: bool = False) -> float:
+    """What attention keeps for backward (``attention``, or ``ring_attention`` under cp > 1), and the
+    proj input made from its output, on one tp (and cp) rank for one micro-batch (``block_kept_bytes``)."""
+    e, f, low, _, _ = _shares(dtype, tp, False)
+    heads, h = n_head / tp, n_embd / tp
+    n = batch * local_length(seq, cp)  # query rows here
+    kept = n * h * f  # q scaled: float32 under 16 bits on NumPy (and e otherwise, where f = e)
+    if cp == 1:  # its output, and the copy with the heads side by side unless one head per rank (a view)
+        kept += n * h * e * (2 if n_head > tp else 1)
+        return kept + batch * heads * seq * seq * (e + (f if dropout else 0))  # probabilities, dropout scales
+    view = not low and n_head <= tp  # the proj input is a view of the output the ring keeps (in f = e)
+    kept += n * h * (f + (0 if view else e))
+    kept += n * heads * f  # the log-sum-exp of each row, (B, H, T / C, 1)
+    return kept + (n * heads * seq * f if dropout else 0)  # its rows' dropout scales against every key
+
+
+def local_length(seq: int, cp: int = 1) -> int:
+    """The positions of a sequence of ``seq`` tokens that a rank of ``cp`` context-parallel ones
+    holds: its two chunks of 2 cp (``autograd.ops.sequence_chunks``)."""
+    if cp > 1 and seq % (2 * cp):
+        raise ValueError(f"context parallelism cuts each sequence into 2 x cp = {2 * cp} chunks: "
+                         f"{seq} tokens do not divide")
+    return seq // cp
 
 
 def keeps_input(dtype=np.float32, recompute: str = "none") -> bool:
@@ -88,13 +114,14 @@ def _shares(dtype, tp: int, sequence_parallel: bool):
 
 
 def embedding_kept_bytes(batch: int, seq: int, n_embd: int, *, dtype=np.float32, tp: int = 1,
-                         sequence_parallel: bool = False, dropout: float = 0.0) -> float:
-    """Bytes the embedding stage keeps for backward per micro-batch and tp rank (int64 ids, one array).
+                         sequence_parallel: bool = False, dropout: float = 0.0, cp: int = 1) -> float:
+    """Bytes the embedding stage keeps for backward per micro-batch and tp (and cp) rank (int64 ids, one array).
 
     Its integer ids (and under tensor parallelism the mask of rows outside this rank's vocabulary)
-    and its dropout's scales.
+    and its dropout's scales; a cp rank holds seq / cp positions of each sequence.
     """
     e, f, _, sigma, _ = _shares(dtype, tp, sequence_parallel)
+    seq = local_length(seq, cp)
     n, h = batch * seq, n_embd
     kept = n * 8 + sigma * seq * 8  # token ids (tp: their local rows) and position ids
     if tp > 1:
@@ -105,16 +132,16 @@ def embedding_kept_bytes(batch: int, seq: int, n_embd: int, *, dtype=np.float32,
 
 
 def head_kept_bytes(batch: int, seq: int, n_embd: int, vocab_size: int, *, dtype=np.float32, tp: int = 1,
-                    sequence_parallel: bool = False) -> float:
-    """Bytes the head (final LayerNorm, logits, cross entropy) keeps per micro-batch and tp rank, its input included.
+                    sequence_parallel: bool = False, cp: int = 1) -> float:
+    """Bytes the head (final LayerNorm, logits, cross entropy) keeps per micro-batch and tp (and cp) rank, its input included.
 
     The final LayerNorm's normalised input (16-bit: its input, the last block's output) and
     statistics, its output (gathered under sequence parallelism), which the logits' product saves,
     the loss's float32-or-wider softmax of the logits (N V / t f; the logits themselves are not
-    kept), and integer targets.
+    kept), and integer targets (a cp rank's: N = b seq / cp).
     """
     e, f, low, sigma, sp = _shares(dtype, tp, sequence_parallel)
-    n, h = batch * seq, n_embd
+    n, h = batch * local_length(seq, cp), n_embd
     kept = sigma * n * h * e  # LayerNorm's normalised input (16-bit: its input)
     kept += sigma * n * (2 * f if low else e)  # its statistics
     kept += n * h * e  # its output, the logits' input (all-gathered under sequence parallelism)

@@ -19,7 +19,7 @@ DEFAULT_MACHINE = os.path.join("runs", "plan", "machine.toml")
 
 def add_arguments(parser) -> None:
     parser.add_argument("job", help="the job file to plan, or the word 'calibrate' to measure this machine")
-    parser.add_argument("--world", type=int, default=None, help="ranks to plan for (default: the job's dp x pp x tp)")
+    parser.add_argument("--world", type=int, default=None, help="ranks to plan for (default: the job's dp x pp x tp x cp)")
     parser.add_argument("--machine", default=None,
                         help=f"machine file, or a shipped one by name ({', '.join(shipped())}) "
                              f"(default: {DEFAULT_MACHINE}, written by hpcpar plan calibrate)")
@@ -149,7 +149,7 @@ def table(job, world: int, machine, ranked, top: int) -> str:
              f"{parameter_count(job) / 1e6:,.1f} M parameters" if m.kind == "gpt" else "digits CNN")
     title = (f"hpcpar plan: {model}, global batch {job.data.batch_size}, {job.precision.name}, {world} ranks on "
              f"{machine.name} ({len(ranked.predictions)} valid layouts, planned in {ranked.seconds:.1f} s)")
-    text = format_table(["#", f"layout {' x '.join(GRID.spelt)}", "step ms", unit, "memory/rank", "fits", "comm",
+    text = format_table(["#", f"layout {layout_heading()}", "step ms", unit, "memory/rank", "fits", "comm",
                          "bubble", "MB sent/step"], rows, title)
     if top and len(ranked.predictions) > top:
         text += f"\n... {len(ranked.predictions) - top} more (--top 0 shows all)"
@@ -160,6 +160,12 @@ def table(job, world: int, machine, ranked, top: int) -> str:
         listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         text += f"\nexcluded {listed}: {why}"
     return text
+
+
+def layout_heading() -> str:
+    """The axes as the labels spell them: "dp x pp x tp[-cp]" (a suffix axis only above 1)."""
+    digits = [name for name in GRID.spelt if not GRID.axis(name).suffix]
+    return " x ".join(digits) + "".join(f"[-{name}]" for name in GRID.spelt if GRID.axis(name).suffix)
 
 
 def parameter_count(job) -> int:
@@ -193,7 +199,7 @@ def explain(q, machine) -> str:
 def dry_run(job_path: str, overrides: list, mpi_world: int, machine_path: str | None) -> int:
     """``hpcpar train JOB --dry-run``: validate, predict this layout, print on rank 0, train nothing.
 
-    The world is the launch's (``mpiexec -n N``); launched alone, the job's own dp x pp x tp."""
+    The world is the launch's (``mpiexec -n N``); launched alone, the job's own dp x pp x tp x cp."""
     from .. import log
     from ..runtime.failfast import agreed_verdict
     from ..train.config import JobError

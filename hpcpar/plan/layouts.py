@@ -1,13 +1,13 @@
 """Every layout of a world for a job, predicted and ranked; and why the others are excluded.
 
-A candidate is a factorisation of the world into the grid's axes with, for pp > 1, each schedule
-hpcpar has (``gpipe``, ``1f1b``, ``interleaved`` with 2 chunks, ``zb1``) and a few micro-batch
-counts (the job's, 2 pp and 4 pp), with and without sequence parallelism when tp > 1, and each
-ZeRO stage 0-2 when dp > 1 (without compression). The job's
-own checks (``train.validate``) decide what is valid. Recomputation only buys memory, so a
-layout that does not fit with the job's ``model.recompute`` is tried with ``selective`` and then
-``full`` (the first that fits is kept, labelled ``rc=...``); a valid layout that fits in none is
-kept but marked as not fitting and ranked after every one that fits.
+A candidate is a factorisation of the world into the grid's axes (cp included: valid where the
+block size divides by 2 cp) with, for pp > 1, each schedule hpcpar has (``gpipe``, ``1f1b``,
+``interleaved`` with 2 chunks, ``zb1``) and a few micro-batch counts (the job's, 2 pp and 4 pp),
+with and without sequence parallelism when tp > 1, and each ZeRO stage 0-3 when dp x cp > 1
+(without compression). The job's own checks (``train.validate``) decide what is valid.
+Recomputation only buys memory, so a layout that does not fit with the job's ``model.recompute``
+is tried with ``selective`` and then ``full`` (the first that fits is kept, labelled ``rc=...``);
+a valid layout that fits in none is kept but marked as not fitting and ranked after every one.
 """
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def candidates(job, world: int) -> list:
         # the job's micro-batches (at least pp), and 2 pp and 4 pp: enough to see the bubble shrink
         micro = sorted({max(p.micro_batches, pp), 2 * pp, 4 * pp}) if pp > 1 else [p.micro_batches]
         schedules = SCHEDULES if pp > 1 else ("1f1b",)
-        # ZeRO's stages where there are replicas to shard over and no compressor (validation drops the
-        # modes that have no ZeRO)
-        zeros = (0, 1, 2, 3) if mesh.size("dp") > 1 and p.compression == "none" else (p.zero,)
+        # ZeRO's stages where there are dp x cp ranks to shard over and no compressor (validation drops
+        # the modes that have no ZeRO)
+        zeros = (0, 1, 2, 3) if mesh.size("dp") * mesh.size("cp") > 1 and p.compression == "none" else (p.zero,)
         for schedule in schedules:
             for m in micro:
                 for sp in ((False, True) if tp > 1 else (False,)):

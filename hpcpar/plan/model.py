@@ -8,16 +8,17 @@ Work is per op family: ``gemm`` and ``attention`` in FLOPs, the elementwise fami
 number of autograd ops (each pays the machine's fixed ``op_overhead_s``). Backward is split into ``B`` (gradients of the inputs) and
 ``W`` (gradients of the weights: the part a zero-bubble schedule defers).
 
-Notation, per micro-batch: b rows of s tokens (N = b s tokens), width h, a heads, vocabulary V,
-t tensor-parallel ranks, r = N / t tokens outside the sharded regions under sequence
-parallelism (else N), d bytes per element of the compute dtype.
+Notation, per micro-batch: b rows of s tokens (N = b s tokens; b s / C on a rank of C
+context-parallel ones), width h, a heads, vocabulary V, t tensor-parallel ranks, r = N / t
+tokens outside the sharded regions under sequence parallelism (else N), d bytes per element of
+the compute dtype. Ring attention's transfers are a block's ``Ring``.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from ..nn.activation_memory import block_kept_bytes, embedding_kept_bytes, head_kept_bytes, keeps_input
+from ..nn.activation_memory import block_kept_bytes, embedding_kept_bytes, head_kept_bytes, keeps_input, local_length
 from ..nn.gpt import RECOMPUTE
 from ..optim import PRECISIONS
 
@@ -53,6 +54,31 @@ class Work:
         return Work(Counter({f: u * k for f, u in self.units.items()}), round(self.ops * k))
 
 
+@dataclass(frozen=True)
+class Ring:
+    """Ring attention in one block (``autograd.ops.ring_attention``), per micro-batch and cp rank.
+
+    Forward sends this rank's K/V block (k and v stacked, the compute dtype) C - 1 times around
+    the ring; backward sends the blocks C - 1 times again and a dK/dV accumulator (float32,
+    float64 for fp64) C times; each send has its receive. Ring step 0 computes 3 chunk pairs (the
+    rank's own block: two diagonals and one whole pair), the others 2: 2C + 1 in all."""
+
+    ranks: int  # C
+    kv_bytes: float  # one K/V block
+    grad_bytes: float  # one dK/dV accumulator
+    pair_forward: Work  # one c x c chunk pair's attention work (c = s / 2C)
+    pair_backward: Work
+
+    @staticmethod
+    def pairs(step: int) -> int:
+        return 3 if step == 0 else 2
+
+    def calls(self, backward: bool = False) -> list:
+        """[(op, bytes)] of one attention call's forward (or backward) on the cp communicator."""
+        sends = [self.kv_bytes] * (self.ranks - 1) + ([self.grad_bytes] * self.ranks if backward else [])
+        return [(op, n) for n in sends for op in ("isend", "irecv")]
+
+
 @dataclass
 class Layer:
     """One entry of the model's ``layers()`` (what a pipeline cuts), for one micro-batch."""
@@ -73,6 +99,7 @@ class Layer:
     backward_steps: list = field(default_factory=list)
     forward_temporaries: float = 0.0  # the largest of its forward beyond what it keeps
     keeps_output: bool = True  # whether its kept bytes (or a view of them) hold its output
+    ring: Ring | None = None  # a block's ring attention under context parallelism
 
 
 @dataclass(frozen=True)
@@ -84,7 +111,7 @@ class Shape:
     precision: str  # fp32 | bf16 | fp16 | fp64
     tp: int = 1
     sequence_parallel: bool = False
-    block_size: int = 0
+    block_size: int = 0  # s: the whole sequence (a cp rank holds ``tokens`` of it)
     n_layer: int = 0
     n_head: int = 0
     n_embd: int = 0
@@ -93,6 +120,12 @@ class Shape:
     tie_weights: bool = True
     channels: tuple = (16, 32)
     attn_dropout: float = 0.0
+    cp: int = 1  # context-parallel ranks splitting each sequence
+
+    @property
+    def tokens(self) -> int:
+        """N: the tokens of a micro-batch on one rank (its cp chunks of each sequence)."""
+        return self.rows * local_length(self.block_size, self.cp)
 
     @property
     def dtype_bytes(self) -> int:
@@ -110,7 +143,7 @@ def shape_of(job, rows: int, tp: int | None = None) -> Shape:
     return Shape(kind=m.kind, rows=rows, precision=job.precision.name, tp=t,
                  sequence_parallel=bool(p.sequence_parallel and t > 1), block_size=m.block_size, n_layer=m.n_layer,
                  n_head=m.n_head, n_embd=m.n_embd, vocab_size=m.vocab_size, bias=m.bias, tie_weights=m.tie_weights,
-                 channels=tuple(m.channels), attn_dropout=m.dropout)
+                 channels=tuple(m.channels), attn_dropout=m.dropout, cp=p.cp)
 
 
 def layers(shape: Shape) -> list[Layer]:
@@ -146,7 +179,7 @@ def _leave(shape: Shape, elements: float) -> tuple[list, list]:
 
 
 def gpt_embedding(shape: Shape) -> Layer:
-    N, h, V, t, d = shape.rows * shape.block_size, shape.n_embd, shape.vocab_size, shape.tp, shape.dtype_bytes
+    N, h, V, t, d = shape.tokens, shape.n_embd, shape.vocab_size, shape.tp, shape.dtype_bytes
     r = N / t if shape.sequence_parallel else N
     fwd = Work(ops=4).add("embedding", 2 * N * h * d).add("copy", 3 * r * h * d)
     bwd = Work(ops=4).add("embedding", (2 * V / t * h + 3 * N * h) * d).add("copy", 2 * r * h * d)
@@ -154,7 +187,7 @@ def gpt_embedding(shape: Shape) -> Layer:
     return Layer("embed", [("embed.wte.weight", V // t * h, False), ("embed.wpe.weight", shape.block_size * h, True)],
                  fwd, bwd, Work(), saved_bytes=embedding_kept_bytes(shape.rows, shape.block_size, h, dtype=shape.dtype, tp=t,
                                                             sequence_parallel=shape.sequence_parallel,
-                                                            dropout=shape.attn_dropout),
+                                                            dropout=shape.attn_dropout, cp=shape.cp),
                  workspace_bytes=(V / t * h + 2 * N * h) * d,  # the table's gradient, the rows' gradients
                  output_elements=r * h,
                  tp_forward=tp_f, tp_backward=tp_b)
@@ -162,27 +195,29 @@ def gpt_embedding(shape: Shape) -> Layer:
 
 def gpt_block(shape: Shape, index: int) -> Layer:
     b, s, h, a, t, d = shape.rows, shape.block_size, shape.n_embd, shape.n_head, shape.tp, shape.dtype_bytes
-    N = b * s
+    N = shape.tokens
     r = N / t if shape.sequence_parallel else N
-    scores = N * s * a / t  # attention probabilities: b (a/t) s^2
-    c = max(d, 4)  # scores and softmax are float32 at least
+    c = max(d, 4)  # scores and softmax are float32 at least (the accumulation dtype: float64 for fp64)
+    scores = score_elements(shape)
     gemm = 2 * N * h * 12 * h / t  # qkv 3h, proj h, fc 4h, proj 4h
-    attention = 4 * N * s * h / t  # q k^T and p v
+    attention = 4 * scores * h / a  # q k^T and p v over the scores computed
+    ring = shape.cp > 1  # its backward recomputes each pair's q k^T and softmax: 5 products, not 4
     fwd = (Work(ops=21).add("gemm", gemm).add("attention", attention).add("softmax", passes("softmax", scores, c))
            .add("layernorm", passes("layernorm", 2 * r * h, d)).add("gelu", passes("gelu", 4 * N * h / t, d))
            .add("copy", (18 * N * h / t + 4 * N * h + 6 * r * h) * d))
-    bwd_input = (Work(ops=21).add("gemm", gemm).add("attention", 2 * attention).add("softmax", passes("softmax", scores, c, True))
+    bwd_input = (Work(ops=21).add("gemm", gemm).add("attention", (2.5 if ring else 2) * attention)
+                 .add("softmax", passes("softmax", scores, c, True) + (passes("softmax", scores, c) if ring else 0))
                  .add("layernorm", passes("layernorm", 2 * r * h, d, True)).add("gelu", passes("gelu", 4 * N * h / t, d, True))
                  .add("copy", 1.5 * (18 * N * h / t + 4 * N * h + 6 * r * h) * d))
     bwd_weight = Work(ops=4).add("gemm", gemm).add("copy", N * 9 * h / t * d)  # bias gradients: sums over tokens
     # Kept for backward: the exact count of what the graph holds (nn.activation_memory), per mode
     kept = {mode: block_kept_bytes(b, s, h, a, dtype=shape.dtype, tp=t, sequence_parallel=shape.sequence_parallel,
-                                   recompute=mode, dropout=shape.attn_dropout) for mode in RECOMPUTE}
-    # backward temporaries on top of what is kept: attention's two (T, T) arrays, GELU's (its
-    # incoming gradient, g and 1 - t^2 in float32, and under 16 bits the input's float32 copy and
-    # the tanh it recomputes), the gradient in flight (2 N h)
+                                   recompute=mode, dropout=shape.attn_dropout, cp=shape.cp) for mode in RECOMPUTE}
+    # backward temporaries on top of what is kept: attention's two (T, T) arrays (the ring's, below),
+    # GELU's (its incoming gradient, g and 1 - t^2 in float32, and under 16 bits the input's float32
+    # copy and the tanh it recomputes), the gradient in flight (2 N h)
     gelu = 4 * N * h / t * (d + (4 if c > d else 2) * c)
-    workspace = 2 * scores * c + gelu + 2 * N * h * d
+    workspace = (_ring_workspace(shape) if ring else 2 * scores * c) + gelu + 2 * N * h * d
     # Backward frees as it goes: GELU's temporaries come after the MLP projection has released its
     # input (the GELU output, 4 N h / t); attention's after GELU has released the fc output
     # (4 N h / t). The projection's own temporaries, before either, are smaller than GELU's.
@@ -201,13 +236,43 @@ def gpt_block(shape: Shape, index: int) -> Layer:
     return Layer(f"blocks.{index}", [(f"blocks.{index}.{n}", e, sp) for n, e, sp in names], fwd, bwd_input, bwd_weight,
                  saved_bytes=kept["none"], workspace_bytes=workspace, output_elements=r * h, tp_forward=tp_f,
                  tp_backward=tp_b, kept_by_recompute=kept,
-                 keeps_input={mode: keeps_input(shape.dtype, mode) for mode in RECOMPUTE}, backward_steps=steps)
+                 keeps_input={mode: keeps_input(shape.dtype, mode) for mode in RECOMPUTE}, backward_steps=steps,
+                 ring=gpt_ring(shape, fwd, bwd_input) if ring else None)
+
+
+def score_elements(shape: Shape) -> float:
+    """Elements of the attention scores a rank computes per micro-batch: b (a/t) s^2 for the whole
+    causal matrix (masked, not skipped); under cp > 1 ring attention's 2C + 1 chunk pairs of
+    c x c (c = s / 2C) per row and head, of the 4C^2 the rank's rows meet."""
+    b, s, heads, C = shape.rows, shape.block_size, shape.n_head / shape.tp, shape.cp
+    if C == 1:
+        return b * heads * s * s
+    c = local_length(s, C) / 2
+    return b * heads * (2 * C + 1) * c * c
+
+
+def gpt_ring(shape: Shape, forward: Work, backward: Work) -> Ring:
+    """A block's ring: its transfers, and the attention work of one chunk pair (1 / (2C + 1) of the block's)."""
+    pairs = 2 * shape.cp + 1
+    attention = ("attention", "softmax")
+    share = [Work(Counter({f: u / pairs for f, u in work.units.items() if f in attention})) for work in (forward, backward)]
+    kv = 2 * shape.tokens * shape.n_embd / shape.tp  # k and v of this rank's heads and positions
+    return Ring(shape.cp, kv * shape.dtype_bytes, kv * max(shape.dtype_bytes, 4), *share)
+
+
+def _ring_workspace(shape: Shape) -> float:
+    """Ring attention's backward temporaries: one chunk pair's probabilities and score gradient (c x
+    c, in the accumulation dtype), the K/V block held and the one arriving, and in that dtype the
+    dK/dV accumulator filling, the one being sent and the one arriving, and q's gradient."""
+    acc, kv = max(shape.dtype_bytes, 4), 2 * shape.tokens * shape.n_embd / shape.tp
+    c = local_length(shape.block_size, shape.cp) / 2
+    return 2 * shape.rows * shape.n_head / shape.tp * c * c * acc + 2 * kv * shape.dtype_bytes + (3 * kv + kv / 2) * acc
 
 
 def gpt_head(shape: Shape) -> Layer:
     """Final LayerNorm, the lm head (tied: x @ wte^T) and the loss (vocab-parallel under tp)."""
     b, s, h, V, t, d = shape.rows, shape.block_size, shape.n_embd, shape.vocab_size, shape.tp, shape.dtype_bytes
-    N = b * s
+    N = shape.tokens
     r = N / t if shape.sequence_parallel else N
     c = max(d, 4)  # the loss is computed in float32 at least
     gemm = 2 * N * h * V / t
@@ -216,7 +281,7 @@ def gpt_head(shape: Shape) -> Layer:
     bwd_input = (Work(ops=6).add("gemm", gemm).add("layernorm", passes("layernorm", r * h, d, True))
                  .add("cross_entropy", passes("cross_entropy", N * V / t, c, True)))
     bwd_weight = Work(ops=1).add("gemm", gemm)
-    saved = head_kept_bytes(b, s, h, V, dtype=shape.dtype, tp=t, sequence_parallel=shape.sequence_parallel)
+    saved = head_kept_bytes(b, s, h, V, dtype=shape.dtype, tp=t, sequence_parallel=shape.sequence_parallel, cp=shape.cp)
     tp_f, tp_b = _enter(shape, N * h)
     if t > 1:  # vocab-parallel cross entropy: all-reduce of the row maxima, then of (sum of exp, target logit)
         tp_f = tp_f + [("allreduce", N * c), ("allreduce", 2 * N * c)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..runtime.grid import GRID
 from ..runtime.stats import ring_wire_bytes
 from ..parallel.pipeline.partition import counts_to_bounds, min_max_bounds, uniform_bounds
 from ..parallel.pipeline.schedules import simulate
@@ -36,13 +37,13 @@ class NotModelled(ValueError):
 
 def unmodelled(job) -> str | None:
     """Why the planner cannot predict ``job``, or None. It models synchronous training, mode =
-    "allreduce" in every dp x pp x tp with ZeRO-1 or DDP, without gradient compression: the
+    "allreduce" in every dp x pp x tp x cp with DDP or ZeRO, without gradient compression: the
     parameter server, local SGD and the compressors move other bytes and do other work, and
     predicting them as an all-reduce would be wrong without saying so."""
     p = job.parallel
     if p.mode != "allreduce":
         return (f'parallel.mode = "{p.mode}" is not modelled (the planner predicts mode = "allreduce": every '
-                f'dp x pp x tp, DDP or ZeRO-1); measure it with hpcpar compare')
+                f'dp x pp x tp x cp, DDP or ZeRO); measure it with hpcpar compare')
     if p.compression != "none":
         return (f'parallel.compression = "{p.compression}" is not modelled (its bytes and its compressor\'s work); '
                 f'plan the job without it (--set parallel.compression=\'"none"\') and measure the compressed one '
@@ -59,20 +60,31 @@ class Layout:
     micro_batches: int = 1
     chunks: int = 1
     sequence_parallel: bool = False
-    zero: int = 0  # the ZeRO stage over dp
+    zero: int = 0  # the ZeRO stage over dp x cp
+    cp: int = 1  # context parallelism: ranks splitting each sequence (ring attention)
 
     @classmethod
     def of(cls, job) -> "Layout":
         p = job.parallel
         return cls(p.dp, p.pp, p.tp, p.schedule if p.pp > 1 else "-", p.micro_batches, p.chunks if p.pp > 1 else 1,
-                   bool(p.sequence_parallel and p.tp > 1), int(p.zero))
+                   bool(p.sequence_parallel and p.tp > 1), int(p.zero), p.cp)
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks gradients are averaged over (and ZeRO shards over): dp x cp (``ctx.dp_cp``)."""
+        return self.dp * self.cp
+
+    @property
+    def grad_comm(self) -> str:
+        """The name of that communicator, as the counters know it: "dp", or "dp*cp" when cp > 1."""
+        return "dp*cp" if self.cp > 1 else "dp"
 
     def label(self) -> str:
-        text = f"{self.dp}x{self.pp}x{self.tp}"
+        text = GRID.mesh(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp).label()  # "2x1x2", "2x1x2-cp2"
         if self.pp > 1:
             text += f" {self.schedule} m{self.micro_batches}" + (f" v{self.chunks}" if self.chunks > 1 else "")
         elif self.micro_batches > 1:
@@ -126,10 +138,10 @@ class StepPlan:
         self.dtype_bytes = job.precision.itemsize
         self.master_bytes = job.precision.master_itemsize
         self.recompute = recompute or getattr(job.model, "recompute", "none")
-        # ZeRO's shard groups (parallel.hybrid): dp ranks in a node are consecutive, tp fastest
-        self.shards = (job.parallel.shard_size or default_shard_size(lay.dp, machine.ranks_per_node // lay.tp)
-                       if job.parallel.zero else lay.dp)
-        self.zero_comm = "dp" if self.shards == lay.dp else "dp-shard"  # where ZeRO's collectives run
+        # ZeRO's shard groups over dp x cp (parallel.hybrid): its ranks in a node are consecutive, tp fastest
+        self.shards = (job.parallel.shard_size or default_shard_size(lay.dp_cp, machine.ranks_per_node // lay.tp)
+                       if job.parallel.zero else lay.dp_cp)
+        self.zero_comm = lay.grad_comm if self.shards == lay.dp_cp else "dp-shard"  # where ZeRO's collectives run
         self.reshards = job.parallel.zero == 3 and reshards(job.parallel.reshard_after_forward, lay.pp)
         if self.reshards and job.train.device != "cpu":
             # ZeRO-3 frees a resharded unit's pages on CPUs; device arrays (train.device = auto: a
@@ -157,23 +169,24 @@ class StepPlan:
     # ----- pieces -------------------------------------------------------------------------
     def crosses_nodes(self, comm: str) -> bool:
         lay, per_node = self.layout, self.machine.ranks_per_node
-        span = {"tp": lay.tp, "dp": lay.tp * lay.dp, "dp-shard": lay.tp * self.shards, "dp-replica": lay.tp * lay.dp,
-                "pp": lay.world, "pp-tied": lay.world, "world": lay.world}[comm]
+        grads = lay.tp * lay.dp_cp  # rank order pp, dp, cp, tp: a cp group spans tp x cp ranks, dp x cp tp x cp x dp
+        span = {"tp": lay.tp, "cp": lay.tp * lay.cp, "dp": grads, "dp*cp": grads, "dp-shard": lay.tp * self.shards,
+                "dp-replica": grads, "pp": lay.world, "pp-tied": lay.world, "world": lay.world}[comm]
         return span > per_node
 
     def collective_seconds(self, comm: str, op: str, nbytes: float) -> float:
         """latency + wire bytes / bandwidth of ``op`` over ``comm``: the machine file's line for that op
         and group size when it has one, else the intra- or inter-node link by where the group's ranks
-        sit (rank order: tp fastest, then dp, then pp; ``ranks_per_node`` ranks per node)."""
+        sit (rank order: tp fastest, then cp, dp, pp; ``ranks_per_node`` ranks per node)."""
         key = (comm, op, nbytes)
         if key not in self._collective_cache:
             self._collective_cache[key] = self._collective_seconds(comm, op, nbytes)
         return self._collective_cache[key]
 
     def _collective_seconds(self, comm: str, op: str, nbytes: float) -> float:
-        ranks = {"tp": self.layout.tp, "dp": self.layout.dp, "dp-shard": self.shards,
-                 "dp-replica": self.layout.dp // self.shards, "pp": self.layout.pp, "pp-tied": 2,
-                 "world": self.layout.world}[comm]
+        lay = self.layout
+        ranks = {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "dp*cp": lay.dp_cp, "dp-shard": self.shards,
+                 "dp-replica": lay.dp_cp // self.shards, "pp": lay.pp, "pp-tied": 2, "world": lay.world}[comm]
         if ranks == 1:
             return 0.0
         link = self.machine.link(op, ranks, self.crosses_nodes(comm))
@@ -181,25 +194,66 @@ class StepPlan:
         return link.seconds(wire)
 
     def layer_seconds(self, layer: Layer) -> tuple[float, float, float]:
-        """(F, B, W) of one micro-batch through ``layer``, tp collectives included."""
+        """(F, B, W) of one micro-batch through ``layer``, its communication (``layer_comm_seconds``) included."""
         p = self.precision
         forward = work_seconds(layer.forward, self.machine, p) * self.slowdown
         backward = work_seconds(layer.backward_input, self.machine, p) * self.slowdown
         weight = work_seconds(layer.backward_weight, self.machine, p) * self.slowdown
-        rerun = self.tp_calls(layer)[len(layer.tp_forward) + len(layer.tp_backward):]
-        if self.recompute == "full" and layer.kept_by_recompute:
+        if self._reruns(layer, ("full",)):
             backward += forward  # the block's forward (and its communication, below) runs again before its backward
-        elif self.recompute == "selective" and layer.kept_by_recompute:
+        elif self._reruns(layer, ("selective",)):
             attention = Counter({f: u for f, u in layer.forward.units.items() if f in ("attention", "softmax")})
             backward += work_seconds(Work(attention), self.machine, p) * self.slowdown  # the softmax again
-        forward += sum(self.collective_seconds("tp", op, n) for op, n in layer.tp_forward)
-        backward += sum(self.collective_seconds("tp", op, n) for op, n in layer.tp_backward + rerun)
-        return forward, backward, weight
+        comm_forward, comm_backward = self.layer_comm_seconds(layer)
+        return forward + comm_forward, backward + comm_backward, weight
+
+    def _reruns(self, layer: Layer, modes) -> bool:
+        """Whether ``layer`` is a block whose forward (or attention core) reruns in backward under ``modes``."""
+        return self.recompute in modes and bool(layer.kept_by_recompute)
+
+    def layer_comm_seconds(self, layer: Layer) -> tuple[float, float]:
+        """(forward, backward) seconds of communication inside ``layer`` per micro-batch: tp's blocking
+        collectives and what cp's ring transfers show beyond the compute they overlap
+        (``ring_seconds``); backward with a recomputed forward's (full: tp's and the ring's;
+        selective reruns attention's core, the ring's forward)."""
+        rerun = self.tp_calls(layer)[len(layer.tp_forward) + len(layer.tp_backward):]
+        forward = sum(self.collective_seconds("tp", op, n) for op, n in layer.tp_forward)
+        backward = sum(self.collective_seconds("tp", op, n) for op, n in layer.tp_backward + rerun)
+        ring_forward, ring_backward = self.ring_seconds(layer)
+        again = ring_forward if self._reruns(layer, ("selective", "full")) else 0.0
+        return forward + ring_forward, backward + ring_backward + again
+
+    def ring_seconds(self, layer: Layer) -> tuple[float, float]:
+        """(forward, backward) seconds of ``layer``'s ring transfers not hidden behind its chunk pairs.
+
+        A transfer posted at a ring step is waited for after that step's pairs are computed, so
+        each step shows max(0, transfer - its pairs' attention compute): forward the next K/V
+        block (steps 0 .. C-2); backward the next block and the dK/dV accumulator of the step
+        before, in flight together, and the last accumulator whole (nothing is left to compute)."""
+        ring = layer.ring
+        if ring is None:
+            return 0.0, 0.0
+        kv, grad = (self.collective_seconds("cp", "send", n) for n in (ring.kv_bytes, ring.grad_bytes))
+        pair_forward, pair_backward = (work_seconds(w, self.machine, self.precision) * self.slowdown
+                                       for w in (ring.pair_forward, ring.pair_backward))
+        last = ring.ranks - 1
+        forward = sum(max(0.0, kv - ring.pairs(s) * pair_forward) for s in range(last))
+        backward = grad + sum(max(0.0, (kv if s < last else 0.0) + (grad if s else 0.0) - ring.pairs(s) * pair_backward)
+                              for s in range(ring.ranks))
+        return forward, backward
 
     def tp_calls(self, layer: Layer) -> list:
         """[(op, bytes)] of ``layer`` on tp per micro-batch: forward, backward, and forward again under full recompute."""
-        rerun = layer.tp_forward if self.recompute == "full" and layer.kept_by_recompute else []
+        rerun = layer.tp_forward if self._reruns(layer, ("full",)) else []
         return layer.tp_forward + layer.tp_backward + rerun
+
+    def cp_calls(self, layer: Layer) -> list:
+        """[(op, bytes)] of ``layer`` on cp per micro-batch: the ring's forward, its backward, and its
+        forward again under either recomputation (selective reruns attention's core, the ring)."""
+        if layer.ring is None:
+            return []
+        rerun = layer.ring.calls() if self._reruns(layer, ("selective", "full")) else []
+        return layer.ring.calls() + layer.ring.calls(backward=True) + rerun
 
     def stage_seconds(self, stage: int) -> tuple[float, float, float]:
         """(F, B, W) of one micro-batch through virtual stage ``stage``: its layers, the machine's
@@ -278,12 +332,12 @@ class StepPlan:
         forward, backward, weight = times
         m = self.layout.micro_batches
         compute = m * (forward + backward + weight)
-        tp_comm = m * sum(self.collective_seconds("tp", op, n) for layer in self.layers for op, n in self.tp_calls(layer))
+        layer_comm = m * sum(sum(self.layer_comm_seconds(layer)) for layer in self.layers)
         sync = self._gradient_sync_seconds(0)
         buckets = sync["buckets"]
         hidden = min(sum(buckets[:-1]), self.machine.overlap * (backward + weight)) if buckets else 0.0
         exposed = sync["total"] - hidden
-        return {"compute_s": compute - tp_comm, "comm_s": tp_comm + exposed, "idle_s": 0.0}
+        return {"compute_s": compute - layer_comm, "comm_s": layer_comm + exposed, "idle_s": 0.0}
 
     def _pipeline_step(self, stage_times) -> dict:
         lay = self.layout
@@ -296,11 +350,11 @@ class StepPlan:
         result = simulate([list(a) for a in schedule_of(lay.schedule, lay.pp, lay.micro_batches, lay.chunks)], comm_time=p2p,
                           stage_times=times)
         busy = max(result.busy)
-        tp_comm = lay.micro_batches * max(sum(self.collective_seconds("tp", op, n) for s in range(r, len(stage_times), lay.pp)
-                                              for layer in self.stage_layers[s] for op, n in self.tp_calls(layer))
-                                          for r in range(lay.pp))
+        layer_comm = lay.micro_batches * max(sum(sum(self.layer_comm_seconds(layer))
+                                                 for s in range(r, len(stage_times), lay.pp) for layer in self.stage_layers[s])
+                                             for r in range(lay.pp))
         sync = max(self._gradient_sync_seconds(r)["total"] for r in range(lay.pp))
-        return {"compute_s": busy - tp_comm, "comm_s": tp_comm + sync,
+        return {"compute_s": busy - layer_comm, "comm_s": layer_comm + sync,
                 "idle_s": result.makespan - busy, "bubble": result.bubble}
 
     def _gradient_sync_seconds(self, rank: int) -> dict:
@@ -309,9 +363,9 @@ class StepPlan:
         params = self.rank_parameters(rank)
         buckets = []
         if builds_ddp(job, lay):
-            buckets = [self.collective_seconds("dp", "iallreduce", n)
+            buckets = [self.collective_seconds(lay.grad_comm, "iallreduce", n)
                        for n in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d))]
-        elif job.parallel.zero >= 2 and lay.dp > 1:
+        elif job.parallel.zero >= 2 and lay.dp_cp > 1:
             buckets = [self.collective_seconds(self.zero_comm, "reduce_scatter", n)
                        for n in reduce_scatter_buckets(self, params)]
         total = sum(buckets) + self._unit_gather_seconds(rank)
@@ -333,7 +387,7 @@ class StepPlan:
         first is what the step starts with); a resharded unit's twice a micro-batch, each
         prefetched during a neighbour's pass, so only what outlasts a block's forward (and its
         backward) shows."""
-        if self.layout.zero != 3 or self.layout.dp == 1:
+        if self.layout.zero != 3 or self.layout.dp_cp == 1:
             return 0.0
         block = next((layer for layer in self.layers if layer.kept_by_recompute), None)
         forward, backward, _ = self.layer_seconds(block) if block is not None else (0.0, 0.0, 0.0)
@@ -366,14 +420,14 @@ class StepPlan:
     def _optimizer_comm_seconds(self) -> float:
         lay, job = self.layout, self.job
         seconds = 0.0
-        if job.parallel.zero and lay.dp > 1:
+        if job.parallel.zero and lay.dp_cp > 1:
             elements = max(sum(e for _, e, _ in self.rank_parameters(r)) for r in range(lay.pp))
             shard = -(-elements // self.shards) * self.master_bytes
             if job.parallel.zero == 1:  # ZeRO-2 and 3 reduce-scattered their buckets after (or during) backward
                 seconds += self.collective_seconds(self.zero_comm, "reduce_scatter", shard * self.shards)
             if job.parallel.zero < 3:  # ZeRO-3's units gather themselves as they run
                 seconds += self.collective_seconds(self.zero_comm, "allgather", shard)
-            if self.shards < lay.dp:  # hybrid sharding: the shard gradient averaged over the groups
+            if self.shards < lay.dp_cp:  # hybrid sharding: the shard gradient averaged over the groups
                 seconds += self.collective_seconds("dp-replica", "allreduce", shard)
         if job.optimizer.grad_clip > 0:
             seconds += sum(self.collective_seconds(c, "allreduce", 8) for c in ("tp", "pp")) + (

@@ -2,7 +2,8 @@
 
 For a job and a layout, every call one training step makes (``train_step`` and ``finish_step``,
 what ``hpcpar compare`` times), summed over the ranks of the world: per communicator (``dp``,
-``pp``, ``tp``, ``world``, and ``pp-tied``: the pair of pipeline ranks holding the tied
+or ``dp*cp`` under context parallelism, ``cp``: ring attention's sends and receives, ``pp``,
+``tp``, ``world``, and ``pp-tied``: the pair of pipeline ranks holding the tied
 embedding) and operation, the calls, the bytes the calls were given and the wire bytes under
 ring algorithms (``runtime.stats.ring_wire_bytes``, integer per call as the counters round).
 ``tests/test_plan_traffic.py`` checks them against the counters of real runs.
@@ -90,25 +91,27 @@ def stage_parameters(stage_layers: list[list[Layer]]) -> list[tuple[str, int, bo
 def builds_ddp(job, lay) -> bool:
     """Whether a rank of this layout all-reduces its gradients in DDP's buckets: not under ZeRO
     (it reduce-scatters), and not for one replica (its gradients stay where backward left them;
-    a compressor would run even there, but the planner refuses compressed jobs: ``unmodelled``)."""
-    return not job.parallel.zero and lay.dp > 1
+    a compressor would run even there, but the planner refuses compressed jobs: ``unmodelled``).
+    Replicas here are the dp x cp ranks gradients are averaged over."""
+    return not job.parallel.zero and lay.dp_cp > 1
 
 
 def step_traffic(plan) -> Traffic:
     """Every counted call of one step of ``plan`` (a ``predict.StepPlan``)."""
     lay, job = plan.layout, plan.job
-    dp, pp, tp = lay.dp, lay.pp, lay.tp
-    traffic = Traffic(sizes={"dp": dp, "pp": pp, "tp": tp, "world": dp * pp * tp, "pp-tied": 2,
+    dp, pp, tp, grads = lay.dp_cp, lay.pp, lay.tp, lay.grad_comm  # gradients are averaged over dp x cp
+    traffic = Traffic(sizes={grads: dp, "cp": lay.cp, "pp": pp, "tp": tp, "world": lay.world, "pp-tied": 2,
                              "dp-shard": plan.shards, "dp-replica": dp // plan.shards})
-    zero = plan.zero_comm  # ZeRO's collectives: over dp, or hybrid sharding's groups
+    zero = plan.zero_comm  # ZeRO's collectives: over dp x cp, or hybrid sharding's groups
     d, master = plan.dtype_bytes, plan.master_bytes
     for rank in range(pp):
         mine = [plan.stage_layers[s] for s in range(rank, pp * lay.chunks, pp)]
         group = dp * tp  # world ranks with this pipeline rank
         for layers in mine:
             for layer in layers:
-                for op, nbytes in plan.tp_calls(layer):  # full recompute: the forward's again
-                    traffic.add("tp", op, nbytes, group, calls=lay.micro_batches)
+                for comm, calls in (("tp", plan.tp_calls(layer)), ("cp", plan.cp_calls(layer))):  # with recomputed forwards
+                    for op, nbytes in calls:
+                        traffic.add(comm, op, nbytes, group, calls=lay.micro_batches)
         params = stage_parameters(mine)
         if pp > 1:
             _pipeline_messages(traffic, plan, rank, group)
@@ -117,7 +120,7 @@ def step_traffic(plan) -> Traffic:
                 traffic.add("pp-tied", "allreduce", elements * d, group)
         if builds_ddp(job, lay):
             for nbytes in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d)):
-                traffic.add("dp", "iallreduce", nbytes, group)
+                traffic.add(grads, "iallreduce", nbytes, group)
         if job.parallel.zero >= 2:
             for nbytes in reduce_scatter_buckets(plan, params):
                 traffic.add(zero, "ireduce_scatter", nbytes, group)
@@ -168,7 +171,7 @@ def _optimizer_messages(traffic: Traffic, plan, master_bytes: int, group: int) -
         shard, zero = -(-elements // plan.shards), plan.zero_comm
         if job.parallel.zero == 1:
             traffic.add(zero, "reduce_scatter", shard * plan.shards * plan.master_bytes, group)
-        if plan.shards < lay.dp:  # hybrid sharding: the shard gradient averaged over the groups
+        if plan.shards < lay.dp_cp:  # hybrid sharding: the shard gradient averaged over the groups
             traffic.add("dp-replica", "allreduce", shard * plan.master_bytes, group)
         if job.parallel.zero < 3:  # ZeRO-3's units gather themselves as they run
             traffic.add(zero, "allgather", shard * plan.master_bytes, group)

@@ -75,7 +75,7 @@ class GPTEmbedding(Module):
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds the context block_size {self.block_size}")
         tokens = self.wte(self.chunks.take(ids))  # (B, T/cp, C), or (B, T/cp/tp, C) with sequence parallelism
-        xp = self.wpe.weight.xp
+        xp = self.wpe.weight.xp  # the positions of the residual stream here, which its dropout draws by too
         positions = xp.concatenate([xp.arange(run.start, run.stop) for run in self.drop.place.ranges(tokens.shape[1])])
         return self.drop(tokens + self.wpe(positions))  # (B, T', C) + (T', C): global positions
 
@@ -223,7 +223,7 @@ class GPT(Module):
             module.seed, module.site = config.seed, site
         self.has_dropout = any(m.p > 0 for m in dropouts)
         self.unkeyed_forwards = 0  # training forwards run without a dropout key (each drew its own step's masks)
-        object.__setattr__(self, "_context_parallel", mappings.tp_size(cp) > 1)
+        object.__setattr__(self, "_context_parallel", cp is not None and cp.size > 1)
         self.sequence_parallel = False
         self.recompute = "none"
 
@@ -240,14 +240,13 @@ class GPT(Module):
 
     @context_parallel.setter
     def context_parallel(self, on: bool) -> None:
-        object.__setattr__(self, "_context_parallel", bool(on) and mappings.tp_size(self.cp) > 1)
+        object.__setattr__(self, "_context_parallel", bool(on) and self.cp is not None and self.cp.size > 1)
         self._place_sequence()
 
     @property
     def chunks(self) -> ChunkLayout:
         """The chunks of each sequence this rank holds (all of it without context parallelism)."""
-        cp = self.cp if self.context_parallel else None
-        return ChunkLayout(mappings.tp_rank(cp), mappings.tp_size(cp))
+        return ChunkLayout.of(self.cp if self.context_parallel else None)
 
     def _place_sequence(self) -> None:
         """Tell the layers which positions their activations hold: cp chunks, then tp slices."""

@@ -147,11 +147,6 @@ def reduce_scatter_sequence(x, comm):
     return x if tp_size(comm) == 1 else _ReduceScatterSequence.apply(x, comm=comm)
 
 
-def sequence_range(length: int, comm) -> tuple[int, int]:
-    """[start, stop) of the sequence positions this rank holds when each holds ``length`` of them."""
-    return tp_rank(comm) * length, (tp_rank(comm) + 1) * length
-
-
 def enter_tp(x, comm, sequence_parallel: bool):
     """Into a column-parallel layer: the whole input on every rank (gathered when sequence-parallel)."""
     return gather_sequence(x, comm) if sequence_parallel else copy_to_tp(x, comm)

@@ -22,6 +22,11 @@ class ChunkLayout:
     size: int = 1
     zigzag: bool = True
 
+    @classmethod
+    def of(cls, comm) -> "ChunkLayout":
+        """This rank's layout in the cp group ``comm`` (None: the whole sequence, one rank)."""
+        return cls() if comm is None else cls(comm.rank, comm.size)
+
     def chunks(self, rank: int | None = None) -> tuple[int, int]:
         """The two chunk numbers (of 2 x size) that ``rank`` (default: this one) holds, in order."""
         r = self.rank if rank is None else rank

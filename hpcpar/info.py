@@ -72,7 +72,7 @@ def print_info(sizes: dict, device="auto", comm_backend="auto") -> None:
         f"hpcpar        {__import__('hpcpar').__version__}",
         f"MPI library   {MPI.Get_library_version().splitlines()[0].strip()}",
         f"MPI standard  {'.'.join(map(str, MPI.Get_version()))} (mpi4py {mpi4py.__version__})",
-        f"world size    {ctx.world_size}   layout " + " ".join(f"{n}={v}" for n, v in ctx.mesh.by_name().items()),
+        f"world size    {ctx.world_size}   layout " + " ".join(f"{n}={v}" for n, v in ctx.mesh.by_name().items() if ctx.mesh.shown(n)),
         f"device        {backend.device_choice(device, ctx.device).removeprefix('device ')}   CUDA-aware MPI: "
         f"{'yes' if ctx.cuda_aware else 'no (GPU buffers staged through host)'}",
         *(f"comm {name:<8} {describe_backend(comm, ctx.device)}" for name, comm in ctx.communicators().items()),

@@ -15,6 +15,8 @@ the compute dtype. Ring attention's transfers are a block's ``Ring``.
 """
 from __future__ import annotations
 
+import functools
+
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -147,13 +149,19 @@ def shape_of(job, rows: int, tp: int | None = None) -> Shape:
 
 
 def layers(shape: Shape) -> list[Layer]:
-    """The model's layers in ``layers()`` order, each costed for one micro-batch of ``shape.rows`` rows."""
+    """The model's layers in ``layers()`` order, each costed for one micro-batch of ``shape.rows`` rows
+    (shared between the plans of one shape: read, never changed)."""
+    return list(_layers(shape))
+
+
+@functools.lru_cache(maxsize=256)  # a layout search plans the same shape for many layouts
+def _layers(shape: Shape) -> tuple[Layer, ...]:
     if shape.kind == "cnn":
-        return cnn_layers(shape)
+        return tuple(cnn_layers(shape))
     first = gpt_block(shape, 0)  # every block costs the same: copies under their own names
     blocks = [replace(first, name=f"blocks.{i}", params=[(n.replace("blocks.0.", f"blocks.{i}.", 1), e, sp)
                                                          for n, e, sp in first.params]) for i in range(shape.n_layer)]
-    return [gpt_embedding(shape)] + blocks + [gpt_head(shape)]
+    return tuple([gpt_embedding(shape)] + blocks + [gpt_head(shape)])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -152,7 +152,7 @@ class StepPlan:
         self.node_ranks = min(lay.world, machine.ranks_per_node)
         self.slowdown = machine.slowdown(self.node_ranks)  # before the cut: "balanced" cuts by predicted times
         self._collective_cache: dict = {}
-        self._holders, self._parameters = None, {}
+        self._holders, self._parameters, self._unit_cache, self._memory = None, {}, {}, None
         self.bounds = self._bounds(job.parallel.partition)
         self.stage_layers = [self.layers[self.bounds[s]: self.bounds[s + 1]] for s in range(lay.pp * lay.chunks)]
 
@@ -296,9 +296,11 @@ class StepPlan:
         return self._parameters[rank]
 
     def _units(self, rank: int) -> list:
-        lay = self.layout
-        layers = [layer for s in range(rank, lay.pp * lay.chunks, lay.pp) for layer in self.stage_layers[s]]
-        return group_layers(layers, params_of=lambda layer: layer.params, key=lambda param: param[0])
+        if rank not in self._unit_cache:
+            lay = self.layout
+            layers = [layer for s in range(rank, lay.pp * lay.chunks, lay.pp) for layer in self.stage_layers[s]]
+            self._unit_cache[rank] = group_layers(layers, params_of=lambda layer: layer.params, key=lambda param: param[0])
+        return self._unit_cache[rank]
 
     def zero3_units(self, rank: int) -> list[tuple[int, int]]:
         """ZeRO-3's units on pipeline rank ``rank`` (``parallel.zero_params``): (elements, gathers a
@@ -311,7 +313,9 @@ class StepPlan:
         return units
 
     def memory(self) -> Memory:
-        return memory_per_rank(self)
+        if self._memory is None:  # asked for by the layout search first, then by the prediction
+            self._memory = memory_per_rank(self)
+        return self._memory
 
     # ----- the prediction -------------------------------------------------------------------
     def predict(self) -> Prediction:
@@ -326,7 +330,7 @@ class StepPlan:
         parts["compute_s"] += optimizer
         parts["comm_s"] += self._optimizer_comm_seconds()
         step = parts["compute_s"] + parts["comm_s"] + parts["idle_s"]
-        return Prediction(lay, step, parts, memory_per_rank(self), step_traffic(self), stage_times, lay.label(), self.job)
+        return Prediction(lay, step, parts, self.memory(), step_traffic(self), stage_times, lay.label(), self.job)
 
     def _data_parallel_step(self, times) -> dict:
         forward, backward, weight = times

@@ -10,6 +10,8 @@ ring algorithms (``runtime.stats.ring_wire_bytes``, integer per call as the coun
 """
 from __future__ import annotations
 
+import functools
+
 from collections import defaultdict
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -51,9 +53,14 @@ class Traffic:
 
 def bucket_bytes(param_bytes: list[int], bucket_mb: float, dtype: str) -> list[int]:
     """DDP's buckets (``parallel.data.plan_buckets``) over parameters of these sizes, in bytes each."""
+    return list(_bucket_bytes(tuple(param_bytes), bucket_mb, dtype))
+
+
+@functools.lru_cache(maxsize=4096)  # a planner run asks for the same cut of a stage's parameters again and again
+def _bucket_bytes(param_bytes: tuple, bucket_mb: float, dtype: str) -> tuple:
     params = [SimpleNamespace(dtype=dtype, data=SimpleNamespace(nbytes=n)) for n in param_bytes]
     limit = np.inf if bucket_mb is None or bucket_mb == np.inf else bucket_mb * (1 << 20)
-    return [sum(param_bytes[i] for i in indices) for indices in plan_buckets(params, limit)]
+    return tuple(sum(param_bytes[i] for i in indices) for indices in plan_buckets(params, limit))
 
 
 def reduce_scatter_buckets(plan, params) -> list[int]:

@@ -62,8 +62,9 @@ def discover(world: MPI.Comm, node: MPI.Comm) -> Topology:
 # The layout arguments below (``*layout``) are a Mesh, or the grid's sizes (dp, pp, tp) in order or by name.
 
 def fastest_first(mesh: Mesh) -> list[str]:
-    """The axes that can vary (the others have one rank per communicator), fastest first."""
-    return list(reversed(mesh.table.spelt_order))
+    """The axes that can vary and are spelt (cp only above 1; the others have one rank per
+    communicator), fastest first."""
+    return [name for name in reversed(mesh.table.spelt_order) if mesh.shown(name)]
 
 
 def groups(axis: str, *layout, **sizes) -> list[list[int]]:

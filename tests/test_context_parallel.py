@@ -22,11 +22,11 @@ from test_zero2 import largest_difference, resumed_from_step_3, run
 
 one_process = test_zero2.one_process  # the same module fixture, built once for this module too
 
-LAYOUTS = {  # ranks, overrides
-    "cp2": (2, ["parallel.cp=2"]),
+LAYOUTS = {  # ranks, overrides; cp 2 alone: the resume test below
     "cp4": (4, ["parallel.cp=4"]),
+    "cp2-dp2": (4, ["parallel.cp=2", "parallel.dp=2", "parallel.bucket_mb=0.01"]),  # DDP over dp x cp, many buckets
     "cp2-dp2-zero1": (4, ["parallel.cp=2", "parallel.dp=2", "parallel.zero=1"]),
-    "cp2-dp2-zero2": (4, ["parallel.cp=2", "parallel.dp=2", "parallel.zero=2", "parallel.bucket_mb=0.01"]),
+    "cp2-dp2-zero2": (4, ["parallel.cp=2", "parallel.dp=2", "parallel.zero=2"]),
     "cp2-dp2-zero3": (4, ["parallel.cp=2", "parallel.dp=2", "parallel.zero=3"]),
     "cp2-tp2-sp": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "cp2-pp2-1f1b-selective": (4, ["parallel.cp=2", "parallel.pp=2", "parallel.micro_batches=2",
@@ -74,11 +74,13 @@ def test_context_parallel_equals_one_process_in_every_layout(tmp_path, token_fil
 
 
 def test_a_cp_2_checkpoint_resumes_bitwise_and_continues_exactly_at_cp_1_and_cp_4(tmp_path, token_file, one_process):
-    """cp 2 stopped after step 3: resumed at cp 2 it ends bit for bit as the uninterrupted run; at
-    cp 1 (one process) and cp 4 it ends as one process does. The checkpoint holds nothing of cp."""
+    """cp 2 equals one process; stopped after step 3 and resumed at cp 2 it ends bit for bit as the
+    uninterrupted run; at cp 1 (one process) and cp 4 it ends as one process does. The checkpoint
+    holds nothing of cp."""
     layout = ["parallel.cp=2", f'train.trace="{tmp_path}/trace.json"']
     run(tmp_path / "straight", token_file, 2, *layout, "checkpoint.interval=3")
     straight = final_parameters(str(tmp_path / "straight" / "ckpt"))
+    assert largest_difference(straight, one_process) <= 1e-12  # cp 2 equals one process
     same = resumed_from_step_3(tmp_path / "straight", tmp_path / "same", token_file, 2, "parallel.cp=2")
     for name in straight:
         np.testing.assert_array_equal(same[name], straight[name], err_msg=name)

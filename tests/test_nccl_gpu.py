@@ -83,3 +83,27 @@ def test_dropout_masks_are_drawn_on_the_device_alike_in_every_split(ctx):
         mine = keyed_uniform((5, 1, 0), (7, 3), range(2 * r, 2 * r + 2), None, dtype, xp)
         assert backend.is_gpu_array(mine)  # drawn on the device (the guard's, without a GPU)
         np.testing.assert_array_equal(backend.to_host(mine), whole[2 * r: 2 * r + 2])
+
+
+def test_ring_attention_on_device_buffers_equals_attention_on_the_whole_sequence(ctx):
+    """Context parallelism's ring over this communicator (``ctx.dp`` stands in for cp): K/V blocks and
+    dK/dV accumulators travel as device buffers; the output and gradients of this rank's zigzag
+    chunks are those of plain attention on the whole sequence, computed on the device too."""
+    from hpcpar.autograd import Tensor
+    from hpcpar.autograd.ops.nn_functional import attention
+    from hpcpar.autograd.ops.ring_attention import ring_attention
+    from hpcpar.autograd.ops.sequence_chunks import ChunkLayout
+
+    xp, n = ctx.xp, ctx.dp.size
+    q, k, v, grad = (rank_data(7 + i, (2, 2, 8 * n, 4)) for i in range(4))  # the same on every rank
+    layout = ChunkLayout.of(ctx.dp)
+    mine = lambda x: xp.ascontiguousarray(layout.take(xp.asarray(x).swapaxes(1, 2)).swapaxes(1, 2))  # noqa: E731
+    whole = [Tensor(xp.asarray(x), requires_grad=True) for x in (q, k, v)]
+    expected = attention(*whole, causal=True)
+    (expected * Tensor(xp.asarray(grad))).sum().backward()
+    local = [Tensor(mine(x), requires_grad=True) for x in (q, k, v)]
+    out = ring_attention(*local, ctx.dp, layout)
+    (out * Tensor(mine(grad))).sum().backward()
+    np.testing.assert_allclose(backend.to_host(out.data), backend.to_host(mine(expected.data)), **TOLERANCE)
+    for ours, theirs in zip(local, whole):
+        np.testing.assert_allclose(backend.to_host(ours.grad), backend.to_host(mine(theirs.grad)), **TOLERANCE)

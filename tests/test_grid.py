@@ -8,6 +8,7 @@ peers are adjacent after tp. ``EP`` is an axis nothing uses (limit 1): not spelt
 import pytest
 
 from hpcpar import compare
+from hpcpar.checkpoint.manifest import AXES, layout_words
 from hpcpar.runtime.grid import GRID, Axis, AxisTable, LayoutError
 from hpcpar.train.config import ParallelSection
 
@@ -68,6 +69,8 @@ def test_groups_of_a_product_of_axes_agree_on_the_other_axes():
 def test_the_job_keys_compare_and_the_labels_come_from_the_table():
     assert list(ParallelSection.__dataclass_fields__)[:len(GRID.spelt)] == list(GRID.spelt) == ["dp", "pp", "tp", "cp"]
     assert WITH_EP.spelt == GRID.spelt
+    assert AXES == GRID.spelt  # the checkpoint tools' copy of the order (they load without MPI)
+    assert layout_words({"cp": 2, "dp": 1, "pp": 1, "tp": 2, "world": 4}) == "dp 1 x pp 1 x tp 2 x cp 2"
     assert ParallelSection(pp=2, tp=2).grid_sizes() == {"dp": None, "pp": 2, "tp": 2, "cp": 1}
     assert ParallelSection(dp=2, pp=2).grid_ranks() == 4 and ParallelSection(pp=2).grid_ranks() is None
     assert compare.factorisations(4) == [(4, 1, 1, 1), (1, 4, 1, 1), (1, 1, 4, 1), (1, 1, 1, 4), (1, 1, 2, 2),

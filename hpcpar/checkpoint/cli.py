@@ -105,8 +105,8 @@ def _folder_bytes(path: str) -> int:
 
 
 def _layout(layout: dict) -> str:
-    cp = f"/cp{layout['cp']}" if layout.get("cp", 1) > 1 else ""
-    return f"{layout['dp']}/{layout['pp']}/{layout['tp']}{cp}/{layout['world']}"
+    cp = f" cp{layout['cp']}" if layout.get("cp", 1) > 1 else ""  # the column's dp/pp/tp/world, cp named
+    return f"{layout['dp']}/{layout['pp']}/{layout['tp']}/{layout['world']}{cp}"
 
 
 def _when(seconds: float | None) -> str:

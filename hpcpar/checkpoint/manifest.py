@@ -264,6 +264,11 @@ def resolve_step_dir(path: str, step: int | None = None) -> str:
     return step_dir
 
 
+# The grid's axes in its table order (hpcpar.runtime.grid.GRID, which this module cannot import:
+# the checkpoint tools run without MPI); a manifest's keys are sorted.
+AXES = ("dp", "pp", "tp", "cp")
+
+
 def layout_words(layout: dict) -> str:
     """A recorded layout ({axis: size, "world": n}; cp only above 1) in words: "dp 2 x pp 1 x tp 1 x cp 2"."""
-    return " x ".join(f"{name} {size}" for name, size in layout.items() if name != "world")
+    return " x ".join(f"{name} {layout[name]}" for name in AXES if name in layout)

@@ -16,7 +16,6 @@ the compute dtype. Ring attention's transfers are a block's ``Ring``.
 from __future__ import annotations
 
 import functools
-
 from collections import Counter
 from dataclasses import dataclass, field, replace
 

@@ -11,7 +11,6 @@ ring algorithms (``runtime.stats.ring_wire_bytes``, integer per call as the coun
 from __future__ import annotations
 
 import functools
-
 from collections import defaultdict
 from dataclasses import dataclass, field
 from types import SimpleNamespace

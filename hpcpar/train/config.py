@@ -130,15 +130,16 @@ class ParallelSection(GridSizes):
                               applies=("parallel.compression", ("powersgd",)))
     sequence_parallel: bool = _key(False, BOOLEAN, "split norms, dropout and residual activations along the "
                                                    "sequence over tp (reduce-scatter / all-gather instead of all-reduce)")
-    zero: int = _key(0, ZERO_STAGE, "ZeRO stage over dp: 0 none; 1 optimizer state sharded (gradients "
+    zero: int = _key(0, ZERO_STAGE, "ZeRO stage over dp (x cp): 0 none; 1 optimizer state sharded (gradients "
                                "reduce-scattered in the step); 2 also gradients (each bucket reduce-scattered "
                                "during backward, overlapped as DDP's all-reduce, only the shard kept); 3 also "
                                "parameters (each unit, a layer, all-gathered before it runs, the next one prefetched)",
                      check=Check("0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)))
-    shard_size: int | None = _key(None, INTEGER, "ZeRO shards within groups of this many consecutive dp ranks and "
-                                                 "averages the shard gradients across the groups (hybrid sharding, "
-                                                 "HSDP); unset: all of dp when dp is on one node, else a node's dp "
-                                                 "ranks", check=at_least(1), applies=("parallel.zero", (1, 2, 3)))
+    shard_size: int | None = _key(None, INTEGER, "ZeRO shards within groups of this many consecutive dp ranks (dp "
+                                                 "x cp ranks with cp > 1) and averages the shard gradients across the "
+                                                 "groups (hybrid sharding, HSDP); unset: all of them when they are on "
+                                                 "one node, else a node's", check=at_least(1),
+                                  applies=("parallel.zero", (1, 2, 3)))
     reshard_after_forward: bool | None = _key(None, BOOLEAN, "ZeRO-3: free a unit's gathered parameters after its "
                                                              "forward and gather them again for its backward (on CPUs "
                                                              "their pages are dropped; device arrays rerun the unit "

@@ -119,7 +119,7 @@ def test_the_whole_check_runs_on_the_guard(tmp_path, capsys):
                              max_bytes=1 << 12)
     summary = capsys.readouterr().out
     assert status == 0, summary
-    assert "tests mpi-staged at 2 rank(s): 5 passed" in summary
+    assert "tests mpi-staged at 2 rank(s): 6 passed" in summary
     assert "tests nccl at 1 rank(s): skipped: CuPy has no NCCL" in summary
     assert "GPT step bf16: precision bf16 on the GPU needs bfloat16 arrays" in summary
     assert "checkpoint of device arrays: equal after load" in summary

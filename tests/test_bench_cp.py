@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import venv_bin
-from hpcpar.bench.cp import pairs_per_rank
+from hpcpar.autograd.ops.ring_attention import pairs_per_rank
 
 
 def test_bench_cp_prints_its_tables_at_two_ranks():

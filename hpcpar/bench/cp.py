@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from ..autograd import Tensor
 from ..autograd.memory import kept_for_backward
-from ..autograd.ops.ring_attention import KV_TAG, chunk_pairs, ring_attention
+from ..autograd.ops.ring_attention import KV_TAG, pairs_per_rank, ring_attention
 from ..autograd.ops.sequence_chunks import ChunkLayout
 from ..cli import at_least
 from ..host import blas_kernel
@@ -37,16 +37,6 @@ from .step import limit_blas_threads, traced_peak
 from .zero import batch_of, make_strategy, one_step
 
 LAYOUTS = (("zigzag", True), ("contiguous", False))
-
-
-def pairs_per_rank(size: int, zigzag: bool) -> list[int]:
-    """The (query chunk, key chunk) pairs each rank of a ring of ``size`` computes in one forward:
-    the work ``ring_attention`` does (a diagonal pair costs a full one: it is masked, not cut)."""
-    counts = []
-    for rank in range(size):
-        layout = ChunkLayout(rank, size, zigzag)
-        counts.append(sum(len(chunk_pairs(layout, layout.chunks(), layout.chunks(owner))) for owner in range(size)))
-    return counts
 
 
 def idle_barrier(comm) -> None:

@@ -107,7 +107,7 @@ def changes(saved_job: dict | None, job, saved_layout: dict | None, layout: dict
         if key in saved_job.get(section, {}) and old != new and job.applies(dotted):
             lines.append(f"{dotted}: {_shown(old)} in the checkpoint, {_shown(new)} now (allowed: the job's value is used)")
     if saved_layout and any(saved_layout.get(k, 1) != layout.get(k, 1) for k in {*saved_layout, *layout}):
-        lines.append(f"layout: {layout_text(saved_layout)} in the checkpoint, {layout_text(layout)} now "
+        lines.append(f"layout: {layout_words(saved_layout)} in the checkpoint, {layout_words(layout)} now "
                      f"(allowed: resharded)")
     old_path, new_path = (saved_print.get("data") or {}).get("path"), (current_print.get("data") or {}).get("path")
     if old_path and new_path and old_path != new_path:
@@ -116,10 +116,6 @@ def changes(saved_job: dict | None, job, saved_layout: dict | None, layout: dict
     if saved_print.get("hpcpar") not in (None, current_print.get("hpcpar")):
         lines.append(f"hpcpar {saved_print['hpcpar']} wrote the checkpoint, {current_print['hpcpar']} runs now")
     return lines
-
-
-def layout_text(layout: dict) -> str:
-    return layout_words(layout)
 
 
 def _shown(value) -> str:

@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from .. import checkpoint, log
+from ..checkpoint.manifest import layout_words
 from . import identity, resume
 from .resume import Request
 from .run_lock import take_run_lock
@@ -128,7 +129,7 @@ def say_resumed(run, info: dict, decision, current: dict) -> None:
                     f"a new run starts at step 0 with fresh optimizer state")
         return
     logger.info(f"resumed from {info['step_dir']} (step {info['step']}, {identity.describe(saved)}, written by "
-                f"{identity.layout_text(info['layout'])}, run {run.identity['provenance']['run_id']})")
+                f"{layout_words(info['layout'])}, run {run.identity['provenance']['run_id']})")
     saved_job = (info["extra"].get("provenance") or {}).get("job")
     for line in identity.changes(saved_job, run.job, info["layout"], run.ctx.layout if run.trains else info["layout"],
                                  saved, current):

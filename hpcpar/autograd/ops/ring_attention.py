@@ -19,6 +19,7 @@ import math
 from ...backend import get_array_module
 from .. import precision
 from ..function import Function
+from .sequence_chunks import ChunkLayout
 
 KV_TAG, GRAD_TAG = 71, 72  # the cp communicator carries only these: blocks forward and backward, dK/dV
 
@@ -55,6 +56,16 @@ def chunk_pairs(chunks, mine, theirs):
     """(query chunk index, key chunk index, diagonal) of the pairs that the causal mask leaves:
     a key chunk after the query chunk is skipped, the same one is the diagonal."""
     return [(i, j, a == b) for i, a in enumerate(mine) for j, b in enumerate(theirs) if b <= a]
+
+
+def pairs_per_rank(size: int, zigzag: bool = True) -> list[int]:
+    """The chunk pairs each rank of a ring of ``size`` computes in one forward: its attention work
+    (a diagonal pair costs a whole one: it is masked, not cut). Zigzag: 2C + 1 on every rank."""
+    counts = []
+    for rank in range(size):
+        layout = ChunkLayout(rank, size, zigzag)
+        counts.append(sum(len(chunk_pairs(layout, layout.chunks(), layout.chunks(owner))) for owner in range(size)))
+    return counts
 
 
 class RingAttention(Function):

@@ -16,6 +16,7 @@ and the traffic, and tests can assert exact counts.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import pickle
 import time
@@ -331,6 +332,54 @@ class Communicator:
         self.stats.add("allgather", x.nbytes, time.perf_counter() - start, start=start)
         return result
 
+    def alltoall(self, x):
+        """Block r of ``x`` (first axis: size blocks of equal rows) to rank r; returns the blocks
+        received, in rank order (the counts a variable all-to-all exchanges first). Counted by the
+        bytes given; the wire bytes are the blocks that leave this rank, (n-1)/n of them."""
+        if x.shape[0] % self.size:
+            raise ValueError(f"alltoall: first axis {x.shape[0]} is not divisible by {self.size} ranks")
+        xp = get_array_module(x)
+        x = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
+        debug.check_collective(self, "alltoall", x)
+        start = time.perf_counter()
+        out = xp.empty_like(x)
+        send, recv = _Staged(x, self, copy_out=False), _Staged(out, self, copy_in=False)
+        self._collective("alltoall", [send.buffer, recv.buffer], lambda: self.mpi.Alltoall(send.buffer, recv.buffer),
+                         lambda: self.mpi.Ialltoall(send.buffer, recv.buffer))
+        send.finish()
+        result = recv.finish()
+        self.stats.add("alltoall", x.nbytes, time.perf_counter() - start,
+                       wire=x.nbytes // self.size * (self.size - 1), start=start)
+        return result
+
+    def alltoallv(self, x, send_rows, recv_rows):
+        """Rows of ``x`` to each rank: the first ``send_rows[0]`` to rank 0, the next ``send_rows[1]``
+        to rank 1, ...; returns the ``sum(recv_rows)`` rows received, rank 0's first (expert
+        parallelism's dispatch and combine: ``autograd.ops.experts``). The counts must agree with
+        the peers' (``alltoall`` them first). Counted by the bytes given; the wire bytes are those
+        sent to other ranks, exactly."""
+        if _is_bfloat16(x.dtype):  # MPI has no bfloat16: moved as its 16-bit patterns (nothing is summed)
+            return self.alltoallv(x.view(np.uint16), send_rows, recv_rows).view(x.dtype)
+        send_rows, recv_rows = [int(c) for c in send_rows], [int(c) for c in recv_rows]
+        if len(send_rows) != self.size or len(recv_rows) != self.size or sum(send_rows) != x.shape[0]:
+            raise ValueError(f"alltoallv: {x.shape[0]} rows cannot go out as {send_rows} (receiving {recv_rows}) "
+                             f"over {self.size} ranks")
+        xp = get_array_module(x)
+        x = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
+        row = math.prod(x.shape[1:])
+        out = xp.empty((sum(recv_rows),) + x.shape[1:], dtype=x.dtype)
+        start = time.perf_counter()
+        send, recv = _Staged(x, self, copy_out=False), _Staged(out, self, copy_in=False)
+        sent = [(send.buffer, ([c * row for c in send_rows], _starts(send_rows, row))),
+                (recv.buffer, ([c * row for c in recv_rows], _starts(recv_rows, row)))]
+        self._collective("alltoallv", [send.buffer, recv.buffer], lambda: self.mpi.Alltoallv(*sent),
+                         lambda: self.mpi.Ialltoallv(*sent))
+        send.finish()
+        result = recv.finish()
+        others = (sum(send_rows) - send_rows[self.rank]) * row * x.itemsize
+        self.stats.add("alltoallv", x.nbytes, time.perf_counter() - start, wire=others, start=start)
+        return result
+
     def broadcast(self, x, root: int = 0):
         """Overwrite ``x`` on every rank with root's ``x``, in place; returns ``x``."""
         debug.check_collective(self, "broadcast", x)
@@ -428,6 +477,11 @@ class Communicator:
         """A communicator of the same kind and settings over ``mpi_comm`` (NCCL stays NCCL)."""
         return Communicator(mpi_comm, name, cuda_aware=self.cuda_aware, wait_policy=self.wait_policy,
                             device_nonblocking=self.device_nonblocking)
+
+
+def _starts(counts, row: int) -> list[int]:
+    """Element offsets of consecutive pieces of ``counts`` rows of ``row`` elements each."""
+    return [0, *itertools.accumulate(c * row for c in counts)][:-1]
 
 
 def check_allreduce_args(name: str, x, op: str, out) -> None:

@@ -13,7 +13,7 @@ from typing import Callable
 # ``calls("allreduce")`` counts blocking and non-blocking all-reduces, ``calls("iallreduce")``
 # the non-blocking ones alone.
 OPS = ("barrier", "allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "allgather", "iallgather",
-       "broadcast", "send", "isend", "recv", "irecv", "bcast_object", "allgather_object", "gather_object",
+       "broadcast", "alltoall", "alltoallv", "send", "isend", "recv", "irecv", "bcast_object", "allgather_object", "gather_object",
        "allreduce_object", "send_object", "recv_object")
 FAMILIES = {"allreduce": ("allreduce", "iallreduce"), "send": ("send", "isend"), "recv": ("recv", "irecv")}
 
@@ -29,6 +29,8 @@ def ring_wire_bytes(op: str, nbytes: int, size: int) -> int:
       the whole result): (n-1)/n x B, on average over the ranks;
     - broadcast (B = the buffer): pipelined along a chain, (n-1)/n x B per rank on average;
     - send: B; receive: 0 (counted on the sender); barrier: 0;
+    - all-to-all: what leaves this rank, given by the call (``wire=``): (n-1)/n x B for equal blocks,
+      the rows sent to other ranks for the variable one (``alltoallv``);
     - pickled objects as their array counterparts, with B their pickled size (a gather's
       root receives, the others send B).
 

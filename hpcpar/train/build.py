@@ -54,7 +54,7 @@ class Run:
         if not self.trains:
             return {}
         return {"schedule": self.lr_schedule, "data": self.train_data, "nonfinite": self.nonfinite,
-                "model_config": self.job.to_dict()["model"], **self.identity, **self.strategy.checkpoint_extra()}
+                "model_config": self.job.model_config(), **self.identity, **self.strategy.checkpoint_extra()}
 
 
 def compute_dtype(job: Job):

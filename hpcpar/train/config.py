@@ -27,7 +27,8 @@ from ..parallel.pipeline.schedules import SCHEDULES
 from ..runtime.grid import GRID, Axis
 from . import tensorboard
 from .config_types import (BOOLEAN, INTEGER, INTEGER_PAIR, NUMBER, NUMBER_PAIR, PARTITION, RESUME, STAGE_COUNTS, STRING,
-                           STRING_LIST, ZERO_STAGE, Check, _key, above, at_least, each, in_range, toml_key, toml_value)
+                           STRING_LIST, ZERO_STAGE, POSITIVE, Check, _key, above, applies_text, at_least, each, in_range, toml_key,
+                           toml_value)
 
 BYTE_VOCAB = 256  # token files made by ``hpcpar data prepare`` hold bytes
 
@@ -75,6 +76,31 @@ class ModelSection:
     channels: tuple = _key((16, 32), INTEGER_PAIR, "channels of the two convolutions", check=each(at_least(1)),
                            applies=("model.kind", ("cnn",)))
     seed: int = _key(0, INTEGER, "parameter initialisation (and the dropout masks)", check=at_least(0))
+
+
+MOE_ONLY = ("moe.experts", POSITIVE)
+
+
+@dataclass(frozen=True)
+class MoESection:
+    """``[model.moe]``: Mixture-of-Experts MLPs in the GPT (``nn.moe``); experts = 0 is the dense GPT."""
+    experts: int = _key(0, INTEGER, "experts per MoE block (0: dense MLPs, no MoE)", check=at_least(0), applies=GPT_ONLY)
+    top_k: int = _key(2, INTEGER, "experts each token goes to: 1 (Switch: its gate is the router probability) or 2 "
+                                  "(GShard: the two gates renormalised to sum to 1)", check=in_range(1, 3), applies=MOE_ONLY)
+    capacity_factor: float | None = _key(None, NUMBER, "tokens an expert takes per sequence: ceil(block_size x top_k "
+                                                        "x capacity_factor / experts); the rest are dropped (first "
+                                                        "choices before second, then by position); unset: dropless",
+                                         check=above(0), applies=MOE_ONLY)
+    every: int = _key(1, INTEGER, "an MoE MLP in every k-th block (blocks k-1, 2k-1, ...), dense MLPs in the others",
+                      check=at_least(1), applies=MOE_ONLY)
+    aux_loss_coef: float = _key(0.01, NUMBER, "load-balancing loss E x sum_i f_i P_i per sequence, averaged over "
+                                              "the global batch's sequences, times this", check=at_least(0),
+                                 applies=MOE_ONLY)
+    z_loss_coef: float = _key(0.001, NUMBER, "router z-loss mean(logsumexp(logits)^2) over the tokens, times this "
+                                             "(ST-MoE)", check=at_least(0), applies=MOE_ONLY)
+    load_warning: float = _key(2.0, NUMBER, "warn when one expert takes more than this multiple of its even share "
+                                            "(1/experts of the routed tokens) in every logged step for 50 steps or "
+                                            "more", check=above(0), applies=MOE_ONLY)
 
 
 @dataclass(frozen=True)
@@ -161,6 +187,10 @@ class ParallelSection(GridSizes):
                                                           "collectives (else they run blocking); unset: "
                                                           "HPCPAR_DEVICE_NONBLOCKING, else the table of MPI "
                                                           "libraries in hpcpar/runtime/device_transport.py (docs/gpu.md)")
+    ep: int = _key(1, INTEGER, "expert parallelism: the experts of each MoE block split over groups of ep "
+                               "consecutive dp ranks (ep divides dp; tokens reach their experts by all-to-all); "
+                               "expert gradients are averaged over the dp ranks that hold the same experts",
+                   check=at_least(1))
     mode: str = _key("allreduce", STRING, "how dp replicas agree", choices=("allreduce", "ps", "local_sgd"))
     staleness: int = _key(0, INTEGER, "steps a worker may run ahead of the servers", check=at_least(0),
                           applies=("parallel.mode", ("ps",)))
@@ -270,17 +300,25 @@ class CheckpointSection:
                          choices=("stop", "warn"))
 
 
-SECTIONS = {"model": ModelSection, "data": DataSection, "parallel": ParallelSection,
+SECTIONS = {"model": ModelSection, "moe": MoESection, "data": DataSection, "parallel": ParallelSection,
             "optimizer": OptimizerSection, "lr_schedule": LRScheduleSection, "train": TrainSection,
             "checkpoint": CheckpointSection}
 PATH_KEYS = ("data.path", "train.metrics", "train.trace", "train.tensorboard", "checkpoint.dir", "checkpoint.resume")
 DEPRECATED_SECTIONS = {"schedule": "lr_schedule"}  # old name -> new name, read with a notice for one release
+NESTED_SECTIONS = {"moe": "model"}  # a section written as a table inside another: [model.moe]
+
+
+def section_title(name: str) -> str:
+    """How a section (or a dotted key) is written in a job file: ``moe.experts`` is ``model.moe.experts``."""
+    head, dot, rest = name.partition(".")
+    return (f"{NESTED_SECTIONS[head]}.{head}" if head in NESTED_SECTIONS else head) + dot + rest
 
 
 
 @dataclass(frozen=True)
 class Job:
     model: ModelSection = ModelSection()
+    moe: MoESection = MoESection()
     data: DataSection = DataSection()
     parallel: ParallelSection = ParallelSection()
     optimizer: OptimizerSection = OptimizerSection()
@@ -330,7 +368,25 @@ class Job:
 
         m = self.model
         return GPTConfig(vocab_size=m.vocab_size, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
-                         n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, tie_weights=m.tie_weights, seed=m.seed)
+                         n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, tie_weights=m.tie_weights, seed=m.seed,
+                         moe=self.moe_config())
+
+    def model_config(self) -> dict:
+        """The model's keys as a checkpoint keeps them (``hpcpar generate`` rebuilds the GPT from them)."""
+        config = self.to_dict()["model"]
+        if self.moe_config() is not None:
+            config["moe"] = {k: v for k, v in self.to_dict()["moe"].items() if k != "load_warning"}
+        return config
+
+    def moe_config(self):
+        """The GPT's ``nn.moe.MoEConfig`` (None: a dense GPT)."""
+        from ..nn.moe import MoEConfig
+
+        e = self.moe
+        if self.model.kind != "gpt" or e.experts == 0:
+            return None
+        return MoEConfig(experts=e.experts, top_k=e.top_k, capacity_factor=e.capacity_factor, every=e.every,
+                         aux_loss_coef=e.aux_loss_coef, z_loss_coef=e.z_loss_coef)
 
     def describe(self) -> str:
         """The resolved job as TOML (keys without effect left out), for rank 0 to print and to re-run."""
@@ -342,7 +398,7 @@ class Job:
                 head += f" + {p.servers} server(s)"
         lines = [head]
         for name, section in self.sections():
-            lines += ["", f"[{name}]"]
+            lines += ["", f"[{section_title(name)}]"]
             for f in fields(section):
                 key = toml_key(f)
                 if not self.applies(f"{name}.{key}"):
@@ -367,8 +423,9 @@ def schema_table() -> str:
             meta = f.metadata
             limits = [" \\| ".join(meta["choices"]) if meta["choices"] else meta["check"].text if meta["check"] else ""]
             if meta["applies"]:
-                limits.append(f"only with {meta['applies'][0]} = {' or '.join(map(str, meta['applies'][1]))}")
+                selector, allowed = meta["applies"]
+                limits.append(f"only with {applies_text(section_title(selector), allowed)}")
             allowed = "; ".join(filter(None, limits))
             default = "unset" if f.default is None else toml_value(f.default)
-            rows.append(f"| {name}.{toml_key(f)} | {meta['type'].name} | `{default}` | {allowed} | {meta['doc']} |")
+            rows.append(f"| {section_title(name)}.{toml_key(f)} | {meta['type'].name} | `{default}` | {allowed} | {meta['doc']} |")
     return "\n".join(rows)

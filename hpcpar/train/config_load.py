@@ -23,8 +23,9 @@ from dataclasses import replace
 from typing import Any
 
 from ..paths import input_problem
-from .config import DEPRECATED_SECTIONS, PATH_KEYS, SECTIONS, Job, JobError, _fields_by_key
-from .config_types import toml_value
+from .config import (DEPRECATED_SECTIONS, NESTED_SECTIONS, PATH_KEYS, SECTIONS, Job, JobError, _fields_by_key,
+                     section_title)
+from .config_types import applies_text, toml_value
 
 
 
@@ -37,6 +38,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     """``section.key=value`` -> (section, key, value); the value in TOML syntax, a bare word as a string."""
     name, sep, raw = text.partition("=")
     parts = name.strip().split(".")
+    if len(parts) == 3 and NESTED_SECTIONS.get(parts[1]) == parts[0]:  # model.moe.experts: section moe
+        parts = parts[1:]
     if not sep or len(parts) != 2 or not all(parts):
         raise JobError("--set", [(text, "expected section.key=value, e.g. --set parallel.tp=2 or "
                                         "--set checkpoint.dir=\"runs/x\"")])
@@ -80,6 +83,7 @@ def load_job(path: str | None, overrides: list[str] = ()) -> Job:
     raw = _read_toml(path) if path is not None else {}
     source = path if path is not None else "<defaults>"
     notices, problems = _rename_deprecated_sections(raw, source)
+    problems += _hoist_nested_sections(raw)
     from_cli = set()
     for text in overrides:
         section, key, value = parse_override(text)
@@ -115,10 +119,22 @@ def _rename_deprecated_sections(raw: dict, source: str) -> tuple[list[str], list
     return notices, problems
 
 
+def _hoist_nested_sections(raw: dict) -> list:
+    """``[model.moe]`` read as the section ``moe`` (problems: a ``[moe]`` written at the top)."""
+    problems = []
+    for name, parent in NESTED_SECTIONS.items():
+        if name in raw:
+            problems.append((f"[{name}]", f"unknown section; did you mean [{parent}.{name}]?"))
+            raw.pop(name)
+        if isinstance(raw.get(parent), dict) and name in raw[parent]:
+            raw[name] = raw[parent].pop(name)
+    return problems
+
+
 def _build(raw: dict, from_cli: set, source: str, stem: str, problems: list) -> Job:
     """The Job of the raw tables, or a JobError listing ``problems`` and every one found here."""
     def where(dotted):
-        return f"{dotted} (--set)" if dotted in from_cli else dotted
+        return f"{section_title(dotted)} (--set)" if dotted in from_cli else section_title(dotted)
 
     problems += _misplaced_tables(raw, from_cli)
     sections, given = {}, set()
@@ -147,7 +163,7 @@ def _misplaced_tables(raw: dict, from_cli: set) -> list[tuple[str, str]]:
         if name in SECTIONS:
             if not isinstance(table, dict):
                 where = f"{name} (--set)" if name in from_cli else name
-                problems.append((where, f"must be a table [{name}], got {toml_value(table)}"))
+                problems.append((section_title(where), f"must be a table [{section_title(name)}], got {toml_value(table)}"))
         elif isinstance(table, dict):
             cli = " (--set)" if any(d.startswith(f"{name}.") for d in from_cli) else ""
             problems.append((f"[{name}]{cli}", f"unknown section; {_suggest(name, SECTIONS)}"
@@ -166,7 +182,7 @@ def _convert_key(section: str, key: str, value) -> tuple[str | None, Any, str | 
     if key not in known:
         elsewhere = [s for s, c in SECTIONS.items() if key in _fields_by_key(c)]
         hint = f"did you mean {elsewhere[0]}.{key}? " if elsewhere else _suggest(key, known)
-        return None, None, f"unknown key; {hint}[{section}] keys are {', '.join(known)}"
+        return None, None, f"unknown key; {hint}[{section_title(section)}] keys are {', '.join(known)}"
     meta = known[key].metadata
     try:
         value = meta["type"].convert(value)
@@ -188,9 +204,10 @@ def _without_effect(job: Job) -> list[tuple[str, str]]:
         f = _fields_by_key(SECTIONS[section])[key]
         if not job.applies(dotted) and job.get(dotted) != f.default:
             selector, allowed = f.metadata["applies"]
-            problems.append((dotted, f"{toml_value(job.get(dotted))} has no effect with {selector} = "
-                                     f"{toml_value(job.get(selector))}; it applies only with {selector} = "
-                                     f"{' or '.join(map(toml_value, allowed))}: remove it or set {selector}"))
+            selector_title = section_title(selector)
+            problems.append((dotted, f"{toml_value(job.get(dotted))} has no effect with {selector_title} = "
+                                     f"{toml_value(job.get(selector))}; it applies only with "
+                                     f"{applies_text(selector_title, allowed)}: remove it or set {selector_title}"))
     return problems
 
 

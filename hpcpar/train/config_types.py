@@ -127,6 +127,24 @@ STAGE_COUNTS = Check(f"one of {', '.join(PARTITION_METHODS)} or per-stage counts
                      lambda v: v in PARTITION_METHODS if isinstance(v, str) else all(c >= 1 for c in v))
 
 
+class Positive:
+    """The values of an ``applies`` rule ``(key, POSITIVE)``: that key above 0 (``[model.moe]`` keys
+    act only with experts > 0)."""
+
+    def __contains__(self, value) -> bool:
+        return value is not None and value > 0
+
+
+POSITIVE = Positive()
+
+
+def applies_text(selector: str, allowed) -> str:
+    """``selector = a or b`` (``selector > 0``): when a key with this ``applies`` rule has an effect."""
+    if allowed is POSITIVE:
+        return f"{selector} > 0"
+    return f"{selector} = {' or '.join(map(toml_value, allowed))}"
+
+
 def _key(default, type_: Type, doc: str, *, choices=None, check=None, applies=None, name=None, hint=None):
     """One key of a section. ``applies = (other key, values)``: it has an effect only then.
     ``name``: the TOML key where it is not a Python name (``async``); ``hint``: {bad value: advice}."""

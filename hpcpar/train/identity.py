@@ -38,12 +38,14 @@ WEIGHTS_ONLY = ("model",)  # what --load-weights-only compares
 ADJUSTABLE = ("optimizer.betas", "optimizer.momentum", "optimizer.grad_clip", "model.recompute")
 # Model keys that change how a step runs but not a number it computes (activation recomputation gives
 # the same gradients): like the layout, they are no part of the identity and may change on resume.
-NOT_IDENTITY = ("recompute",)
+NOT_IDENTITY = ("recompute", "load_warning")
 
 
 def fingerprint(job, data_identity: dict | None) -> dict:
     """The run's identity: model config, data file, optimizer kind, precision (and the hpcpar version)."""
     model = {k: v for k, v in job.to_dict()["model"].items() if job.applies(f"model.{k}") and k not in NOT_IDENTITY}
+    if job.moe_config() is not None:  # a dense model's identity is what it was before [model.moe] existed
+        model["moe"] = {k: v for k, v in job.to_dict()["moe"].items() if k not in NOT_IDENTITY}
     return {"model": model, "data": data_identity or {"kind": job.data.kind},
             "optimizer": job.optimizer.name, "precision": job.precision.name, "hpcpar": version()}
 

@@ -74,6 +74,13 @@ POLICY: dict[str, tuple[str, str]] = {
                                   "compute dtype; probabilities kept in the compute dtype"),
     "ring_attention": (FLOAT32_INSIDE, "as attention, over the cp ring: scores, log-sum-exp merges, the output "
                                        "accumulator and the dK/dV passed around the ring in float32"),
+    "router": (FLOAT32, "an MoE router's scores: float32 operands and product (float64 stays float64), so that "
+                        "close experts do not tie in 16 bits"),
+    "grouped_linear": (COMPUTE, "as linear, per expert: float32 accumulation; weight and bias gradients in float32"),
+    "unpermute_rows": (COMPUTE, "exact: rows placed into slots"),
+    "ep_communication": (COMPUTE, "exact: all-to-all over ep moves rows, sums nothing"),
+    "attach_loss": (COMPUTE, "identity; the auxiliary loss's seed in its own dtype"),
+    "scale_gradient": (COMPUTE, "identity; the gradient multiplied by a constant (1/ep) in its own dtype"),
     "sum": (FLOAT32, "accumulated in float32"),
     "mean": (FLOAT32, "accumulated in float32, divided by an integer count"),
     "cross_entropy": (FLOAT32, "log-softmax in float32, valid targets counted as integers"),

@@ -16,12 +16,15 @@ class Tensor:
 
     A shard of a larger tensor (a tensor-parallel parameter) carries the whole tensor's
     ``global_shape`` and the index of its first element there, ``global_start``; a whole tensor
-    has None for both. Initialisation, the gradient norm and checkpoints read them.
+    has None for both. Initialisation, the gradient norm and checkpoints read them. An MoE
+    block's experts split over an ep group (axis 0) are ``expert_parallel``: their gradients are
+    averaged over the ranks that hold the same experts, not over dp (``parallel.experts``).
     """
 
     __array_priority__ = 100  # ndarray <op> Tensor defers to Tensor's reflected operators
     global_shape: tuple | None = None
     global_start: tuple | None = None
+    expert_parallel: bool = False
 
     def __init__(self, data, requires_grad: bool = False, name: str | None = None):
         if isinstance(data, Tensor):

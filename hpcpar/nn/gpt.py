@@ -22,6 +22,7 @@ from . import init, tensor_parallel
 from .dropout_keys import DropoutKey, active_dropout_key, dropout_key, replay_dropout_key
 from .layers import Dropout, Embedding, HeadDropout, LayerNorm, Linear
 from .module import Module, ModuleList
+from .moe import MoE, MoEConfig
 
 RECOMPUTE = ("none", "selective", "full")  # activation recomputation (GPT.recompute)
 
@@ -38,8 +39,11 @@ class GPTConfig:
     bias: bool = True  # biases in Linear and LayerNorm
     tie_weights: bool = True  # the lm head reuses the token embedding
     seed: int = 0  # parameter initialisation and the dropout masks
+    moe: MoEConfig | None = None  # Mixture-of-Experts MLPs in some blocks (``nn.moe``); None: dense
 
     def __post_init__(self):
+        if isinstance(self.moe, dict):  # as a checkpoint's model_config keeps it
+            self.moe = MoEConfig(**self.moe)
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, field)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -141,14 +145,18 @@ class MLP(Module):
 
 
 class Block(Module):
-    """Pre-norm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+    """Pre-norm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)); block ``index``'s MLP is
+    a Mixture of Experts where the config says (``MoEConfig.is_moe_block``)."""
 
-    def __init__(self, config: GPTConfig, dtype, xp, tp=None):
+    def __init__(self, config: GPTConfig, dtype, xp, tp=None, ep=None, index: int = 0):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype, xp=xp)
         self.attn = CausalSelfAttention(config, dtype, xp, tp)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, dtype=dtype, xp=xp)
-        self.mlp = MLP(config, dtype, xp, tp)
+        if config.moe is not None and config.moe.is_moe_block(index):
+            self.mlp = MoE(config, config.moe, dtype, xp, tp, ep)
+        else:
+            self.mlp = MLP(config, dtype, xp, tp)
         self.recompute_block = False  # full recomputation (GPT.recompute)
 
     def forward(self, x):
@@ -195,16 +203,17 @@ class GPT(Module):
     zero biases, unit LayerNorm weights, each from its own named stream (``hpcpar.nn.init``).
     """
 
-    def __init__(self, config: GPTConfig, dtype=np.float32, device: str = "cpu", tp=None, cp=None):
+    def __init__(self, config: GPTConfig, dtype=np.float32, device: str = "cpu", tp=None, cp=None, ep=None):
         """``tp``, ``cp``: the tensor- and context-parallel communicators (``ctx.tp``, ``ctx.cp``);
-        None or one rank each is the plain GPT."""
+        ``ep``: the group the MoE blocks' experts are split over (``ctx.expert_groups``); None or
+        one rank each is the plain GPT."""
         super().__init__()
         self.config = config
         object.__setattr__(self, "tp", tp)
         object.__setattr__(self, "cp", cp)
         xp = array_module(resolve_device(device))
         self.embed = GPTEmbedding(config, dtype, xp, tp)
-        self.blocks = ModuleList(Block(config, dtype, xp, tp) for _ in range(config.n_layer))
+        self.blocks = ModuleList(Block(config, dtype, xp, tp, ep, index) for index in range(config.n_layer))
         self.head = GPTHead(config, dtype, xp, tied_embedding=self.embed.wte if config.tie_weights else None, tp=tp)
 
         linears = (Linear, tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)
@@ -278,13 +287,14 @@ class GPT(Module):
         on = bool(on) and mappings.tp_size(self.tp) > 1
         object.__setattr__(self, "_sequence_parallel", on)
         split_layers = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear,
-                        tensor_parallel.VocabParallelEmbedding, GPTHead)  # the layers that switch communication
+                        tensor_parallel.VocabParallelEmbedding, GPTHead, MoE)  # the layers that switch communication
         for _, module in self.named_modules():
             if isinstance(module, split_layers):
                 module.sequence_parallel = on
             on_slices = (list(module.parameters()) if isinstance(module, LayerNorm) else
                          [module.bias] if isinstance(module, tensor_parallel.RowParallelLinear) else
-                         [module.wpe.weight] if isinstance(module, GPTEmbedding) else [])
+                         [module.wpe.weight] if isinstance(module, GPTEmbedding) else
+                         [module.router.weight] if isinstance(module, MoE) else [])
             for param in on_slices:
                 if param is not None:
                     param.sequence_parallel = on
@@ -307,6 +317,10 @@ class GPT(Module):
         for block in self.blocks:
             block.recompute_block = mode == "full"
             block.attn.recompute_core = mode == "selective"
+
+    def moe_blocks(self) -> list[tuple[int, MoE]]:
+        """(block index, its MoE MLP) of the blocks with experts (none in a dense GPT)."""
+        return [(i, block.mlp) for i, block in enumerate(self.blocks) if isinstance(block.mlp, MoE)]
 
     def layers(self) -> list:
         """[embedding stage, block 0, ..., block n-1, head]: applied in turn they are ``forward``.

@@ -86,6 +86,7 @@ class MixedPrecision:
         self.master = [(name, Parameter(param.data.astype(self.master_dtype), name=name)) for name, param in named]
         for param, (_, master) in zip(self.model_params, self.master):  # a shard's master is the same shard
             master.global_shape, master.global_start = param.global_shape, param.global_start
+            master.expert_parallel = param.expert_parallel
         self._model_of = {id(master): param for (_, master), param in zip(self.master, self.model_params)}
         self._unscaled = False
         self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient

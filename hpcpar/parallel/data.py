@@ -75,10 +75,11 @@ class DistributedDataParallel(ParameterHolder):
     times cp when context parallelism splits the sequence)."""
 
     def __init__(self, module, ctx, bucket_mb: float = defaults.BUCKET_MB, overlap: bool = True, compression=None,
-                 broadcast_parameters: bool = True, alone=()):
+                 broadcast_parameters: bool = True, alone=(), comm=None):
+        """``comm``: the ranks to average over (None: ``ctx.dp_cp``; an MoE's experts: their edp group)."""
         self.module = module
         self.ctx = ctx
-        self.comm = ctx.dp_cp
+        self.comm = ctx.dp_cp if comm is None else comm
         self.overlap = overlap
         self.compression = compression or NoCompression()
         self.params: list[Parameter] = [p for _, p in module.named_parameters() if p.requires_grad]

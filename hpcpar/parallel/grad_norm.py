@@ -1,9 +1,12 @@
-"""The global gradient norm of a model split over tensor- and pipeline-parallel ranks."""
+"""The global gradient norm of a model split over tensor-, pipeline- and expert-parallel ranks."""
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
-from ..optim.clip import clip_grad_norm, scale_to_norm
+from ..backend import to_host
+from ..optim.clip import scale_to_norm, sum_of_squares
 
 
 def counts_toward_norm(param, ctx, owns=None) -> bool:
@@ -11,9 +14,13 @@ def counts_toward_norm(param, ctx, owns=None) -> bool:
 
     A tp-sharded parameter by every tp rank (each has its own slice), a tp-replicated one
     (LayerNorm, row-parallel bias) by tp rank 0 only, a weight tied across pipeline stages by
-    its lowest holder (``owns(param)``).
+    its lowest holder (``owns(param)``). Experts split over ep (axis 0) count by the same rule on
+    their other axes; their squares are then summed over ep (``expert_squares_summed``).
     """
-    sharded = param.global_shape is not None and tuple(param.global_shape) != param.shape
+    shape, full = param.shape, param.global_shape
+    if param.expert_parallel:
+        shape, full = shape[1:], full[1:]
+    sharded = full is not None and tuple(full) != tuple(shape)
     return (sharded or ctx.tp_rank == 0) and (owns is None or owns(param))
 
 
@@ -25,13 +32,29 @@ def sum_over_model_parallel(ctx):
     return total
 
 
+def expert_squares_summed(dense: float, experts: float, ctx) -> float:
+    """This rank's sum of squares: its dense part plus its ep group's expert parts (each rank of
+    the group holds other experts; the dense part is the same on all of them)."""
+    group = ctx.expert_group()
+    if group is None:
+        return dense + experts
+    return dense + float(group.allreduce(np.array([experts], dtype=np.float64), "sum")[0])
+
+
+def local_squares(params) -> float:
+    squares = sum_of_squares([p.grad for p in params if p.grad is not None])
+    return 0.0 if squares is None else float(to_host(squares))
+
+
 def clip_grad_norm_parallel(named_parameters, max_norm: float, ctx, owns=None) -> float:
     """Clip by the global norm over the whole model however it is split.
 
     Each element is counted once (``counts_toward_norm``); the sum of squares is then completed
-    over tp and pp; dp replicas hold the same averaged gradients and are not summed.
+    over ep (experts), tp and pp; dp replicas hold the same averaged gradients and are not summed.
     """
     counted = [p for _, p in named_parameters if counts_toward_norm(p, ctx, owns)]
-    norm = clip_grad_norm(counted, float("inf"), allreduce_sum=sum_over_model_parallel(ctx))  # the norm only
+    local = expert_squares_summed(local_squares([p for p in counted if not p.expert_parallel]),
+                                  local_squares([p for p in counted if p.expert_parallel]), ctx)
+    norm = math.sqrt(sum_over_model_parallel(ctx)(local))
     scale_to_norm([p.grad for _, p in named_parameters if p.grad is not None], norm, max_norm)
     return norm

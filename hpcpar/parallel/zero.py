@@ -152,13 +152,18 @@ class ZeroRedundancyOptimizer(Checkpointable):
         counts a parameter's elements, so that a tp-replicated or tied weight counts once
         (``parallel.grad_norm.counts_toward_norm``).
         """
-        local = self._counted_squares(counts or (lambda param: True))
-        total = float(self.comm.allreduce(np.array([local], dtype=np.float64), "sum")[0])
+        total = self.squares(counts)
         if model_parallel_sum is not None:
             total = model_parallel_sum(total)
         norm = math.sqrt(total)
         scale_to_norm([self.shard.grad], norm, max_norm)
         return norm
+
+    def squares(self, counts=None) -> float:
+        """The sum of squares of the reduced gradient over every shard (``counts`` as for
+        ``clip_grad_norm``): a sum over ``comm`` (collective)."""
+        local = self._counted_squares(counts or (lambda param: True))
+        return float(self.comm.allreduce(np.array([local], dtype=np.float64), "sum")[0])
 
     def _counted_squares(self, counts) -> float:
         """Sum of squares of the shard's gradient over the parameters ``counts`` accepts."""

@@ -67,6 +67,7 @@ class ParallelContext:
     serial: int = 0  # order of creation in this process
     adopted: list = field(default_factory=list, repr=False)  # what ``close`` closes first, newest first (``adopt``)
     products: dict = field(default_factory=dict, repr=False)  # {axis names: Communicator} made by ``across``
+    experts: dict = field(default_factory=dict, repr=False)  # {ep: (ep, edp) Communicators} made by ``expert_groups``
 
     device = _FromProcess()  # "cpu" or "cuda"
     cuda_aware = _FromProcess()
@@ -146,15 +147,36 @@ class ParallelContext:
         return {**{k: v for k, v in self.mesh.by_name().items() if self.mesh.shown(k)}, "world": self.world_size}
 
     def communicators(self) -> dict:
-        return {"world": self.world, **self.axes, **{comm.name: comm for comm in self.products.values()}}
+        experts = {comm.name: comm for pair in self.experts.values() for comm in pair}
+        return {"world": self.world, **self.axes, **{comm.name: comm for comm in self.products.values()}, **experts}
+
+    def expert_group(self) -> Communicator | None:
+        """The ep group of ``expert_groups`` with ep > 1 made for this context (None: no expert parallelism)."""
+        return next((group for ep, (group, _) in self.experts.items() if ep > 1), None)
+
+    def expert_groups(self, ep: int) -> tuple[Communicator, Communicator]:
+        """(ep, edp): expert parallelism's groups, carved out of dp. dp rank d is rank d % ep of the
+        ep group d // ep (consecutive dp ranks, the closest ones: tokens cross it in every MoE
+        block); edp holds the dp ranks with the same d % ep, which hold the same experts and
+        average their gradients (DeepSpeed's expert-data-parallel group). Made on first use
+        (collective over dp) and freed by ``close``."""
+        if ep not in self.experts:
+            dp = self.axes["dp"]
+            if ep < 1 or dp.size % ep:
+                raise LayoutError(f"ep = {ep} does not divide dp = {dp.size}: expert groups are carved out of dp")
+            group = dp.split(dp.rank // ep, dp.rank % ep, "ep" if ep > 1 else "ep1")
+            replicas = dp.split(dp.rank % ep, dp.rank // ep, "edp")
+            self.experts[ep] = (group, replicas)
+        return self.experts[ep]
 
     def comm_seconds(self) -> float:
         """Seconds spent in communication so far, on all of this rank's communicators."""
         return sum(comm.stats.total_seconds for comm in self.communicators().values())
 
     def layer_comm_seconds(self) -> float:
-        """Seconds spent in the communication inside layers so far: tp's collectives, cp's ring."""
-        return self.axes["tp"].stats.total_seconds + self.axes["cp"].stats.total_seconds
+        """Seconds spent in the communication inside layers so far: tp's collectives, cp's ring, ep's all-to-alls."""
+        return (self.axes["tp"].stats.total_seconds + self.axes["cp"].stats.total_seconds
+                + sum(group.stats.total_seconds for group, _ in self.experts.values()))
 
     def reset_stats(self) -> None:
         for comm in self.communicators().values():
@@ -194,6 +216,9 @@ class ParallelContext:
         self.closed = True
         while self.adopted:
             self.adopted.pop().close()
+        for pair in reversed(list(self.experts.values())):
+            for communicator in reversed(pair):
+                communicator.close()
         if self.world.shm is not None:
             self.world.shm.close()
         for communicator in [*self.axes.values(), *self.products.values(), self.node]:

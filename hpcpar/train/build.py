@@ -67,7 +67,8 @@ def compute_dtype(job: Job):
 
 def build_model(job: Job, ctx, dtype):
     if job.model.kind == "gpt":
-        model = GPT(job.gpt_config(), dtype=dtype, device=ctx.device, tp=ctx.tp, cp=ctx.cp)
+        ep = ctx.expert_groups(job.parallel.ep)[0] if job.moe_config() is not None and job.parallel.ep > 1 else None
+        model = GPT(job.gpt_config(), dtype=dtype, device=ctx.device, tp=ctx.tp, cp=ctx.cp, ep=ep)
         model.sequence_parallel = job.parallel.sequence_parallel
         model.recompute = job.model.recompute
         return model

@@ -39,6 +39,7 @@ def validate(job: Job, world_size: int) -> Job:
     problems += _check_model(job)
     problems += _check_pipeline(job)
     problems += _check_batch(job, dp)
+    problems += _check_experts(job, dp)
     problems += _check_no_decay(job)
     problems += _check_packages(job)
     if job.lr_schedule.min_lr > job.optimizer.lr:  # a warm-up longer than train.steps is fine (a shortened run)
@@ -131,6 +132,52 @@ def _check_context(job: Job) -> list:
         return [("parallel.cp", f"block_size = {m.block_size} is not divisible by 2 x cp = {2 * p.cp}: each sequence "
                                 f"is cut into 2 x cp zigzag chunks; use a block_size that is a multiple of {2 * p.cp}")]
     return []
+
+
+def _check_experts(job: Job, dp: int | None) -> list:
+    """Mixture of Experts and expert parallelism against the model and the layout."""
+    p, e = job.parallel, job.moe
+    if e.experts == 0:
+        return [] if p.ep == 1 else [("parallel.ep", f"ep = {p.ep} splits the experts of MoE blocks, but "
+                                                     f"model.moe.experts = 0 (a dense model); set experts or ep = 1")]
+    if job.model.kind != "gpt":
+        return [("model.moe.experts", f"Mixture of Experts replaces the GPT's MLPs; model.kind = "
+                                      f"{toml_value(job.model.kind)} needs experts = 0")]
+    problems = []
+    if e.top_k > e.experts:
+        problems.append(("model.moe.top_k", f"{e.top_k} is more than the {e.experts} experts"))
+    if e.every > job.model.n_layer:
+        problems.append(("model.moe.every", f"{e.every} is more than n_layer = {job.model.n_layer}: no block would "
+                                            f"have experts"))
+    if p.cp > 1:
+        problems.append(("parallel.cp", f"Mixture of Experts routes and balances whole sequences; cp = {p.cp} splits "
+                                        f"them: use cp = 1 with model.moe"))
+    if p.mode != "allreduce":
+        problems.append(("parallel.mode", f"Mixture of Experts trains with mode = \"allreduce\" only, got "
+                                          f"{toml_value(p.mode)}"))
+    if p.ep > 1:
+        problems += _check_expert_parallel(job, dp)
+    return problems
+
+
+def _check_expert_parallel(job: Job, dp: int | None) -> list:
+    p, e, problems = job.parallel, job.moe, []
+    if e.experts % p.ep:
+        problems.append(("parallel.ep", f"{e.experts} experts do not split over ep = {p.ep} ranks; use ep in "
+                                        f"{_divisors(e.experts)}"))
+    if dp is not None and dp % p.ep:
+        problems.append(("parallel.ep", f"ep = {p.ep} does not divide dp = {dp}: expert groups are carved out of dp; "
+                                        f"use ep in {_divisors(dp)}"))
+    if p.zero >= 2:
+        problems.append(("parallel.zero", f"ZeRO-{p.zero} with expert parallelism (ep = {p.ep}) is not supported; "
+                                          f"use zero = 0 or 1, or ep = 1"))
+    if p.zero and p.shard_size is not None:
+        problems.append(("parallel.shard_size", f"hybrid sharding with expert parallelism (ep = {p.ep}) is not "
+                                                f"supported; leave shard_size unset"))
+    if p.compression != "none":
+        problems.append(("parallel.compression", f"compression = {toml_value(p.compression)} is not supported with "
+                                                 f"expert parallelism (ep = {p.ep}); set compression = \"none\""))
+    return problems
 
 
 def _check_pipeline(job: Job) -> list:

@@ -11,7 +11,8 @@ when the group has one rank (or is None):
 Sequence parallelism (Korthikanti et al., 2022) splits the activations outside the sharded regions
 along the sequence: ``gather_sequence`` entering a region and ``reduce_scatter_sequence`` leaving
 it replace the all-reduces, the same bytes, while those activations take 1/tp of the memory.
-``enter_tp``/``leave_tp`` pick the pair a layer needs; the sharded layers are ``nn.tensor_parallel``'s.
+``enter_tp``/``leave_tp`` pick the pair a layer needs (the sharded layers: ``nn.tensor_parallel``);
+``sequence_to_replicated``/``replicated_to_sequence`` bracket a region every rank computes alike (MoE).
 """
 from __future__ import annotations
 
@@ -137,6 +138,43 @@ class _ReduceScatterSequence(Function):
 
     def backward(self, grad):
         return _gather_sequence(grad, self.comm)
+
+
+class _SequenceToReplicated(Function):
+    """Into a region every tp rank computes alike (an MoE router's decisions): all-gather the
+    sequence forward; backward keeps this rank's slice, since each rank's gradient is already whole."""
+
+    op = "tp_communication"
+
+    def forward(self, x, comm):
+        self.comm, self.length = comm, x.shape[1]
+        return _gather_sequence(x, comm)
+
+    def backward(self, grad):
+        r = self.comm.rank
+        return get_array_module(grad).ascontiguousarray(grad[:, r * self.length:(r + 1) * self.length])
+
+
+class _ReplicatedToSequence(Function):
+    """Out of such a region: this rank's slice of the sequence forward; all-gather backward."""
+
+    op = "tp_communication"
+
+    def forward(self, x, comm):
+        self.comm = comm
+        start, stop = shard_range(x.shape[1], comm, "sequence")
+        return get_array_module(x).ascontiguousarray(x[:, start:stop])
+
+    def backward(self, grad):
+        return _gather_sequence(grad, self.comm)
+
+
+def sequence_to_replicated(x, comm):
+    return x if tp_size(comm) == 1 else _SequenceToReplicated.apply(x, comm=comm)
+
+
+def replicated_to_sequence(x, comm):
+    return x if tp_size(comm) == 1 else _ReplicatedToSequence.apply(x, comm=comm)
 
 
 def gather_sequence(x, comm):

@@ -31,8 +31,9 @@ class AllReduce(SynchronousStrategy):
     def train_step(self, inputs, targets):
         start = time.perf_counter()
         comm_before = self.ctx.layer_comm_seconds() + self.grad_sync.seconds
-        loss = accumulate_gradients(self.model, inputs, targets, self.job.parallel.micro_batches,
-                                    self.precision.backward, self.grad_sync.no_sync, self.trace)
+        with self.auxiliary_losses():
+            loss = accumulate_gradients(self.model, inputs, targets, self.job.parallel.micro_batches,
+                                        self.precision.backward, self.grad_sync.no_sync, self.trace)
         self.grad_sync.finish()
         step = time.perf_counter() - start
         comm = self.ctx.layer_comm_seconds() + self.grad_sync.seconds - comm_before

@@ -41,7 +41,8 @@ class Pipeline(SynchronousStrategy):
 
     def train_step(self, inputs, targets):
         tp_before = self.ctx.layer_comm_seconds()
-        loss = self.pipe.train_step(inputs, targets)
+        with self.auxiliary_losses():
+            loss = self.pipe.train_step(inputs, targets)
         self.trace.add_actions(self.pipe.trace)  # F, B, W, sends and receives, as the schedule ran them
         s = self.pipe.stats
         tp = self.ctx.layer_comm_seconds() - tp_before

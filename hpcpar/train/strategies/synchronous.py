@@ -12,12 +12,14 @@ from __future__ import annotations
 import time
 
 from ...optim.finite import StepHealth
+from ...nn.moe import auxiliary_loss_scale
 from ...parallel.compression_state import CompressionState
+from ...parallel.experts import ExpertSplitSync, ExpertSplitZero, make_expert_sync, split_experts
 from ...parallel.grad_sync import make_gradient_sync
 from ...parallel.hybrid import default_shard_size, dp_ranks_per_node, shard_groups
 from ...parallel.zero import ZeroRedundancyOptimizer
 from ...parallel.zero_params import ShardedParameters, reshards
-from ...state import Together
+from ...state import ParameterList, Together
 from .base import Strategy
 from .ingredients import make_gradient_compressor, optimizer_class, state_bytes
 from .update import ReplicatedUpdate, ShardedUpdate
@@ -32,7 +34,7 @@ class SynchronousStrategy(Strategy):
         parameters of ``layers`` (its units) into the store."""
         p = self.job.parallel
         self.shards, self.replicas = self.ctx.dp_cp, None
-        if p.zero:  # hybrid sharding: ZeRO within groups of shard_size dp x cp ranks (parallel.hybrid)
+        if p.zero and self.ctx.expert_group() is None:  # hybrid sharding: ZeRO within groups of shard_size dp x cp ranks (parallel.hybrid)
             size = p.shard_size or default_shard_size(self.ctx.dp_cp.size, dp_ranks_per_node(self.ctx))
             self.shards, self.replicas = shard_groups(self.ctx, size)
         if p.zero == 3:
@@ -40,10 +42,21 @@ class SynchronousStrategy(Strategy):
             holder = self.sharded_parameters = ShardedParameters(
                 layers, names, self.shards, reshard_after_forward=reshards(p.reshard_after_forward, self.ctx.pp_size),
                 master_dtype=precision.master_dtype)
+        experts = None
+        if self.ctx.expert_group() is not None:  # experts split over ep: a sync of their own (parallel.experts)
+            holder, experts = split_experts(holder)
         self.grad_sync = make_gradient_sync(holder, self.ctx, sharded=p.zero, compression=make_gradient_compressor(p),
                                             bucket_mb=p.bucket_mb, overlap=overlap, alone=alone,
                                             master_dtype=precision.master_dtype, shards=self.shards,
                                             replicas=self.replicas)
+        if experts is not None:
+            self.grad_sync = ExpertSplitSync(self.grad_sync, make_expert_sync(experts, self.ctx, bucket_mb=p.bucket_mb,
+                                                                              overlap=overlap, zero=p.zero))
+
+    def auxiliary_losses(self):
+        """Around a step's forwards and backwards: MoE blocks seed their auxiliary losses as the
+        engines seed each micro-batch's loss (1/micro-batches, times the loss scale)."""
+        return auxiliary_loss_scale(self.precision.scale / self.job.parallel.micro_batches)
 
     def derived_communicators(self) -> list:
         return [c for c in (self.shards, self.replicas) if c is not None and c is not self.ctx.dp_cp]
@@ -54,6 +67,12 @@ class SynchronousStrategy(Strategy):
         if self.ctx.cp_size > 1:
             text += (f", context parallel: each sequence over {self.ctx.cp_size} ranks (zigzag chunks, ring attention), "
                      f"gradients averaged over dp x cp = {self.ctx.dp_cp.size}")
+        group = self.ctx.expert_group()
+        if group is not None:
+            experts = self.job.moe.experts
+            text += (f", expert parallel: {experts} experts per MoE block over ep = {group.size} ranks "
+                     f"({experts // group.size} each), their gradients averaged over the {self.ctx.dp_size // group.size} "
+                     f"dp ranks that hold the same ones")
         if self.replicas is not None:
             text += f", hybrid: shards over {self.shards.size} dp ranks, averaged over {self.replicas.size} groups"
         return text
@@ -69,8 +88,7 @@ class SynchronousStrategy(Strategy):
         masters = self.precision.named_master_parameters() if store is None else store.named_parameters()
         cls, options = optimizer_class(self.job)
         if self.job.parallel.zero:
-            self._optimizer = ZeroRedundancyOptimizer(masters, self.shards, cls, parameters=store, replicas=self.replicas,
-                                                      **options)
+            self._optimizer = self._zero(masters, cls, options)
             reduced_in_backward = self.grad_sync if self.job.parallel.zero >= 2 else None
             if reduced_in_backward is not None:
                 reduced_in_backward.check_layout(self._optimizer)
@@ -78,6 +96,17 @@ class SynchronousStrategy(Strategy):
         else:
             self._optimizer = cls(masters, **options)
             self.update = ReplicatedUpdate(self._optimizer, self.precision, self.ctx, owns_for_norm)
+
+    def _zero(self, masters, cls, options):
+        """ZeRO over the shards; under expert parallelism its experts' part over their edp group."""
+        group = self.ctx.expert_group()
+        if group is None:
+            return ZeroRedundancyOptimizer(masters, self.shards, cls, parameters=self.sharded_parameters,
+                                           replicas=self.replicas, **options)
+        dense, experts = split_experts(ParameterList(masters))
+        return ExpertSplitZero(ZeroRedundancyOptimizer(dense.named, self.shards, cls, **options),
+                               ZeroRedundancyOptimizer(experts.named, self.ctx.expert_groups(group.size)[1], cls,
+                                                       **options), group)
 
     @property
     def optimizer(self):

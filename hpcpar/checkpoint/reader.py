@@ -27,6 +27,7 @@ from ..state import Saved, checkpointable
 from .manifest import (CheckpointDamaged, CheckpointError, latest_step, list_steps, read_manifest, resolve_step_dir,
                        step_dirname, verify_files)
 from .source import RawSource, verifier_chunks
+from .upcycle import upcycled
 
 logger = log.get_logger(__name__)
 
@@ -100,7 +101,7 @@ def restore_streams(manifest: dict, extra: dict | None, ctx) -> None:
 
 
 def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int | None = None,
-         strict: bool = True) -> dict:
+         strict: bool = True, upcycle=None) -> dict:
     """Load the checkpoint at ``path`` (a root: the step ``latest`` names, or ``step``; or a step folder).
 
     ``model`` and ``optimizer`` are Checkpointables (``hpcpar.state``: a Module, a pipeline, an
@@ -108,10 +109,12 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
     Returns ``{"step", "step_dir", "layout", "extra"}`` (``extra``: the plain JSON values).
     Collective over ``ctx.world`` (three all-gathers); every rank raises the same error, and then
     nothing has changed: ``CheckpointDamaged`` for damaged files, ``CheckpointError`` for a
-    checkpoint that does not fit (names, shapes, dtypes, slabs).
+    checkpoint that does not fit (names, shapes, dtypes, slabs). ``upcycle(key)``, for a weights-only
+    load into an MoE model: dense MLPs become its experts, and the tensors it accepts stay as
+    initialised when the checkpoint lacks them (``upcycle.upcycled``; the counts in ``"upcycled"``).
     """
     with collector_paused():
-        return load_step(rank0_says(ctx, resolve_step_dir, path, step), model, optimizer, ctx, extra, strict)
+        return load_step(rank0_says(ctx, resolve_step_dir, path, step), model, optimizer, ctx, extra, strict, upcycle)
 
 
 def rank0_says(ctx, function, *args):
@@ -147,11 +150,11 @@ def collector_paused():
             gc.enable()
 
 
-def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: bool) -> dict:
+def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: bool, upcycle=None) -> dict:
     """``load`` of one step folder."""
     comm = ctx.world.mpi
     what = f"loading {step_dir}"
-    plan, source, found = plan_load(step_dir, model, optimizer, comm)
+    plan, source, found = plan_load(step_dir, model, optimizer, comm, upcycle)
     everyone = comm.allgather(found)  # 1: what each rank found before reading a byte
     for kind, error in (("damaged", CheckpointDamaged), ("mismatch", CheckpointError)):
         raise_if_any([mine[kind] for mine in everyone], what, error)
@@ -190,7 +193,8 @@ def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: 
     for finish in plan.finish:
         finish()
     restore_streams(manifest, extra, ctx)
-    return {"step": manifest["step"], "step_dir": step_dir, "layout": manifest["layout"], "extra": extras}
+    return {"step": manifest["step"], "step_dir": step_dir, "layout": manifest["layout"], "extra": extras,
+            **({"upcycled": found["upcycled"]} if upcycle is not None else {})}
 
 
 def read_checked(source: RawSource, plan, mine: dict) -> tuple[list[str], list]:
@@ -206,7 +210,7 @@ def read_checked(source: RawSource, plan, mine: dict) -> tuple[list[str], list]:
     return damaged, values
 
 
-def plan_load(step_dir: str, model, optimizer, comm) -> tuple:
+def plan_load(step_dir: str, model, optimizer, comm, upcycle=None) -> tuple:
     """(load plan, RawSource, what this rank found: damage, mismatches, the model tensors it
     does not read, the MiBs it will read) before reading any tensor."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -220,6 +224,8 @@ def plan_load(step_dir: str, model, optimizer, comm) -> tuple:
     plan = checkpointable(model).load_plan(saved)
     if optimizer is not None:
         plan.extend(checkpointable(optimizer).load_plan(saved))
+    if upcycle is not None:
+        plan, found["upcycled"] = upcycled(plan, manifest["tensors"], upcycle)
     found["mismatch"] = check_reads(plan.reads, manifest)
     if found["mismatch"]:
         return plan, None, found

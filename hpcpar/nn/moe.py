@@ -56,6 +56,11 @@ class MoEConfig:
         return asdict(self)
 
 
+def is_router(key: str) -> bool:
+    """Whether a checkpoint key is an MoE router's weight (what a dense model has no counterpart of)."""
+    return key.endswith(".router.weight")
+
+
 _loss_scale = [1.0]
 
 

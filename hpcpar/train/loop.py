@@ -31,6 +31,7 @@ from . import identity
 from .config import Job, JobError
 from .evaluate import evaluate, sample_text
 from .lifecycle import StopRequest, adopt_job_schedule, after_step, requeue_if_slurm, save_checkpoint, start
+from .moe_metrics import moe_record
 from .nonfinite import REWIND, STOP, RunDiverged
 from .resume import Request
 from .run_lock import take_run_lock
@@ -303,7 +304,9 @@ def step_record(run, step: int, loss: float, lr: float, step_s: float, peak_mb: 
             "peak_mem_mb": ctx.world.allgather_object(round(peak_mb, 1)), "time": time.time(),
             **({"skipped_steps": stats["skipped_steps"]} if "skipped_steps" in stats else {}),
             **({"nonfinite_steps": run.nonfinite.skipped} if run.nonfinite.skipped else {}),
-            **({"rewinds": run.nonfinite.rewinds} if run.nonfinite.rewinds else {})}
+            **({"rewinds": run.nonfinite.rewinds} if run.nonfinite.rewinds else {}),
+            **({"moe": moe_record(run.strategy.model, ctx.world, run.job.data.batch_size)}
+               if run.job.moe_config() is not None else {})}
 
 
 def final_report(run, step: int, log: Logger) -> dict:

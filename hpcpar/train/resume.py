@@ -132,11 +132,15 @@ def _not_a_step_folder(path: str, root: str) -> str | None:
 
 
 def _other_model(path: str, current: dict) -> str | None:
-    """Why the weights of ``path`` do not fit this job's model (None: they do)."""
+    """Why the weights of ``path`` do not fit this job's model (None: they do). A dense model's
+    weights fit the same model with MoE blocks: their MLPs become every expert (``checkpoint.upcycle``)."""
     manifest = _manifest_or_error(path)
     if isinstance(manifest, str):
         return f"--resume {path}: {manifest}"
-    different = identity.differences(_print_of(manifest), current, parts=identity.WEIGHTS_ONLY)
+    saved = _print_of(manifest)
+    if "moe" in current.get("model", {}) and "moe" not in (saved.get("model") or {}):  # sparse upcycling
+        current = {**current, "model": {k: v for k, v in current["model"].items() if k != "moe"}}
+    different = identity.differences(saved, current, parts=identity.WEIGHTS_ONLY)
     if not different:
         return None
     return (f"--load-weights-only: {path} holds another model; it differs in:\n"

@@ -140,10 +140,7 @@ def _check_experts(job: Job, dp: int | None) -> list:
     if e.experts == 0:
         return [] if p.ep == 1 else [("parallel.ep", f"ep = {p.ep} splits the experts of MoE blocks, but "
                                                      f"model.moe.experts = 0 (a dense model); set experts or ep = 1")]
-    if job.model.kind != "gpt":
-        return [("model.moe.experts", f"Mixture of Experts replaces the GPT's MLPs; model.kind = "
-                                      f"{toml_value(job.model.kind)} needs experts = 0")]
-    problems = []
+    problems = []  # (MoE on the CNN is refused by load_job: model.moe.experts applies to the GPT only)
     if e.top_k > e.experts:
         problems.append(("model.moe.top_k", f"{e.top_k} is more than the {e.experts} experts"))
     if e.every > job.model.n_layer:

@@ -14,11 +14,14 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from ... import checkpoint
+from ... import checkpoint, log
 from ...nn.dropout_keys import offset_dropout_key
+from ...nn.moe import is_router
 from ..config import JobError
 from ..config_types import toml_value
 from ...runtime.trace import NO_TRACE
+
+logger = log.get_logger(__name__)
 
 
 def split_rows(batch, parts: int) -> list:
@@ -167,8 +170,12 @@ class Strategy(ABC):
         """The model's weights alone from a step folder (``--load-weights-only``): optimizer state,
         schedule, data position and random streams start fresh; collective."""
         model, _, ctx = self.checkpoint_target()
-        info = checkpoint.load(step_dir, model, None, ctx)
+        upcycle = is_router if self.job.moe_config() is not None else None  # a dense checkpoint's MLPs: every expert
+        info = checkpoint.load(step_dir, model, None, ctx, upcycle=upcycle)
         self.after_load()
+        if info.get("upcycled", {}).get("experts") and ctx.rank == 0:
+            logger.info(f"upcycled: {info['upcycled']['experts']} expert tensors from the dense MLPs of {step_dir}, "
+                        f"{len(info['upcycled']['fresh'])} router(s) initialised anew")
         return info
 
     def _load(self, where: str, load) -> dict | None:

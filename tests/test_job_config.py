@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO
 from hpcpar.data.prepare import prepare
-from hpcpar.train.config import SECTIONS, Job, JobError, schema_table
+from hpcpar.train.config import SECTIONS, Job, JobError, schema_table, section_title
 from hpcpar.train.config_load import load_job, parse_override
 from hpcpar.train.validate import check_machine, validate
 
@@ -117,7 +117,7 @@ def test_unknown_key_names_it_suggests_and_lists_the_allowed(tmp_path):
     assert "parallel.micro_batch (--set): unknown key; did you mean 'micro_batches'?" in message
     assert "train.lr: unknown key; did you mean optimizer.lr?" in job_error(tmp_path, GOOD + "lr = 0.1\n")
     message = job_error(tmp_path, GOOD.replace("[model]", "[modle]"))
-    assert "[modle]: unknown section; did you mean 'model'? sections are model, data, parallel" in message
+    assert "[modle]: unknown section; did you mean 'model'? sections are model, model.moe, data, parallel" in message
     assert "steps: a key outside any section; did you mean train.steps?" in job_error(tmp_path, "steps = 3\n" + GOOD)
 
 
@@ -455,7 +455,7 @@ def test_schema_table_lists_every_key():
     assert list(defaults) == list(SECTIONS)
     for name, keys in defaults.items():
         for key in keys:
-            assert f"| {name}.{key} |" in table
+            assert f"| {section_title(name)}.{key} |" in table
     assert len(table.splitlines()) == 2 + sum(len(keys) for keys in defaults.values())
     assert "| checkpoint.async | true or false | `false` |" in table
 

@@ -167,12 +167,12 @@ def _misplaced_tables(raw: dict, from_cli: set) -> list[tuple[str, str]]:
         elif isinstance(table, dict):
             cli = " (--set)" if any(d.startswith(f"{name}.") for d in from_cli) else ""
             problems.append((f"[{name}]{cli}", f"unknown section; {_suggest(name, SECTIONS)}"
-                                               f"sections are {', '.join(SECTIONS)}"))
+                                               f"sections are {', '.join(map(section_title, SECTIONS))}"))
         else:
             owner = [s for s, cls in SECTIONS.items() if name in _fields_by_key(cls)]
             hint = f"did you mean {owner[0]}.{name}? " if owner else ""
             problems.append((name, f"a key outside any section; {hint}keys go under a [section]: "
-                                   f"{', '.join(SECTIONS)}"))
+                                   f"{', '.join(map(section_title, SECTIONS))}"))
     return problems
 
 

@@ -32,6 +32,8 @@ LAYOUTS = {  # ranks, overrides
     "ep2-tp2-sp": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "ep2-pp2": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2"]),
     "ep2-zero1": (4, ["parallel.ep=2", "parallel.zero=1"]),
+    "ep2-pp2-zb1-full": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2", 'parallel.schedule="zb1"',
+                             'model.recompute="full"']),  # weight gradients deferred; blocks rerun in backward
 }
 
 
@@ -78,7 +80,8 @@ def test_moe_equals_one_process_in_every_layout(tmp_path, token_file, one_proces
 
 def test_an_ep_4_checkpoint_continues_exactly_at_ep_1_and_ep_2(tmp_path, token_file, one_process):
     """Experts are saved as global (experts, ...) tensors: stopped after step 3 at ep 4, the run
-    ends at ep 1 (one process) and at ep 2 (dp 2) as the uninterrupted one does."""
+    ends at ep 1 (one process) and at ep 2 (dp 2) as the uninterrupted one does; one process
+    samples from it."""
     capacity = CAPACITIES["capacity-1.25"]
     moe_run(tmp_path / "straight", token_file, 4, *capacity, "parallel.ep=4", "checkpoint.interval=3")
     straight = final_parameters(str(tmp_path / "straight" / "ckpt"))
@@ -88,6 +91,9 @@ def test_an_ep_4_checkpoint_continues_exactly_at_ep_1_and_ep_2(tmp_path, token_f
         resumed = resumed_from_step_3(tmp_path / "straight", folder, token_file, ranks, *MOE, *capacity,
                                       f"parallel.ep={ep}", f'train.metrics="{folder}/m.jsonl"')
         assert largest_difference(resumed, straight) <= 1e-12
+    sample = subprocess.run([sys.executable, "-m", "hpcpar", "generate", str(tmp_path / "straight" / "ckpt"), "--tokens", "8",
+                             "--prompt", "def "], capture_output=True, text=True, timeout=120)
+    assert sample.returncode == 0 and sample.stdout.startswith("def "), sample.stdout + sample.stderr  # all experts here
 
 
 def test_a_dense_checkpoint_upcycles_into_every_expert(tmp_path, token_file):

@@ -1,5 +1,5 @@
 """Training steps through the NCCL communicator, on CPUs: the transfer guard's device and the NCCL
-double (tests/nccl_double.py). A few steps of the GPT under DDP, a pipeline, tensor and context parallelism
+double (tests/nccl_double.py). A few steps of the GPT under DDP, a pipeline, tensor, context and expert parallelism
 end exactly where the same job on the MPI communicator ends (also ZeRO-1 and the
 interleaved schedule, whose pair of ranks carries several channels), and every NCCL call passed the
 double's stream-order checks. Run at 1, 2 and 4 ranks (layouts that do not fit are skipped).
@@ -26,8 +26,9 @@ LAYOUTS = {"ddp": ["parallel.pp=1", "parallel.tp=1"],
            "tp": ["parallel.pp=1", "parallel.tp=2", "parallel.sequence_parallel=true"],
            "zero": ["parallel.pp=1", "parallel.tp=1", "parallel.zero=1"],
            "cp": ["parallel.pp=1", "parallel.tp=1", "parallel.cp=2"],  # ring attention's isend/irecv pairs
+           "moe": ["parallel.pp=1", "parallel.tp=1", "model.moe.experts=4", "parallel.ep=2"],  # all-to-all on ep
            "ps": ["parallel.pp=1", "parallel.tp=1", 'parallel.mode="ps"', "parallel.servers=1", "data.batch_size=6"]}
-RANKS_NEEDED = {"ddp": 1, "pipeline": 2, "interleaved": 2, "tp": 2, "zero": 1, "ps": 2, "cp": 2}
+RANKS_NEEDED = {"ddp": 1, "pipeline": 2, "interleaved": 2, "tp": 2, "zero": 1, "ps": 2, "cp": 2, "moe": 2}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,8 @@ def double(monkeypatch):
 
 def run(folder, name, layout, backend):
     size = MPI.COMM_WORLD.Get_size()
-    dp = size - 1 if layout == "ps" else size // RANKS_NEEDED[layout]  # ps: one server, the rest workers
+    # ps: one server, the rest workers; moe: every rank a replica, experts over pairs of them
+    dp = {"ps": size - 1, "moe": size}.get(layout, size // RANKS_NEEDED[layout])
     overrides = [f"parallel.dp={dp}", 
         f"parallel.backend=\"{backend}\"", 'train.device="guard"', "train.steps=3",
         "train.log_interval=1", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16",

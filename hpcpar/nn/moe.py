@@ -264,8 +264,8 @@ class MoE(Module):
         """Each token's output: its experts' outputs weighted by their gates (top-2: renormalised)."""
         k, experts = self.moe.top_k, self.moe.experts
         xp = slots.xp
-        gates = ops.getitem(ops.reshape(probs, (n, experts)),
-                            (to_device(np.arange(n)[:, None], xp), to_device(routing.experts, xp)))  # (n, k)
+        chosen = (np.arange(n)[:, None] * experts + routing.experts).reshape(-1)  # flat: rows, whose backward is portable
+        gates = ops.reshape(ops.getitem(ops.reshape(probs, (n * experts,)), to_device(chosen, xp)), (n, k))
         if k > 1:
             gates = gates / ops.sum(gates, axis=-1, keepdims=True)
         slots = ops.reshape(slots, (n, k, slots.shape[-1]))

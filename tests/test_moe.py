@@ -32,6 +32,7 @@ LAYOUTS = {  # ranks, overrides
     "ep2-tp2-sp": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "ep2-pp2": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2"]),
     "ep2-zero1": (4, ["parallel.ep=2", "parallel.zero=1"]),
+    "ep2-zero2": (4, ["parallel.ep=2", "parallel.zero=2", "parallel.bucket_mb=0.01"]),
     "ep2-pp2-zb1-full": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2", 'parallel.schedule="zb1"',
                              'model.recompute="full"']),  # weight gradients deferred; blocks rerun in backward
 }
@@ -214,7 +215,7 @@ def test_top_1_gates_are_router_probabilities_and_top_2_sum_to_one():
     (["model.moe.experts=4", "parallel.ep=4"], 2, "parallel.ep", "ep = 4 does not divide dp = 2"),
     (["model.moe.experts=1", "model.moe.top_k=2"], 1, "model.moe.top_k", "2 is more than the 1 experts"),
     (["parallel.ep=2"], 2, "parallel.ep", "model.moe.experts = 0"),
-    (["model.moe.experts=4", "parallel.ep=2", "parallel.zero=2"], 2, "parallel.zero", "ZeRO-2 with expert parallelism"),
+    (["model.moe.experts=4", "parallel.ep=2", "parallel.zero=3"], 2, "parallel.zero", "ZeRO-3 with expert parallelism"),
     (["model.moe.experts=4", "parallel.cp=2"], 2, "parallel.cp", "routes and balances whole sequences"),
     (["model.moe.experts=4", 'parallel.mode="local_sgd"'], 2, "parallel.mode", "allreduce"),
 ])

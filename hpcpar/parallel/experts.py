@@ -1,8 +1,8 @@
-"""Expert parallelism's gradient sync and ZeRO-1: experts averaged over edp, the rest over dp.
+"""Expert parallelism's gradient sync and ZeRO-1/2: experts averaged over edp, the rest over dp.
 
 An MoE block's experts split over the ep group (``ParallelContext.expert_groups``) are
 ``expert_parallel`` parameters: each rank of the group holds other experts, so DDP and ZeRO over
-dp cannot hold them. They get a sync (and a ZeRO-1) of their own over edp, the dp / ep ranks
+dp cannot hold them. They get a sync (and a ZeRO-1 or 2) of their own over edp, the dp / ep ranks
 that hold the same experts (DeepSpeed's expert-data-parallel group); their gradients arrive
 already divided by ep (``nn.moe``), so the mean over edp is the mean over dp of every rank's loss.
 
@@ -20,6 +20,7 @@ from ..state import Checkpointable, LoadPlan, ParameterList, Saved
 from ..optim.clip import scale_to_norm
 from .data import DistributedDataParallel
 from .grad_sync import BucketedAllReduce, GradientSync, LocalGradients, OptimizerReduces
+from .zero_grads import BucketedReduceScatter
 
 
 def split_experts(holder) -> tuple[ParameterList, ParameterList]:
@@ -29,9 +30,14 @@ def split_experts(holder) -> tuple[ParameterList, ParameterList]:
             ParameterList([(n, p) for n, p in named if p.expert_parallel]))
 
 
-def make_expert_sync(experts: ParameterList, ctx, *, bucket_mb: float, overlap: bool, zero: int) -> GradientSync:
-    """The experts' sync: ZeRO-1 reduces in its optimizer; else DDP over edp (several ranks hold them)."""
+def make_expert_sync(experts: ParameterList, ctx, *, bucket_mb: float, overlap: bool, zero: int,
+                     master_dtype) -> GradientSync:
+    """The experts' sync: ZeRO-1 reduces in its optimizer, ZeRO-2 reduce-scatters buckets over edp
+    into ``master_dtype``; else DDP over edp (several ranks hold them)."""
     _, replicas = ctx.expert_groups(ctx.expert_group().size)
+    if zero == 2:
+        return BucketedReduceScatter(experts, ctx, bucket_mb=bucket_mb, overlap=overlap,
+                                     dtype=master_dtype or experts.named[0][1].dtype, comm=replicas)
     if zero:
         return OptimizerReduces(experts, ctx)
     if replicas.size > 1:
@@ -64,9 +70,14 @@ class ExpertSplitSync(GradientSync):
     def describe(self) -> str:
         return f"{self.dense.describe()}, experts: {self.experts.describe()} over edp"
 
+    def check_layout(self, zero: "ExpertSplitZero") -> None:
+        """ZeRO-2: each part's buckets lay out what its optimizer steps."""
+        self.dense.check_layout(zero.dense)
+        self.experts.check_layout(zero.experts)
+
 
 class ExpertSplitZero(Checkpointable):
-    """ZeRO-1 of the dense parameters over dp and of the experts over edp, one optimizer to the update."""
+    """ZeRO-1/2 of the dense parameters over dp and of the experts over edp, one optimizer to the update."""
 
     def __init__(self, dense, experts, group):
         self.dense, self.experts, self.group = dense, experts, group  # ZeroRedundancyOptimizers, the ep group
@@ -84,6 +95,10 @@ class ExpertSplitZero(Checkpointable):
     def reduce_gradients(self) -> None:
         for part in self.parts:
             part.reduce_gradients()
+
+    def take_shard_gradient(self, sync: ExpertSplitSync, scale: float = 1.0) -> None:
+        self.dense.take_shard_gradient(sync.dense, scale)
+        self.experts.take_shard_gradient(sync.experts, scale)
 
     def named_shard_grads(self):
         for part in self.parts:

@@ -134,6 +134,13 @@ class ZeroRedundancyOptimizer(Checkpointable):
         average_over(self.replicas, self.shard.grad)
         return self.shard.grad
 
+    def take_shard_gradient(self, sync, scale: float = 1.0) -> None:
+        """ZeRO-2: the shard gradient ``sync`` reduced during backward, unscaled by the loss ``scale``."""
+        grad = sync.take_shard_gradient()
+        if scale != 1.0:
+            grad *= 1.0 / scale
+        self.shard.grad = grad
+
     def named_shard_grads(self):
         """(name, the part of the shard's gradient that is that parameter's) for each parameter the
         shard overlaps: what a finiteness check reads when the shard is the only gradient."""

@@ -51,7 +51,8 @@ class SynchronousStrategy(Strategy):
                                             replicas=self.replicas)
         if experts is not None:
             self.grad_sync = ExpertSplitSync(self.grad_sync, make_expert_sync(experts, self.ctx, bucket_mb=p.bucket_mb,
-                                                                              overlap=overlap, zero=p.zero))
+                                                                              overlap=overlap, zero=p.zero,
+                                                                              master_dtype=precision.master_dtype))
 
     def auxiliary_losses(self):
         """Around a step's forwards and backwards: MoE blocks seed their auxiliary losses as the

@@ -51,10 +51,7 @@ class ShardedUpdate:
         if self.sync is None:
             self.optimizer.reduce_gradients()
         else:
-            grad = self.sync.take_shard_gradient()
-            if self.precision.scale != 1.0:
-                grad *= 1.0 / self.precision.scale
-            self.optimizer.shard.grad = grad
+            self.optimizer.take_shard_gradient(self.sync, self.precision.scale)
         self.reduced = True
 
     def clip(self, max_norm: float) -> float:

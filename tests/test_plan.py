@@ -16,7 +16,8 @@ from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.parallel.pipeline.schedules import make_schedule, simulate
 from hpcpar.plan import machine as machines
 from hpcpar.plan.layouts import plan_layouts
-from hpcpar.plan.model import Shape, activation_ratio, gpt_block, korthikanti_bytes, layers
+from hpcpar.plan.inventory import layers
+from hpcpar.plan.model import Shape, activation_ratio, gpt_block, korthikanti_bytes
 from hpcpar.plan.predict import NotModelled, StepPlan
 from hpcpar.train.config_load import load_job
 from hpcpar.train.validate import validate

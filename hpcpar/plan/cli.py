@@ -144,12 +144,16 @@ def table(job, world: int, machine, ranked, top: int) -> str:
     rows = [[str(i + 1), q.label, f"{q.step_s * 1e3:,.2f}", f"{tokens / q.step_s:,.0f}", _mb(q.memory.total),
              "yes" if ranked.fits[id(q)] else "NO", f"{100 * q.comm_share:.0f}%", f"{100 * q.bubble_share:.0f}%",
              f"{q.traffic.wire() / 2**20:,.2f}"] for i, q in enumerate(shown)]
-    m = job.model
+    m, e = job.model, job.moe
+    moe = m.kind == "gpt" and e.experts > 0
     model = (f"GPT {m.n_layer} layers, width {m.n_embd}, {m.n_head} heads, context {m.block_size}, "
              f"{parameter_count(job) / 1e6:,.1f} M parameters" if m.kind == "gpt" else "digits CNN")
+    if moe:
+        model += (f" (MoE: {e.experts} experts, top {e.top_k}, in {m.n_layer // e.every} of {m.n_layer} blocks, "
+                  + ("dropless)" if e.capacity_factor is None else f"capacity factor {e.capacity_factor:g})"))
     title = (f"hpcpar plan: {model}, global batch {job.data.batch_size}, {job.precision.name}, {world} ranks on "
              f"{machine.name} ({len(ranked.predictions)} valid layouts, planned in {ranked.seconds:.1f} s)")
-    text = format_table(["#", f"layout {layout_heading()}", "step ms", unit, "memory/rank", "fits", "comm",
+    text = format_table(["#", f"layout {layout_heading(moe)}", "step ms", unit, "memory/rank", "fits", "comm",
                          "bubble", "MB sent/step"], rows, title)
     if top and len(ranked.predictions) > top:
         text += f"\n... {len(ranked.predictions) - top} more (--top 0 shows all)"
@@ -162,16 +166,19 @@ def table(job, world: int, machine, ranked, top: int) -> str:
     return text
 
 
-def layout_heading() -> str:
-    """The axes as the labels spell them: "dp x pp x tp[-cp]" (a suffix axis only above 1)."""
+def layout_heading(moe: bool = False) -> str:
+    """The axes as the labels spell them: "dp x pp x tp[-cp]" (a suffix axis only above 1), and
+    "[-ep]" for an MoE job's expert parallelism (``predict.Layout.label``)."""
     digits = [name for name in GRID.spelt if not GRID.axis(name).suffix]
-    return " x ".join(digits) + "".join(f"[-{name}]" for name in GRID.spelt if GRID.axis(name).suffix)
+    suffixes = [name for name in GRID.spelt if GRID.axis(name).suffix] + (["ep"] if moe else [])
+    return " x ".join(digits) + "".join(f"[-{name}]" for name in suffixes)
 
 
 def parameter_count(job) -> int:
-    from .model import layers, shape_of
+    from .inventory import layers
+    from .model import shape_of
 
-    return sum(e for layer in layers(shape_of(job, 1, tp=1)) for name, e, _ in layer.params
+    return sum(e for layer in layers(shape_of(job, 1, tp=1, ep=1)) for name, e, _ in layer.params
                if not (name == "embed.wte.weight" and layer.name == "head"))
 
 

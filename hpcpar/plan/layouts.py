@@ -3,14 +3,16 @@
 A candidate is a factorisation of the world into the grid's axes (cp included: valid where the
 block size divides by 2 cp) with, for pp > 1, each schedule hpcpar has (``gpipe``, ``1f1b``,
 ``interleaved`` with 2 chunks, ``zb1``) and a few micro-batch counts (the job's, 2 pp and 4 pp),
-with and without sequence parallelism when tp > 1, and each ZeRO stage 0-3 when dp x cp > 1
-(without compression). The job's own checks (``train.validate``) decide what is valid.
+with and without sequence parallelism when tp > 1, each ZeRO stage 0-3 when dp x cp > 1
+(without compression), and for an MoE GPT each expert parallelism ep dividing dp and the
+experts. The job's own checks (``train.validate``) decide what is valid.
 Recomputation only buys memory, so a layout that does not fit with the job's ``model.recompute``
 is tried with ``selective`` and then ``full`` (the first that fits is kept, labelled ``rc=...``);
 a valid layout that fits in none is kept but marked as not fitting and ranked after every one.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, replace
 
@@ -44,15 +46,22 @@ def candidates(job, world: int) -> list:
         # ZeRO's stages where there are dp x cp ranks to shard over and no compressor (validation drops
         # the modes that have no ZeRO)
         zeros = (0, 1, 2, 3) if mesh.size("dp") * mesh.size("cp") > 1 and p.compression == "none" else (p.zero,)
-        for schedule in schedules:
-            for m in micro:
-                for sp in ((False, True) if tp > 1 else (False,)):
-                    for zero in zeros:
-                        parallel = replace(p, **mesh.by_name(), schedule=schedule, micro_batches=m,
-                                           chunks=2 if schedule == "interleaved" else 1, sequence_parallel=sp,
-                                           zero=zero)
-                        out.append(replace(job, parallel=parallel))
+        for schedule, m, sp, zero, ep in itertools.product(schedules, micro, (False, True) if tp > 1 else (False,),
+                                                           zeros, expert_parallelisms(job, mesh)):
+            parallel = replace(p, **mesh.by_name(), schedule=schedule, micro_batches=m,
+                               chunks=2 if schedule == "interleaved" else 1, sequence_parallel=sp, zero=zero, ep=ep)
+            out.append(replace(job, parallel=parallel))
     return out
+
+
+def expert_parallelisms(job, mesh) -> tuple:
+    """The ep tried on ``mesh``: for an MoE GPT every divisor of dp that divides the experts (ep = 1
+    alone under cp > 1, which MoE refuses: the ep = 1 variants say so); else the job's."""
+    experts, dp = job.moe.experts if job.model.kind == "gpt" else 0, mesh.size("dp")
+    if not experts:
+        return (job.parallel.ep,)
+    return tuple(ep for ep in range(1, dp + 1)
+                 if dp % ep == 0 and experts % ep == 0 and (ep == 1 or mesh.size("cp") == 1))
 
 
 def label_of(job) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..parallel.zero_grads import IN_FLIGHT
 from ..parallel.zero_params import gathered_at_peak
 from .schedule import in_flight, schedule_of
-from .traffic import bucket_bytes, builds_ddp, reduce_scatter_buckets
+from .traffic import bucket_bytes, builds_ddp, reduce_scatter_buckets, sync_groups
 
 
 @dataclass
@@ -100,7 +100,8 @@ def _backward_peak(plan, layers, waiting: float, gradients: float, all_gradients
 
 def rank_memory(plan, rank: int, held: int) -> Memory:
     """Pipeline rank ``rank``'s memory with ``held`` micro-batches in flight: its parameters; Adam's
-    moments (SGD's momentum) over the master elements (a ZeRO-1 shard: 1/dp, padded) and float32
+    moments (SGD's momentum) over the master elements (a ZeRO shard: 1/dp, padded; an MoE's experts
+    under expert parallelism 1/(dp/ep) of those this rank holds: ``sync_groups``) and float32
     masters under fp16/bf16; DDP's buckets or ZeRO's flat buffers; and the step's peak. At the peak
     the micro-batches in flight keep what each layer keeps for backward (less what recomputation
     drops), a stage's received input and sent output where its layers do not, and the graph's and
@@ -113,7 +114,7 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
     params = plan.rank_parameters(rank)
     elements = sum(e for _, e, _ in params)
     stages = list(range(rank, lay.pp * lay.chunks, lay.pp))
-    state_elements = -(-elements // plan.shards) if job.parallel.zero else elements
+    state_elements = sum(sync.shard for sync in sync_groups(plan, params)) if job.parallel.zero else elements
     moments = {"adamw": 2, "adam": 2, "sgd": 1 if job.optimizer.momentum else 0}[job.optimizer.name]
     optimizer = state_elements * master * moments + (elements * 4 if plan.mixed and job.parallel.zero < 3 else 0)
     parameters = _zero3_parameters(plan, rank, state_elements) if job.parallel.zero == 3 else elements * d
@@ -163,22 +164,25 @@ def _zero3_parameters(plan, rank: int, shard: int) -> float:
 
 
 def _gradient_buffers(plan, params, one_backward: bool) -> tuple[float, float]:
-    """(bytes of the gradient sync's buffers, the most bytes of gradients backward holds at once).
+    """(bytes of the gradient sync's buffers, the most bytes of gradients backward holds at once),
+    summed over the sync groups (``traffic.sync_groups``: the experts apart under expert parallelism).
 
     DDP's buckets; ZeRO-1's flat gradient (the flat parameters are the masters, or the
     parameters); ZeRO-2's shard gradient and the buckets alive at once (those in flight and one
     filling), and when one backward makes the step's gradients (no accumulation, one stage)
     each is freed into its bucket, so no more than a bucket of them is held."""
-    job, lay, d, master = plan.job, plan.layout, plan.dtype_bytes, plan.master_bytes
-    elements = sum(e for _, e, _ in params)
-    shard = -(-elements // plan.shards)
-    if job.parallel.zero >= 2 and params:
-        buckets = reduce_scatter_buckets(plan, params)
-        held = min(elements * d, max(buckets) / master * d) if one_backward else elements * d
-        return shard * master + sum(sorted(buckets)[-(IN_FLIGHT + 1):]), held
-    if job.parallel.zero:
-        return shard * plan.shards * master, elements * d
-    return (elements * d if builds_ddp(job, lay) else 0.0), elements * d
+    job, d, master = plan.job, plan.dtype_bytes, plan.master_bytes
+    buffers = held = 0  # (integers where the parts are)
+    for sync in sync_groups(plan, params):
+        elements, shard = sync.elements, sync.shard
+        if job.parallel.zero >= 2 and sync.params:
+            buckets = reduce_scatter_buckets(plan, sync.params)
+            held += min(elements * d, max(buckets) / master * d) if one_backward else elements * d
+            buffers += shard * master + sum(sorted(buckets)[-(IN_FLIGHT + 1):])
+            continue
+        held += elements * d
+        buffers += shard * sync.ranks * master if job.parallel.zero else (elements * d if sync.ddp else 0.0)
+    return buffers, held
 
 
 def _float32_bucket_copies(plan, params) -> list:
@@ -187,7 +191,8 @@ def _float32_bucket_copies(plan, params) -> list:
     job, d = plan.job, plan.dtype_bytes
     if not builds_ddp(job, plan.layout) or job.precision.name != "bf16" or job.parallel.backend == "nccl":
         return []
-    return [n / d * 4 for n in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d))]
+    return [n / d * 4 for sync in sync_groups(plan, params) if sync.ddp
+            for n in bucket_bytes([e * d for _, e, _ in sync.params], job.parallel.bucket_mb, str(d))]
 
 
 def memory_per_rank(plan) -> Memory:

@@ -11,13 +11,14 @@ number of autograd ops (each pays the machine's fixed ``op_overhead_s``). Backwa
 Notation, per micro-batch: b rows of s tokens (N = b s tokens; b s / C on a rank of C
 context-parallel ones), width h, a heads, vocabulary V, t tensor-parallel ranks, r = N / t
 tokens outside the sharded regions under sequence parallelism (else N), d bytes per element of
-the compute dtype. Ring attention's transfers are a block's ``Ring``.
+the compute dtype. Ring attention's transfers are a block's ``Ring``. (An MoE block: ``moe``; the
+model's layers in order: ``inventory``.)
 """
 from __future__ import annotations
 
-import functools
+import math
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..nn.activation_memory import block_kept_bytes, embedding_kept_bytes, head_kept_bytes, keeps_input, local_length
 from ..nn.gpt import RECOMPUTE
@@ -101,6 +102,37 @@ class Layer:
     forward_temporaries: float = 0.0  # the largest of its forward beyond what it keeps
     keeps_output: bool = True  # whether its kept bytes (or a view of them) hold its output
     ring: Ring | None = None  # a block's ring attention under context parallelism
+    ep_forward: list = field(default_factory=list)  # [(op, bytes given)] on the ep communicator (an MoE block's)
+    ep_backward: list = field(default_factory=list)
+    expert_params: frozenset = frozenset()  # names of its expert-parallel parameters (an MoE block's experts)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A GPT's Mixture of Experts (``[model.moe]``, ``nn.moe``) and its expert parallelism."""
+
+    experts: int  # E, per MoE block
+    top_k: int = 2
+    capacity_factor: float | None = None  # None: dropless
+    every: int = 1  # blocks every - 1, 2 every - 1, ... have experts
+    ep: int = 1  # ranks each block's experts are split over
+
+    @property
+    def local(self) -> int:
+        """The experts a rank holds."""
+        return self.experts // self.ep
+
+    def is_moe_block(self, index: int) -> bool:
+        return (index + 1) % self.every == 0
+
+    def assignments(self, rows: int, seq: int) -> int:
+        """A: the (token, expert) rows a rank keeps per micro-batch of ``rows`` sequences of ``seq`` tokens
+        under uniform routing, each expert taking seq k / E of a sequence but at most its capacity
+        ceil(seq k cf / E) (``MoEConfig.capacity``): rows min(seq k, E capacity); dropless rows seq k."""
+        wanted = seq * self.top_k
+        if self.capacity_factor is None:
+            return rows * wanted
+        return rows * min(wanted, self.experts * math.ceil(wanted * self.capacity_factor / self.experts))
 
 
 @dataclass(frozen=True)
@@ -122,6 +154,7 @@ class Shape:
     channels: tuple = (16, 32)
     attn_dropout: float = 0.0
     cp: int = 1  # context-parallel ranks splitting each sequence
+    moe: Experts | None = None  # Mixture of Experts in some blocks (None: a dense GPT)
 
     @property
     def tokens(self) -> int:
@@ -138,34 +171,21 @@ class Shape:
         return PRECISIONS[self.precision].compute_dtype
 
 
-def shape_of(job, rows: int, tp: int | None = None) -> Shape:
-    m, p = job.model, job.parallel
+def shape_of(job, rows: int, tp: int | None = None, ep: int | None = None) -> Shape:
+    m, p, e = job.model, job.parallel, job.moe
     t = p.tp if tp is None else tp
+    moe = None
+    if m.kind == "gpt" and e.experts:
+        moe = Experts(e.experts, e.top_k, e.capacity_factor, e.every, p.ep if ep is None else ep)
     return Shape(kind=m.kind, rows=rows, precision=job.precision.name, tp=t,
                  sequence_parallel=bool(p.sequence_parallel and t > 1), block_size=m.block_size, n_layer=m.n_layer,
                  n_head=m.n_head, n_embd=m.n_embd, vocab_size=m.vocab_size, bias=m.bias, tie_weights=m.tie_weights,
-                 channels=tuple(m.channels), attn_dropout=m.dropout, cp=p.cp)
-
-
-def layers(shape: Shape) -> list[Layer]:
-    """The model's layers in ``layers()`` order, each costed for one micro-batch of ``shape.rows`` rows
-    (shared between the plans of one shape: read, never changed)."""
-    return list(_layers(shape))
-
-
-@functools.lru_cache(maxsize=256)  # a layout search plans the same shape for many layouts
-def _layers(shape: Shape) -> tuple[Layer, ...]:
-    if shape.kind == "cnn":
-        return tuple(cnn_layers(shape))
-    first = gpt_block(shape, 0)  # every block costs the same: copies under their own names
-    blocks = [replace(first, name=f"blocks.{i}", params=[(n.replace("blocks.0.", f"blocks.{i}.", 1), e, sp)
-                                                         for n, e, sp in first.params]) for i in range(shape.n_layer)]
-    return tuple([gpt_embedding(shape)] + blocks + [gpt_head(shape)])
+                 channels=tuple(m.channels), attn_dropout=m.dropout, cp=p.cp, moe=moe)
 
 
 # ---------------------------------------------------------------------------------------------
 # GPT
-def _enter(shape: Shape, elements: float) -> tuple[list, list]:
+def tp_entering(shape: Shape, elements: float) -> tuple[list, list]:
     """Communication entering a column-parallel layer with ``elements`` = N h (forward, backward)."""
     t, d = shape.tp, shape.dtype_bytes
     if t == 1:
@@ -175,7 +195,7 @@ def _enter(shape: Shape, elements: float) -> tuple[list, list]:
     return [], [("allreduce", elements * d)]
 
 
-def _leave(shape: Shape, elements: float) -> tuple[list, list]:
+def tp_leaving(shape: Shape, elements: float) -> tuple[list, list]:
     """Communication leaving a row-parallel layer (partial sums of N h): forward, backward."""
     t, d = shape.tp, shape.dtype_bytes
     if t == 1:
@@ -190,7 +210,7 @@ def gpt_embedding(shape: Shape) -> Layer:
     r = N / t if shape.sequence_parallel else N
     fwd = Work(ops=4).add("embedding", 2 * N * h * d).add("copy", 3 * r * h * d)
     bwd = Work(ops=4).add("embedding", (2 * V / t * h + 3 * N * h) * d).add("copy", 2 * r * h * d)
-    tp_f, tp_b = _leave(shape, N * h)
+    tp_f, tp_b = tp_leaving(shape, N * h)
     return Layer("embed", [("embed.wte.weight", V // t * h, False), ("embed.wpe.weight", shape.block_size * h, True)],
                  fwd, bwd, Work(), saved_bytes=embedding_kept_bytes(shape.rows, shape.block_size, h, dtype=shape.dtype, tp=t,
                                                             sequence_parallel=shape.sequence_parallel,
@@ -221,16 +241,15 @@ def gpt_block(shape: Shape, index: int) -> Layer:
     kept = {mode: block_kept_bytes(b, s, h, a, dtype=shape.dtype, tp=t, sequence_parallel=shape.sequence_parallel,
                                    recompute=mode, dropout=shape.attn_dropout, cp=shape.cp) for mode in RECOMPUTE}
     # backward temporaries on top of what is kept: attention's two (T, T) arrays (the ring's, below),
-    # GELU's (its incoming gradient, g and 1 - t^2 in float32, and under 16 bits the input's float32
-    # copy and the tanh it recomputes), the gradient in flight (2 N h)
-    gelu = 4 * N * h / t * (d + (4 if c > d else 2) * c)
+    # GELU's, the gradient in flight (2 N h)
+    gelu = gelu_workspace(shape, N)
     workspace = (_ring_workspace(shape) if ring else 2 * scores * c) + gelu + 2 * N * h * d
     # Backward frees as it goes: GELU's temporaries come after the MLP projection has released its
     # input (the GELU output, 4 N h / t); attention's after GELU has released the fc output
     # (4 N h / t). The projection's own temporaries, before either, are smaller than GELU's.
     steps = [(4 * N * h / t * d, gelu + 2 * N * h * d), (8 * N * h / t * d, workspace)]
     tp_f, tp_b = [], []
-    for entering in (_enter, _leave, _enter, _leave):  # attention in and out, MLP in and out
+    for entering in (tp_entering, tp_leaving, tp_entering, tp_leaving):  # attention in and out, MLP in and out
         f, bk = entering(shape, N * h)
         tp_f += f
         tp_b += bk
@@ -245,6 +264,14 @@ def gpt_block(shape: Shape, index: int) -> Layer:
                  tp_backward=tp_b, kept_by_recompute=kept,
                  keeps_input={mode: keeps_input(shape.dtype, mode) for mode in RECOMPUTE}, backward_steps=steps,
                  ring=gpt_ring(shape, fwd, bwd_input) if ring else None)
+
+
+def gelu_workspace(shape: Shape, rows: float) -> float:
+    """GELU's backward temporaries over ``rows`` rows of 4 h / t: its incoming gradient, g and 1 - t^2
+    in float32, and under 16 bits the input's float32 copy and the tanh it recomputes."""
+    h, t, d = shape.n_embd, shape.tp, shape.dtype_bytes
+    c = max(d, 4)
+    return 4 * rows * h / t * (d + (4 if c > d else 2) * c)
 
 
 def score_elements(shape: Shape) -> float:
@@ -289,7 +316,7 @@ def gpt_head(shape: Shape) -> Layer:
                  .add("cross_entropy", passes("cross_entropy", N * V / t, c, True)))
     bwd_weight = Work(ops=1).add("gemm", gemm)
     saved = head_kept_bytes(b, s, h, V, dtype=shape.dtype, tp=t, sequence_parallel=shape.sequence_parallel, cp=shape.cp)
-    tp_f, tp_b = _enter(shape, N * h)
+    tp_f, tp_b = tp_entering(shape, N * h)
     if t > 1:  # vocab-parallel cross entropy: all-reduce of the row maxima, then of (sum of exp, target logit)
         tp_f = tp_f + [("allreduce", N * c), ("allreduce", 2 * N * c)]
     params = [("head.ln_f.weight", h, True)] + ([("head.ln_f.bias", h, True)] if shape.bias else [])

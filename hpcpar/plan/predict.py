@@ -16,19 +16,21 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..runtime.grid import GRID
-from ..runtime.stats import ring_wire_bytes
 from ..parallel.pipeline.partition import counts_to_bounds, min_max_bounds, uniform_bounds
 from ..parallel.pipeline.schedules import simulate
 from ..parallel.hybrid import default_shard_size
 from ..parallel.zero_params import group_layers, reshards
 from .machine import Machine
 from .memory import Memory, memory_per_rank
-from .model import Layer, Work, layers, shape_of
+from .inventory import layers
+from .model import Layer, Work, shape_of
 from .schedule import schedule_of
-from .traffic import (Traffic, bucket_bytes, builds_ddp, reduce_scatter_buckets, shard_sequence_parallel_elements,
-                      stage_parameters, step_traffic)
+from .traffic import (Traffic, bucket_bytes, reduce_scatter_buckets, shard_sequence_parallel_elements, stage_parameters,
+                      step_traffic, sync_groups, wire_bytes)
 
 ELEMENTWISE_RATE = {"gemm": "gemm_flops", "attention": "attention_flops", "conv": "conv_flops"}
+# Families computed in float32 under 16 bits whatever the step's precision: an MoE router's product
+WIDE = {"router": "gemm_flops"}
 
 
 class NotModelled(ValueError):
@@ -62,12 +64,13 @@ class Layout:
     sequence_parallel: bool = False
     zero: int = 0  # the ZeRO stage over dp x cp
     cp: int = 1  # context parallelism: ranks splitting each sequence (ring attention)
+    ep: int = 1  # expert parallelism: consecutive dp ranks splitting each MoE block's experts
 
     @classmethod
     def of(cls, job) -> "Layout":
         p = job.parallel
         return cls(p.dp, p.pp, p.tp, p.schedule if p.pp > 1 else "-", p.micro_batches, p.chunks if p.pp > 1 else 1,
-                   bool(p.sequence_parallel and p.tp > 1), int(p.zero), p.cp)
+                   bool(p.sequence_parallel and p.tp > 1), int(p.zero), p.cp, p.ep)
 
     @property
     def world(self) -> int:
@@ -85,6 +88,7 @@ class Layout:
 
     def label(self) -> str:
         text = GRID.mesh(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp).label()  # "2x1x2", "2x1x2-cp2"
+        text += f"-ep{self.ep}" if self.ep > 1 else ""
         if self.pp > 1:
             text += f" {self.schedule} m{self.micro_batches}" + (f" v{self.chunks}" if self.chunks > 1 else "")
         elif self.micro_batches > 1:
@@ -119,7 +123,12 @@ def work_seconds(work: Work, machine: Machine, precision: str) -> float:
     c = machine.compute_for(precision)
     seconds = work.ops * c.op_overhead_s
     for family, units in work.units.items():
-        rate = (getattr(c, ELEMENTWISE_RATE[family]) or c.gemm_flops) if family in ELEMENTWISE_RATE else c.rate_of(family)
+        if family in WIDE:
+            rate = getattr(machine.compute_for("fp32" if precision in ("bf16", "fp16") else precision), WIDE[family])
+        elif family in ELEMENTWISE_RATE:
+            rate = getattr(c, ELEMENTWISE_RATE[family]) or c.gemm_flops
+        else:
+            rate = c.rate_of(family)
         seconds += units / rate
     return seconds * c.model_factor
 
@@ -138,9 +147,11 @@ class StepPlan:
         self.dtype_bytes = job.precision.itemsize
         self.master_bytes = job.precision.master_itemsize
         self.recompute = recompute or getattr(job.model, "recompute", "none")
-        # ZeRO's shard groups over dp x cp (parallel.hybrid): its ranks in a node are consecutive, tp fastest
+        # ZeRO's shard groups over dp x cp (parallel.hybrid): its ranks in a node are consecutive, tp
+        # fastest; no hybrid sharding under expert parallelism (ZeRO then shards the dense part over dp)
+        hybrid = job.parallel.zero and lay.ep == 1
         self.shards = (job.parallel.shard_size or default_shard_size(lay.dp_cp, machine.ranks_per_node // lay.tp)
-                       if job.parallel.zero else lay.dp_cp)
+                       if hybrid else lay.dp_cp)
         self.zero_comm = lay.grad_comm if self.shards == lay.dp_cp else "dp-shard"  # where ZeRO's collectives run
         self.reshards = job.parallel.zero == 3 and reshards(job.parallel.reshard_after_forward, lay.pp)
         if self.reshards and job.train.device != "cpu":
@@ -155,6 +166,7 @@ class StepPlan:
         self._holders, self._parameters, self._unit_cache, self._memory = None, {}, {}, None
         self.bounds = self._bounds(job.parallel.partition)
         self.stage_layers = [self.layers[self.bounds[s]: self.bounds[s + 1]] for s in range(lay.pp * lay.chunks)]
+        self.expert_names = frozenset().union(*(layer.expert_params for layer in self.layers))  # MoE blocks' experts
 
     def _bounds(self, method) -> list[int]:
         stages = self.layout.pp * self.layout.chunks
@@ -171,7 +183,8 @@ class StepPlan:
         lay, per_node = self.layout, self.machine.ranks_per_node
         grads = lay.tp * lay.dp_cp  # rank order pp, dp, cp, tp: a cp group spans tp x cp ranks, dp x cp tp x cp x dp
         span = {"tp": lay.tp, "cp": lay.tp * lay.cp, "dp": grads, "dp*cp": grads, "dp-shard": lay.tp * self.shards,
-                "dp-replica": grads, "pp": lay.world, "pp-tied": lay.world, "world": lay.world}[comm]
+                "dp-replica": grads, "ep": lay.tp * lay.ep, "edp": grads, "pp": lay.world, "pp-tied": lay.world,
+                "world": lay.world}[comm]  # ep: consecutive dp ranks (cp = 1); edp: every ep-th
         return span > per_node
 
     def collective_seconds(self, comm: str, op: str, nbytes: float) -> float:
@@ -186,11 +199,12 @@ class StepPlan:
     def _collective_seconds(self, comm: str, op: str, nbytes: float) -> float:
         lay = self.layout
         ranks = {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "dp*cp": lay.dp_cp, "dp-shard": self.shards,
-                 "dp-replica": lay.dp_cp // self.shards, "pp": lay.pp, "pp-tied": 2, "world": lay.world}[comm]
+                 "dp-replica": lay.dp_cp // self.shards, "ep": lay.ep, "edp": lay.dp // lay.ep, "pp": lay.pp,
+                 "pp-tied": 2, "world": lay.world}[comm]
         if ranks == 1:
             return 0.0
         link = self.machine.link(op, ranks, self.crosses_nodes(comm))
-        wire = int(nbytes) if op == "send" else ring_wire_bytes(op, int(nbytes), ranks)
+        wire = int(nbytes) if op == "send" else wire_bytes(op, int(nbytes), ranks)
         return link.seconds(wire)
 
     def layer_seconds(self, layer: Layer) -> tuple[float, float, float]:
@@ -213,12 +227,15 @@ class StepPlan:
 
     def layer_comm_seconds(self, layer: Layer) -> tuple[float, float]:
         """(forward, backward) seconds of communication inside ``layer`` per micro-batch: tp's blocking
-        collectives and what cp's ring transfers show beyond the compute they overlap
-        (``ring_seconds``); backward with a recomputed forward's (full: tp's and the ring's;
-        selective reruns attention's core, the ring's forward)."""
-        rerun = self.tp_calls(layer)[len(layer.tp_forward) + len(layer.tp_backward):]
-        forward = sum(self.collective_seconds("tp", op, n) for op, n in layer.tp_forward)
-        backward = sum(self.collective_seconds("tp", op, n) for op, n in layer.tp_backward + rerun)
+        collectives, an MoE block's all-to-alls on ep (blocking too) and what cp's ring transfers
+        show beyond the compute they overlap (``ring_seconds``); backward with a recomputed
+        forward's (full: tp's, ep's and the ring's; selective reruns attention's core, the ring's forward)."""
+        forward = backward = 0.0
+        for comm, calls_forward, calls_backward in (("tp", layer.tp_forward, layer.tp_backward),
+                                                    ("ep", layer.ep_forward, layer.ep_backward)):
+            later = self._with_rerun(layer, calls_forward, calls_backward)[len(calls_forward):]
+            forward += sum(self.collective_seconds(comm, op, n) for op, n in calls_forward)
+            backward += sum(self.collective_seconds(comm, op, n) for op, n in later)
         ring_forward, ring_backward = self.ring_seconds(layer)
         again = ring_forward if self._reruns(layer, ("selective", "full")) else 0.0
         return forward + ring_forward, backward + ring_backward + again
@@ -244,8 +261,14 @@ class StepPlan:
 
     def tp_calls(self, layer: Layer) -> list:
         """[(op, bytes)] of ``layer`` on tp per micro-batch: forward, backward, and forward again under full recompute."""
-        rerun = layer.tp_forward if self._reruns(layer, ("full",)) else []
-        return layer.tp_forward + layer.tp_backward + rerun
+        return self._with_rerun(layer, layer.tp_forward, layer.tp_backward)
+
+    def ep_calls(self, layer: Layer) -> list:
+        """[(op, bytes)] of ``layer`` on ep per micro-batch (an MoE block's all-to-alls), as ``tp_calls``."""
+        return self._with_rerun(layer, layer.ep_forward, layer.ep_backward)
+
+    def _with_rerun(self, layer: Layer, forward: list, backward: list) -> list:
+        return forward + backward + (forward if self._reruns(layer, ("full",)) else [])
 
     def cp_calls(self, layer: Layer) -> list:
         """[(op, bytes)] of ``layer`` on cp per micro-batch: the ring's forward, its backward, and its
@@ -362,16 +385,13 @@ class StepPlan:
                 "idle_s": result.makespan - busy, "bubble": result.bubble}
 
     def _gradient_sync_seconds(self, rank: int) -> dict:
-        """After backward: the tied embedding's sum, DDP's buckets, sequence-parallel gradients, the loss."""
+        """After backward: the tied embedding's sum, DDP's buckets (the dense ones', then the experts'
+        over edp), sequence-parallel gradients, the loss."""
         lay, job, d = self.layout, self.job, self.dtype_bytes
         params = self.rank_parameters(rank)
-        buckets = []
-        if builds_ddp(job, lay):
-            buckets = [self.collective_seconds(lay.grad_comm, "iallreduce", n)
-                       for n in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d))]
-        elif job.parallel.zero >= 2 and lay.dp_cp > 1:
-            buckets = [self.collective_seconds(self.zero_comm, "reduce_scatter", n)
-                       for n in reduce_scatter_buckets(self, params)]
+        syncs = sync_groups(self, params)
+        buckets = [seconds for sync in syncs for seconds in self._bucket_seconds(sync)]
+        params = syncs[0].params  # the dense ones: sequence-parallel parameters are among them
         total = sum(buckets) + self._unit_gather_seconds(rank)
         if lay.pp > 1:
             if self.tied_across_stages(rank):
@@ -385,6 +405,17 @@ class StepPlan:
         elif lay.sequence_parallel and sp:
             total += self.collective_seconds("tp", "allreduce", sp * d)
         return {"buckets": buckets, "total": total}
+
+    def _bucket_seconds(self, sync) -> list:
+        """Each bucket's all-reduce (DDP) or reduce-scatter (ZeRO-2, 3) of one sync group, in backward."""
+        job, d = self.job, self.dtype_bytes
+        if sync.ddp:
+            return [self.collective_seconds(sync.comm, "iallreduce", n)
+                    for n in bucket_bytes([e * d for _, e, _ in sync.params], job.parallel.bucket_mb, str(d))]
+        if job.parallel.zero >= 2 and self.layout.dp_cp > 1:
+            return [self.collective_seconds(sync.comm, "reduce_scatter", n)
+                    for n in reduce_scatter_buckets(self, sync.params)]
+        return []
 
     def _unit_gather_seconds(self, rank: int) -> float:
         """ZeRO-3's all-gathers not hidden behind compute: a kept unit's once a step, whole (the
@@ -408,11 +439,12 @@ class StepPlan:
         """The optimizer's elementwise passes over this rank's (shard of the) parameters, and clipping."""
         params = self.rank_parameters(rank)
         elements = sum(e for _, e, _ in params)
-        # The optimizer steps tensor by tensor (ZeRO-1: its one flat shard); each tensor pays
+        # The optimizer steps tensor by tensor (ZeRO: one flat shard per sync group); each tensor pays
         # the ops of one update (8, as calibration counts them) and clipping's two (norm, scale).
-        tensors = 1 if self.job.parallel.zero else len(params)
+        tensors = len(params)
         if self.job.parallel.zero:
-            elements = -(-elements // self.shards)
+            syncs = sync_groups(self, params)
+            tensors, elements = len(syncs), sum(sync.shard for sync in syncs)
         passes = {"adamw": 14, "adam": 14, "sgd": 4 if self.job.optimizer.momentum else 3}[self.job.optimizer.name]
         ops_per_tensor = 8
         if self.job.optimizer.grad_clip > 0:
@@ -422,18 +454,21 @@ class StepPlan:
         return work_seconds(work, self.machine, "fp32") * self.slowdown
 
     def _optimizer_comm_seconds(self) -> float:
+        """ZeRO's collectives after backward (on the pipeline rank with the most parameters, per sync
+        group) and the clipping norm's scalar sums."""
         lay, job = self.layout, self.job
         seconds = 0.0
-        if job.parallel.zero and lay.dp_cp > 1:
-            elements = max(sum(e for _, e, _ in self.rank_parameters(r)) for r in range(lay.pp))
-            shard = -(-elements // self.shards) * self.master_bytes
+        largest = max(range(lay.pp), key=lambda r: sum(e for _, e, _ in self.rank_parameters(r)))
+        syncs = sync_groups(self, self.rank_parameters(largest))
+        for sync in syncs if job.parallel.zero and lay.dp_cp > 1 else []:
+            shard = sync.shard * self.master_bytes
             if job.parallel.zero == 1:  # ZeRO-2 and 3 reduce-scattered their buckets after (or during) backward
-                seconds += self.collective_seconds(self.zero_comm, "reduce_scatter", shard * self.shards)
+                seconds += self.collective_seconds(sync.comm, "reduce_scatter", shard * sync.ranks)
             if job.parallel.zero < 3:  # ZeRO-3's units gather themselves as they run
-                seconds += self.collective_seconds(self.zero_comm, "allgather", shard)
-            if self.shards < lay.dp_cp:  # hybrid sharding: the shard gradient averaged over the groups
+                seconds += self.collective_seconds(sync.comm, "allgather", shard)
+            if sync.replicas > 1:  # hybrid sharding: the shard gradient averaged over the groups
                 seconds += self.collective_seconds("dp-replica", "allreduce", shard)
         if job.optimizer.grad_clip > 0:
-            seconds += sum(self.collective_seconds(c, "allreduce", 8) for c in ("tp", "pp")) + (
-                self.collective_seconds(self.zero_comm, "allreduce", 8) if job.parallel.zero else 0.0)
+            seconds += sum(self.collective_seconds(c, "allreduce", 8) for c in ("tp", "pp", "ep")) + (
+                sum(self.collective_seconds(sync.comm, "allreduce", 8) for sync in syncs) if job.parallel.zero else 0.0)
         return seconds

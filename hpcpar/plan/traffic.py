@@ -3,16 +3,17 @@
 For a job and a layout, every call one training step makes (``train_step`` and ``finish_step``,
 what ``hpcpar compare`` times), summed over the ranks of the world: per communicator (``dp``,
 or ``dp*cp`` under context parallelism, ``cp``: ring attention's sends and receives, ``pp``,
-``tp``, ``world``, and ``pp-tied``: the pair of pipeline ranks holding the tied
-embedding) and operation, the calls, the bytes the calls were given and the wire bytes under
-ring algorithms (``runtime.stats.ring_wire_bytes``, integer per call as the counters round).
-``tests/test_plan_traffic.py`` checks them against the counters of real runs.
+``tp``, ``world``, ``pp-tied``: the pair of pipeline ranks holding the tied embedding, and
+under expert parallelism ``ep``, its all-to-alls, and ``edp``, the experts' gradients) and
+operation, the calls, the bytes the calls were given and the wire bytes (``wire_bytes``,
+integer per call as the counters round). ``tests/test_plan_traffic.py`` checks them against the
+counters of real runs (the all-to-alls' rows assume uniform routing).
 """
 from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -37,7 +38,7 @@ class Traffic:
         entry = self.counts[(comm, op)]
         entry[0] += calls * ranks
         entry[1] += calls * ranks * nbytes
-        entry[2] += calls * ranks * ring_wire_bytes(op, nbytes, self.sizes.get(comm, 1))
+        entry[2] += calls * ranks * wire_bytes(op, nbytes, self.sizes.get(comm, 1))
 
     def wire(self, comm: str | None = None) -> int:
         return sum(c[2] for (name, _), c in self.counts.items() if comm in (None, name))
@@ -48,6 +49,15 @@ class Traffic:
         for (comm, op), (calls, nbytes, wire) in sorted(self.counts.items()):
             out.setdefault(comm, {})[op] = (calls, nbytes, wire)
         return out
+
+
+def wire_bytes(op: str, nbytes: int, size: int) -> int:
+    """Bytes one rank sends for ``op`` given ``nbytes`` on ``size`` ranks: ``runtime.stats.ring_wire_bytes``;
+    an all-to-all's are what leave the rank, (n-1)/n of them (exact for the counts'; the rows' under
+    uniform routing), as the counters count them."""
+    if op in ("alltoall", "alltoallv"):
+        return nbytes // size * (size - 1)
+    return ring_wire_bytes(op, nbytes, size)
 
 
 def bucket_bytes(param_bytes: list[int], bucket_mb: float, dtype: str) -> list[int]:
@@ -94,6 +104,42 @@ def stage_parameters(stage_layers: list[list[Layer]]) -> list[tuple[str, int, bo
     return out
 
 
+@dataclass(frozen=True)
+class SyncGroup:
+    """Parameters whose gradients are averaged together: over ``comm`` (DDP's, ZeRO's) of ``ranks``
+    ranks, which ZeRO shards them over; ``replicas`` hybrid sharding's groups of those shards."""
+
+    comm: str
+    ranks: int
+    params: list  # [(name, elements, sp)], in the engine's order
+    ddp: bool  # whether DDP all-reduces them in buckets (else ZeRO, or one replica's gradients stay)
+    replicas: int = 1
+
+    @property
+    def elements(self) -> int:
+        return sum(e for _, e, _ in self.params)
+
+    @property
+    def shard(self) -> int:
+        """The elements of one rank's ZeRO shard (padded to ``ranks`` equal ones)."""
+        return -(-self.elements // self.ranks)
+
+
+def sync_groups(plan, params) -> list[SyncGroup]:
+    """The gradient syncs of a pipeline rank's ``params``: the dense ones over dp x cp (ZeRO's shard
+    groups); under expert parallelism (ep > 1) the experts apart, over edp, the dp / ep ranks that
+    hold the same experts (``parallel.experts``: DDP over edp where it has several ranks, else none)."""
+    lay, job = plan.layout, plan.job
+    zero = job.parallel.zero
+    dense = SyncGroup(plan.zero_comm if zero else lay.grad_comm, plan.shards, params, builds_ddp(job, lay),
+                      lay.dp_cp // plan.shards)
+    if lay.ep == 1:
+        return [dense]
+    edp, experts = lay.dp // lay.ep, plan.expert_names
+    return [replace(dense, params=[p for p in params if p[0] not in experts]),
+            SyncGroup("edp", edp, [p for p in params if p[0] in experts], not zero and edp > 1)]
+
+
 def builds_ddp(job, lay) -> bool:
     """Whether a rank of this layout all-reduces its gradients in DDP's buckets: not under ZeRO
     (it reduce-scatters), and not for one replica (its gradients stay where backward left them;
@@ -104,18 +150,19 @@ def builds_ddp(job, lay) -> bool:
 
 def step_traffic(plan) -> Traffic:
     """Every counted call of one step of ``plan`` (a ``predict.StepPlan``)."""
-    lay, job = plan.layout, plan.job
-    dp, pp, tp, grads = lay.dp_cp, lay.pp, lay.tp, lay.grad_comm  # gradients are averaged over dp x cp
-    traffic = Traffic(sizes={grads: dp, "cp": lay.cp, "pp": pp, "tp": tp, "world": lay.world, "pp-tied": 2,
-                             "dp-shard": plan.shards, "dp-replica": dp // plan.shards})
-    zero = plan.zero_comm  # ZeRO's collectives: over dp x cp, or hybrid sharding's groups
-    d, master = plan.dtype_bytes, plan.master_bytes
+    lay = plan.layout
+    dp, pp, tp = lay.dp_cp, lay.pp, lay.tp  # gradients are averaged over dp x cp
+    traffic = Traffic(sizes={lay.grad_comm: dp, "cp": lay.cp, "pp": pp, "tp": tp, "world": lay.world, "pp-tied": 2,
+                             "dp-shard": plan.shards, "dp-replica": dp // plan.shards, "ep": lay.ep,
+                             "edp": lay.dp // lay.ep})
+    d = plan.dtype_bytes
     for rank in range(pp):
         mine = [plan.stage_layers[s] for s in range(rank, pp * lay.chunks, pp)]
         group = dp * tp  # world ranks with this pipeline rank
         for layers in mine:
             for layer in layers:
-                for comm, calls in (("tp", plan.tp_calls(layer)), ("cp", plan.cp_calls(layer))):  # with recomputed forwards
+                for comm, calls in (("tp", plan.tp_calls(layer)), ("cp", plan.cp_calls(layer)),
+                                    ("ep", plan.ep_calls(layer))):  # with recomputed forwards
                     for op, nbytes in calls:
                         traffic.add(comm, op, nbytes, group, calls=lay.micro_batches)
         params = stage_parameters(mine)
@@ -124,26 +171,43 @@ def step_traffic(plan) -> Traffic:
             tied = [e for name, e, _ in params if name == "embed.wte.weight"] if plan.tied_across_stages(rank) else []
             for elements in tied:
                 traffic.add("pp-tied", "allreduce", elements * d, group)
-        if builds_ddp(job, lay):
-            for nbytes in bucket_bytes([e * d for _, e, _ in params], job.parallel.bucket_mb, str(d)):
-                traffic.add(grads, "iallreduce", nbytes, group)
-        if job.parallel.zero >= 2:
-            for nbytes in reduce_scatter_buckets(plan, params):
-                traffic.add(zero, "ireduce_scatter", nbytes, group)
-        if job.parallel.zero == 3:  # each unit's all-gathers, in the compute dtype
+        syncs = sync_groups(plan, params)
+        for sync in syncs:
+            _backward_sync_messages(traffic, plan, sync, group)
+        if plan.job.parallel.zero == 3:  # each unit's all-gathers, in the compute dtype
             for elements, gathers in plan.zero3_units(rank):
-                traffic.add(zero, "iallgather", elements * d, group, calls=gathers)
-        sp = [e for _, e, on in params if on]
-        if lay.sequence_parallel and tp > 1 and sp and job.parallel.zero >= 2:  # each shard's part, on its holders
-            for elements in shard_sequence_parallel_elements(params, plan.shards):
-                if elements:
-                    traffic.add("tp", "allreduce", elements * master, tp * (dp // plan.shards))
-        elif lay.sequence_parallel and tp > 1 and sp:
-            traffic.add("tp", "allreduce", sum(sp) * d, group)
+                traffic.add(plan.zero_comm, "iallgather", elements * d, group, calls=gathers)
+        _sequence_parallel_messages(traffic, plan, syncs[0].params, group)  # sp parameters are all dense
         if pp > 1:
             traffic.add("pp", "allreduce", SCALAR, group)  # the last stage's loss, to every stage
-        _optimizer_messages(traffic, plan, sum(e for _, e, _ in params) * master, group)
+        _optimizer_messages(traffic, plan, syncs, group)
     return traffic
+
+
+def _backward_sync_messages(traffic: Traffic, plan, sync: SyncGroup, group: int) -> None:
+    """During backward: DDP's bucket all-reduces of ``sync``'s gradients, or ZeRO-2's (and 3's) reduce-scatters."""
+    job, d = plan.job, plan.dtype_bytes
+    if sync.ddp:
+        for nbytes in bucket_bytes([e * d for _, e, _ in sync.params], job.parallel.bucket_mb, str(d)):
+            traffic.add(sync.comm, "iallreduce", nbytes, group)
+    if job.parallel.zero >= 2:
+        for nbytes in reduce_scatter_buckets(plan, sync.params):
+            traffic.add(sync.comm, "ireduce_scatter", nbytes, group)
+
+
+def _sequence_parallel_messages(traffic: Traffic, plan, params, group: int) -> None:
+    """The tp sum of the gradients of parameters used on sequence slices (ZeRO-2, 3: each shard's
+    part, on its holders)."""
+    lay, tp = plan.layout, plan.layout.tp
+    sp = [e for _, e, on in params if on]
+    if not (lay.sequence_parallel and tp > 1 and sp):
+        return
+    if plan.job.parallel.zero >= 2:
+        for elements in shard_sequence_parallel_elements(params, plan.shards):
+            if elements:
+                traffic.add("tp", "allreduce", elements * plan.master_bytes, tp * (lay.dp_cp // plan.shards))
+    else:
+        traffic.add("tp", "allreduce", sum(sp) * plan.dtype_bytes, group)
 
 
 def _pipeline_messages(traffic: Traffic, plan, rank: int, group: int) -> None:
@@ -167,23 +231,25 @@ def _pipeline_messages(traffic: Traffic, plan, rank: int, group: int) -> None:
             traffic.add("pp", "isend", nbytes, group, calls=m)
 
 
-def _optimizer_messages(traffic: Traffic, plan, master_bytes: int, group: int) -> None:
-    """finish_step: ZeRO's reduce-scatter (ZeRO-1; ZeRO-2's and 3's ran in backward) and all-gather, the
-    clipping norm's sums, the finiteness check."""
+def _optimizer_messages(traffic: Traffic, plan, syncs: list, group: int) -> None:
+    """finish_step: for each sync group's shard ZeRO's reduce-scatter (ZeRO-1; ZeRO-2's and 3's ran in
+    backward) and all-gather, and its share of the clipping norm; the norm's sums over ep (the
+    experts'), tp and pp; the finiteness check."""
     job, lay = plan.job, plan.layout
     clip = job.optimizer.grad_clip > 0
-    if job.parallel.zero:
-        elements = master_bytes // plan.master_bytes
-        shard, zero = -(-elements // plan.shards), plan.zero_comm
+    for sync in syncs if job.parallel.zero else []:
+        shard = sync.shard * plan.master_bytes
         if job.parallel.zero == 1:
-            traffic.add(zero, "reduce_scatter", shard * plan.shards * plan.master_bytes, group)
-        if plan.shards < lay.dp_cp:  # hybrid sharding: the shard gradient averaged over the groups
-            traffic.add("dp-replica", "allreduce", shard * plan.master_bytes, group)
+            traffic.add(sync.comm, "reduce_scatter", shard * sync.ranks, group)
+        if sync.replicas > 1:  # hybrid sharding: the shard gradient averaged over the groups
+            traffic.add("dp-replica", "allreduce", shard, group)
         if job.parallel.zero < 3:  # ZeRO-3's units gather themselves as they run
-            traffic.add(zero, "allgather", shard * plan.master_bytes, group)
+            traffic.add(sync.comm, "allgather", shard, group)
         if clip:
-            traffic.add(zero, "allreduce", SCALAR, group)
+            traffic.add(sync.comm, "allreduce", SCALAR, group)
     if clip:
+        if lay.ep > 1:
+            traffic.add("ep", "allreduce", SCALAR, group)
         traffic.add("tp", "allreduce", SCALAR, group)
         traffic.add("pp", "allreduce", SCALAR, group)
     traffic.add("world", "allreduce", SCALAR, group)  # every precision agrees whether the step is finite

@@ -74,7 +74,7 @@ STAGING = {"allreduce": (1, 1), "iallreduce": (1, 1), "reduce_scatter": (1, 1), 
            "send": (1, 0), "isend": (1, 0), "recv": (0, 1), "irecv": (0, 1)}
 # Where each documented copy is made: (file, function) asking for it; the staging anywhere in device_transport.py.
 SITES = {("autograd/ops/_common.py", "integer_array"): "batch", ("autograd/tensor.py", "constant"): "batch",
-         ("optim/clip.py", "norm_of"): "norm", ("parallel/zero.py", "_counted_squares"): "norm",
+         ("optim/clip.py", "squares_on_host"): "norm", ("parallel/zero.py", "_counted_squares"): "norm",
          ("train/loop.py", "report_step"): "loss", ("runtime/device_transport.py", None): "staging",
          ("parallel/compression.py", "_compress_matrix"): "powersgd start", ("optim/finite.py", "finite_flags"): "finite"}
 

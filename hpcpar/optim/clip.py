@@ -30,8 +30,7 @@ def clip_arrays(grads, max_norm: float, allreduce_sum=None) -> float:
 def norm_of(grads, allreduce_sum=None) -> float:
     """The joint L2 norm of arrays (``allreduce_sum`` as in ``clip_grad_norm``): inf or NaN when an
     element is, or when the squares overflow (what Adam's second moment would hold)."""
-    squares = sum_of_squares(grads)
-    local = float(to_host(squares)) if squares is not None else 0.0  # one device-to-host transfer
+    local, = squares_on_host(grads)
     total = float(allreduce_sum(local)) if allreduce_sum is not None else local
     return math.sqrt(total)
 
@@ -45,6 +44,17 @@ def sum_of_squares(grads):
             flat = grad.reshape(-1).astype(precision.accumulation_dtype(grad.dtype), copy=False)
             squares.append(get_array_module(flat).dot(flat, flat))
         return sum(squares) if squares else None
+
+
+def squares_on_host(*grad_lists) -> list[float]:
+    """The sum of squares of each list of arrays (0.0 for an empty one), in one device-to-host transfer."""
+    sums = [sum_of_squares(grads) for grads in grad_lists]
+    present = [value for value in sums if value is not None]
+    if not present:
+        return [0.0] * len(sums)
+    xp = get_array_module(present[0])
+    zero = xp.zeros((), dtype=present[0].dtype)
+    return [float(value) for value in to_host(xp.stack([zero if v is None else v for v in sums]))]
 
 
 def scale_to_norm(grads, norm: float, max_norm: float) -> None:

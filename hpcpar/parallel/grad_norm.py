@@ -5,8 +5,7 @@ import math
 
 import numpy as np
 
-from ..backend import to_host
-from ..optim.clip import scale_to_norm, sum_of_squares
+from ..optim.clip import scale_to_norm, squares_on_host
 
 
 def counts_toward_norm(param, ctx, owns=None) -> bool:
@@ -41,11 +40,6 @@ def expert_squares_summed(dense: float, experts: float, ctx) -> float:
     return dense + float(group.allreduce(np.array([experts], dtype=np.float64), "sum")[0])
 
 
-def local_squares(params) -> float:
-    squares = sum_of_squares([p.grad for p in params if p.grad is not None])
-    return 0.0 if squares is None else float(to_host(squares))
-
-
 def clip_grad_norm_parallel(named_parameters, max_norm: float, ctx, owns=None) -> float:
     """Clip by the global norm over the whole model however it is split.
 
@@ -53,8 +47,9 @@ def clip_grad_norm_parallel(named_parameters, max_norm: float, ctx, owns=None) -
     over ep (experts), tp and pp; dp replicas hold the same averaged gradients and are not summed.
     """
     counted = [p for _, p in named_parameters if counts_toward_norm(p, ctx, owns)]
-    local = expert_squares_summed(local_squares([p for p in counted if not p.expert_parallel]),
-                                  local_squares([p for p in counted if p.expert_parallel]), ctx)
+    dense, experts = squares_on_host([p.grad for p in counted if p.grad is not None and not p.expert_parallel],
+                                     [p.grad for p in counted if p.grad is not None and p.expert_parallel])
+    local = expert_squares_summed(dense, experts, ctx)
     norm = math.sqrt(sum_over_model_parallel(ctx)(local))
     scale_to_norm([p.grad for _, p in named_parameters if p.grad is not None], norm, max_norm)
     return norm

@@ -9,11 +9,13 @@ speed-up, where the step goes, memory and traffic per layout (``measure``) under
 naming the CPUs and threads (``cpu_budget``). Prints the table, writes ``compare.json`` and,
 with matplotlib, ``compare.png``. Layouts the job cannot run in are listed under the table
 with the reason; a job whose one-rank baseline cannot run (a parameter-server job: its servers
-need ranks of their own) is refused with one line before anything runs.
+need ranks of their own) is refused with one line before anything runs. An MoE job's
+``parallel.ep`` is kept where it divides a layout's dp, else cut to the largest that does.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -67,7 +69,8 @@ def layout_job(job, layout, steps: int, precision: str | None = None, zero: int 
     parallel = replace(job.parallel, **mesh.by_name(), micro_batches=micro,
                        schedule=job.parallel.schedule if pp > 1 else "1f1b", chunks=1 if pp == 1 else job.parallel.chunks,
                        sequence_parallel=job.parallel.sequence_parallel and tp > 1,  # nothing to split at tp = 1
-                       zero=job.parallel.zero if zero is None else zero)
+                       zero=job.parallel.zero if zero is None else zero,
+                       ep=math.gcd(job.parallel.ep, mesh.size("dp")))  # experts over a group of dp: at most dp
     if parallel.schedule == "interleaved" and (interleaved_fit(pp, micro) is not None or pp * parallel.chunks > job.num_layers):
         parallel = replace(parallel, schedule="1f1b", chunks=1)
     train = replace(job.train, steps=steps + 2, eval_interval=0, sample_tokens=0,

@@ -1,6 +1,7 @@
 """``hpcpar plot``: PNG figures from a training metrics file or a ``hpcpar compare`` result.
 
-    hpcpar plot runs/demo/metrics.jsonl            # -> runs/demo/metrics.png (loss, throughput, learning rate)
+    hpcpar plot runs/demo/metrics.jsonl            # -> runs/demo/metrics.png (loss, throughput, learning rate;
+                                                   #    an MoE model's load per expert and block)
     hpcpar plot runs/compare-gpt-dp/compare.json   # -> compare.png (throughput, where the time goes, memory)
 
 A metrics file may hold several runs (a job run twice into one file) and the segments of one
@@ -119,7 +120,8 @@ def _label(number: int, segment: Segment, count: int) -> str:
 # Figures
 # ----------------------------------------------------------------------------------------
 def plot_metrics(path: str, out: str | None = None) -> str | None:
-    """Loss (train and validation), throughput and learning rate against step, one line per segment."""
+    """Loss (train and validation), throughput and learning rate against step, one line per segment;
+    for an MoE model, below them, each MoE block's load per expert over the steps."""
     segments = split_segments(read_metrics(path))
     if not any(s.train for s in segments):
         raise ValueError(f"{path}: no training records (lines with 'loss')")
@@ -127,7 +129,11 @@ def plot_metrics(path: str, out: str | None = None) -> str | None:
     if plt is None:
         return None
     unit = throughput_unit(segments)
-    fig, (ax_loss, ax_speed, ax_lr) = plt.subplots(1, 3, figsize=(15, 4))
+    moe = [r for s in segments for r in s.train if "moe" in r]
+    blocks = moe[-1]["moe"]["blocks"] if moe else []
+    rows = 1 + -(-len(blocks) // 3)  # the expert-load panels below, three to a row
+    fig = plt.figure(figsize=(15, 4 * rows))
+    ax_loss, ax_speed, ax_lr = (fig.add_subplot(rows, 3, i) for i in (1, 2, 3))
     for number, segment in enumerate(segments, 1):
         label = _label(number, segment, len(segments))
         steps = [r["step"] for r in segment.train]
@@ -143,9 +149,27 @@ def plot_metrics(path: str, out: str | None = None) -> str | None:
     ax_speed.set(xlabel="step", ylabel=f"{unit} / s", title="throughput")
     ax_lr.set(xlabel="step", ylabel="learning rate", title="learning rate")
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    for number, block in enumerate(blocks):
+        draw_expert_load(fig.add_subplot(rows, 3, 4 + number), moe, number, block)
     fig.suptitle(title_of(path, segments))
     fig.tight_layout()
     return _save(plt, fig, out or default_out(path))
+
+
+def draw_expert_load(ax, records: list[dict], row: int, block: int) -> None:
+    """An MoE block's expert load: each expert's share of its routed tokens in each record (stacked to
+    100 %), the even share dashed; records from the metrics file's ``moe`` entries."""
+    experts = records[-1]["moe"]["experts"]
+    steps = [r["step"] for r in records]
+    shares = []
+    for expert in range(experts):
+        shares.append([100 * r["moe"]["tokens"][row][expert] / max(sum(r["moe"]["tokens"][row]), 1) for r in records])
+    ax.stackplot(steps, shares, labels=[f"expert {e}" for e in range(experts)], step="pre")  # a record covers the steps before it
+    for level in range(1, experts):
+        ax.axhline(100 * level / experts, color="white", linewidth=0.6, linestyle="--")
+    ax.set(xlabel="step", ylabel="% of routed tokens", ylim=(0, 100), title=f"block {block}: load per expert")
+    if row == 0:
+        ax.legend(fontsize="x-small", ncol=2, loc="upper right")
 
 
 def default_out(path: str) -> str:

@@ -254,6 +254,26 @@ def test_plot_draws_a_file_of_two_runs(tmp_path):
     assert os.path.getsize(tmp_path / "metrics.png") > 10_000
 
 
+def test_plot_draws_the_load_per_expert_of_each_moe_block(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    lines = records(1, 4)
+    for r in lines:
+        if "loss" in r:  # block 1's expert 2 takes ever more of the tokens
+            r["moe"] = {"blocks": [1, 3], "experts": 4, "tokens": [[10, 10, 10, 10], [5, 5, 20 + r["step"], 10]],
+                        "dropped": [0.0, 0.1], "aux_loss": 2.0, "z_loss": 1.0, "steps": 1}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    drawn = {}
+    monkeypatch.setattr(plot, "_save", lambda plt, fig, out: drawn.setdefault("axes", fig.axes) and out)
+    assert plot.plot_metrics(str(path)) == str(tmp_path / "metrics.png")
+    titles = [ax.get_title() for ax in drawn["axes"]]
+    assert titles == ["loss", "throughput", "learning rate", "block 1: load per expert", "block 3: load per expert"]
+    stacked = drawn["axes"][4].collections  # one band per expert, stacked to 100 % at every record
+    assert len(stacked) == 4
+    top = stacked[-1].get_paths()[0].vertices[:, 1].max()
+    assert top == pytest.approx(100)
+
+
 @pytest.mark.parametrize("text, problem", [("not json\n", "line 1: not JSON"),
                                            ('{"step": 1, "loss": 2}\n[1, 2]\n', "line 2: not a metrics record"),
                                            ('{"step": 1, "val_loss": 2}\n', "no training records")])

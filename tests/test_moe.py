@@ -7,6 +7,7 @@ losses) against their definitions; impossible settings are one line each. (Bytes
 communicator: test_moe_mpi.py.)"""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -71,6 +72,8 @@ def test_moe_equals_one_process_in_every_layout(tmp_path, token_file, one_proces
     proc = moe_run(tmp_path, token_file, ranks, *CAPACITIES[capacity], *overrides, "checkpoint.interval=5")
     ep = next(o for o in overrides if o.startswith("parallel.ep="))[-1]
     assert f"expert parallel: 4 experts per MoE block over ep = {ep} ranks" in proc.stdout, proc.stdout
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert progress and all(re.search(r"  experts \d+\.\d\dx  drop \d+\.\d%  aux ", line) for line in progress)
     parameters, records = one_process[capacity]
     assert largest_difference(final_parameters(str(tmp_path / "ckpt")), parameters) <= 1e-12
     assert len(records) == 5
@@ -197,6 +200,13 @@ def test_moe_gradients_with_the_auxiliary_losses_equal_finite_differences(capaci
         down = total()
         param.data[index] = value
         assert abs((up - down) / 2e-6 - analytic) <= 1e-8 * max(1.0, abs(analytic)), name
+
+
+def test_every_k_th_block_has_experts_and_the_others_dense_mlps():
+    config = GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=1, n_embd=4, moe=MoEConfig(experts=2, every=2))
+    model = GPT(config)
+    assert [index for index, _ in model.moe_blocks()] == [1, 3]
+    assert model.blocks[0].mlp.fc.weight.shape == (4, 16) and model.blocks[1].mlp.fc.weight.shape == (2, 4, 16)
 
 
 def test_top_1_gates_are_router_probabilities_and_top_2_sum_to_one():

@@ -7,6 +7,7 @@ import resource
 import time
 
 from .. import log
+from .expert_load import LoadWatch, scalars, summary
 from .progress import Progress
 
 logger = log.get_logger(__name__)
@@ -81,6 +82,8 @@ class Logger:
         self.progress = Progress(progress, total_steps, self.unit, show=self.rank0)
         self.every_loss = False  # set by begin: whether rank 0 shows a bar
         self.device_peak = DevicePeak(ctx.device).__enter__()  # left by close
+        moe = job.moe_config() is not None
+        self.load_watch = LoadWatch(job.moe.load_warning) if moe and self.rank0 else None
 
     def peak_memory_mb(self) -> float:
         """This rank's peak memory so far: resident on the host, plus the GPU's while training."""
@@ -138,19 +141,24 @@ class Logger:
             with open(self.path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
         if self.tensorboard is not None:
-            self.tensorboard.record(entry)
+            self.tensorboard.record({**entry, **scalars(entry["moe"])} if "moe" in entry else entry)
 
     def line(self, text: str) -> None:
         logger.info(text)
 
     def step(self, entry: dict) -> None:
-        """A logged step's record: to the metrics file, and a progress line in log mode."""
+        """A logged step's record: to the metrics file, and a progress line in log mode (with the
+        expert load of an MoE model, and its warning when one expert keeps too many tokens)."""
         self.record(entry)
+        moe = f"  {summary(entry['moe'])}" if "moe" in entry else ""
         self.progress.line(entry["step"], f"step {entry['step']:>5}/{self.total}  loss {entry['loss']:.4f}  "
                                           f"lr {entry['lr']:.2e}  {entry['tokens_per_s']:,.0f} {self.unit}/s  step "
                                           f"{1e3 * entry['step_s']:.0f} ms = compute {1e3 * entry['compute_s']:.0f} + "
                                           f"comm {1e3 * entry['comm_s']:.0f} + idle {1e3 * entry['idle_s']:.0f}  "
-                                          f"mem {max(entry['peak_mem_mb']):.0f} MB")
+                                          f"mem {max(entry['peak_mem_mb']):.0f} MB{moe}")
+        if self.load_watch is not None:
+            for text in self.load_watch.update(entry["step"], entry["moe"]):
+                logger.warning(text)
 
     def close(self) -> None:
         """The bar ends, the console is the console again, TensorBoard's file is closed (twice is fine)."""

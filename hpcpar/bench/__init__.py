@@ -17,6 +17,7 @@ BENCHMARKS = {
     "ckpt": "checkpoint save/load vs raw tofile+fsync / preadv of the same bytes per rank",
     "async": "all-reduce vs parameter server (sync, async s=1/4) vs local SGD (H=4/16) with a straggler",
     "cp": "context parallelism: zigzag vs contiguous ring-attention balance, overlap, step vs 1 rank, memory per rank",
+    "roofline": "a GPT step against its own matrix products replayed alone (GEMM-only), and PyTorch's step",
     "moe": "expert parallelism ep = 1, 2, 4: step time, all-to-all seconds and bytes; a router forced onto 2 experts",
     "net": "point-to-point and all-reduce across nodes vs the same inside a node (needs 2 nodes)",
 }

@@ -97,7 +97,7 @@ def rounds(world, comm, calls: dict, repeats: int) -> dict:
 def torch_ring(world, shape: tuple, seed: int = 0):
     """(PyTorch ``context_parallel``'s causal SDPA forward + backward on the same shapes, None), or
     (None, why it did not run): q, k, v of the whole sequence, sharded by the context manager."""
-    from .torch_fsdp import join_gloo
+    from .torch_peers import join_gloo
 
     problem = join_gloo(world)
     if problem:

@@ -4,7 +4,7 @@
 
 Stages 0 (DDP) to 3 (resharding after forward or not) are ``hpcpar train``'s own strategy at
 dp = the world (AdamW, clipping, float32, one BLAS thread per rank), taking turns step by step
-with PyTorch FSDP2 (``torch_fsdp``); medians, the slowest rank deciding a step. Memory per rank, a stage at a
+with PyTorch FSDP2 (``torch_peers``); medians, the slowest rank deciding a step. Memory per rank, a stage at a
 time, shm off (tracemalloc does not see MPI's windows): what the build and a first step keep
 plus the peak of two more steps on 1 x 8 tokens per rank, beside ``formula`` (hpcpar's bytes
 per stage; its terms: docs/architecture.md, "ZeRO-2" and "ZeRO-3") and what backward keeps.
@@ -159,7 +159,7 @@ def torch_peers(args, job, world) -> tuple[dict, list]:
     [(name, why it did not run)]."""
     if args.no_peer:
         return {}, []
-    from .torch_fsdp import fsdp_step
+    from .torch_peers import fsdp_step
 
     ids = np.concatenate(batch_of(job, args.batch, 0), axis=1)[:, : args.block + 1]
     peers, missing = {}, []

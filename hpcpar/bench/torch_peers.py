@@ -1,4 +1,5 @@
-"""The PyTorch peer of ``hpcpar bench zero``: the same GPT under FSDP2 (``fully_shard``) over gloo.
+"""PyTorch's distributed peers of the benches: the same GPT under FSDP2 (``fully_shard``, for
+``hpcpar bench zero``) or DDP (for ``hpcpar bench roofline``) over gloo.
 
 PyTorch is a peer, never a dependency: imported here only, when the bench asks for it. Every
 rank of the MPI world joins one gloo process group on loopback (127.0.0.1, a port rank 0
@@ -65,6 +66,36 @@ def fsdp_step(config: GPTConfig, ids: np.ndarray, clip: float, reshard_after_for
         loss.backward()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, None
+
+
+def ddp_step(config: GPTConfig, batch: int, world):
+    """(one AdamW training step of the GPT under DDP on a fresh ``batch`` of its own per rank, None),
+    or (None, why); at one rank the plain model (what DDP of one process would wrap)."""
+    try:
+        import torch
+    except ImportError as err:
+        return None, f"PyTorch is not installed ({err})"
+    problem = join_gloo(world) if world.Get_size() > 1 else None
+    if problem:
+        return None, problem
+    from .step import torch_step
+
+    if world.Get_size() == 1:
+        return torch_step(config, batch), None
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(config.seed)
+    model = DistributedDataParallel(torch_gpt(config))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = np.random.default_rng([world.Get_rank(), 1])
+
+    def step():
+        ids = torch.from_numpy(rng.integers(0, config.vocab_size, (batch, config.block_size + 1)))
+        model(ids[:, :-1], ids[:, 1:]).backward()
         optimizer.step()
         optimizer.zero_grad()
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import math
 
+from ..autograd import fused
 from ..backend import get_array_module
-from .groups import decay_decoupled, with_l2
+from .groups import DecayRuns, decay_decoupled, with_l2
 from .optimizer import Optimizer
 
 
@@ -17,8 +18,9 @@ class Adam(Optimizer):
         m = b1 m + (1 - b1) g        v = b2 v + (1 - b2) g^2
         p -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
 
-    The update runs in place in the parameter's dtype, through one scratch array per
-    parameter shape so a step allocates nothing after the first.
+    The update runs in place in the parameter's dtype: one native pass per parameter where
+    ``autograd.fused`` is built (NumPy's results bit for bit), else NumPy through one scratch
+    array per parameter shape, so a step allocates nothing after the first.
     """
 
     hyperparameters = ("lr", "beta1", "beta2", "eps", "weight_decay")
@@ -44,24 +46,18 @@ class Adam(Optimizer):
         if tmp is None or get_array_module(tmp) is not xp:
             tmp = self._scratch[(param.shape, param.dtype)] = xp.empty_like(param)
 
-        if self.decoupled:
-            decay_decoupled(param, weight_decay, self.lr)
+        decay = None
+        if self.decoupled and weight_decay and not isinstance(weight_decay, DecayRuns):
+            decay = 1.0 - self.lr * weight_decay  # fused into the step below
+        elif self.decoupled:
+            decay_decoupled(param, weight_decay, self.lr)  # per-run rates of a flat buffer, or none
         else:
             grad = with_l2(grad, param, weight_decay)
-        m *= self.beta1  # m = b1 m + (1 - b1) g
-        m += xp.multiply(grad, 1.0 - self.beta1, out=tmp)
-        v *= self.beta2  # v = b2 v + (1 - b2) g^2
-        xp.multiply(grad, grad, out=tmp)
-        tmp *= 1.0 - self.beta2
-        v += tmp
         # lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)  ==  lr sqrt(bc2) / bc1 * m / (sqrt(v) + eps sqrt(bc2))
         bias_correction1 = 1.0 - self.beta1 ** state["step"]
         bias_correction2_sqrt = math.sqrt(1.0 - self.beta2 ** state["step"])
-        xp.sqrt(v, out=tmp)
-        tmp += self.eps * bias_correction2_sqrt
-        xp.divide(m, tmp, out=tmp)
-        tmp *= self.lr * bias_correction2_sqrt / bias_correction1
-        param -= tmp
+        fused.adam_step(param, grad, m, v, tmp, decay, self.beta1, self.beta2, self.eps * bias_correction2_sqrt,
+                        self.lr * bias_correction2_sqrt / bias_correction1)
 
 
 class AdamW(Adam):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from ...backend import get_array_module
-from .. import precision
+from .. import fused, precision
 from ..function import Function, unbroadcast
 from ._common import broadcast_error
 
@@ -90,38 +90,18 @@ class Gelu(Function):
         inner = precision.upcast(x)
         t = _gelu_tanh(inner)
         self.x, self.t = x, None if inner is not x else t
-        out = t + 1
-        out *= inner
-        out *= 0.5
-        return out
+        return fused.gelu_from_tanh(inner, t, get_array_module(t).empty_like(t))
 
     def backward(self, grad):
         # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2), with t the tanh
-        xp = self.xp(grad)
         x = precision.upcast(self.x)
         t = self.t if self.t is not None else _gelu_tanh(x)
-        g = x * x
-        g *= 3 * _GELU_A
-        g += 1
-        g *= _GELU_C
-        g *= x
-        one_minus_t2 = t * t
-        xp.subtract(1, one_minus_t2, out=one_minus_t2)
-        g *= one_minus_t2
-        g += t
-        g += 1
-        g *= 0.5
-        g *= grad
-        return (g,)
+        return (fused.gelu_gradient(x, t, grad, _GELU_A, _GELU_C),)
 
 
 def _gelu_tanh(x):
-    """tanh(c (x + a x^3)), computed in place as c x (1 + a x^2) in ``x``'s dtype."""
-    t = x * x
-    t *= _GELU_A
-    t += 1
-    t *= x
-    t *= _GELU_C
+    """tanh(c (x + a x^3)), computed as c x (1 + a x^2) in ``x``'s dtype, then tanh in place."""
+    t = fused.gelu_tanh_argument(x, get_array_module(x).empty_like(x), _GELU_A, _GELU_C)
     get_array_module(x).tanh(t, out=t)
     return t
 

@@ -1,0 +1,182 @@
+"""Fused elementwise passes of the step: ``build/libhpcpar_fused.so`` (``native/fused.c``), or None.
+
+GELU's two elementwise halves around NumPy's tanh and its gradient, and one Adam(W) step: each
+a single pass over memory where NumPy makes several, with NumPy's operations in NumPy's order, so
+the results are the same bits. The library is loaded on first use (not on import) and checked
+against the NumPy sequences on a probe; where it is not built, disagrees, or the arrays are not
+contiguous float32/float64 NumPy arrays, each function returns False (nothing done) and the
+caller runs its NumPy code. ``HPCPAR_FUSED=0`` turns the library off (the NumPy path, for
+comparison); ``status()`` says which path runs and why.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+from ..backend import get_array_module
+from ..native import library_path
+
+LIB_NAME = "libhpcpar_fused.so"  # next to libhpcpar_native.so (CMakeLists.txt builds both)
+DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}
+_state: dict = {}
+_SIGNATURES = {
+    "hpcpar_gelu_inner": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_double,
+                          ctypes.c_double],
+    "hpcpar_gelu_outer": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int],
+    "hpcpar_gelu_backward": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                             ctypes.c_int, ctypes.c_double, ctypes.c_double],
+    "hpcpar_adam": [ctypes.c_void_p] * 4 + [ctypes.c_size_t, ctypes.c_int] + [ctypes.c_double] * 7 + [ctypes.c_int],
+}
+
+
+def _library():
+    """The loaded functions by name, or None; loaded and probed once."""
+    if "lib" not in _state:
+        _state["lib"], _state["why"] = _load()
+    return _state["lib"]
+
+
+def _load():
+    if os.environ.get("HPCPAR_FUSED", "1") == "0":
+        return None, "off (HPCPAR_FUSED=0)"
+    path = library_path().parent / LIB_NAME
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        return None, f"{path} is not built (make native)"
+    functions = {}
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, ctypes.c_int
+        functions[name] = function
+    problem = disagreement(functions)
+    if problem:
+        return None, f"{path} differs from NumPy ({problem}): NumPy runs"
+    return functions, f"native ({path})"
+
+
+def status() -> str:
+    """Which path the fused passes take, and why."""
+    _library()
+    return _state["why"]
+
+
+def _fits(*arrays) -> int | None:
+    """The dtype code when every array is a C-contiguous NumPy array of one float dtype, else None."""
+    first = arrays[0]
+    if type(first) is not np.ndarray or first.dtype not in DTYPES:
+        return None
+    for array in arrays:
+        if type(array) is not np.ndarray or array.dtype != first.dtype or not array.flags.c_contiguous \
+                or array.size != first.size:
+            return None
+    return DTYPES[first.dtype]
+
+
+def _pointer(array):
+    return array.ctypes.data
+
+
+def _native(name: str, *arrays) -> tuple:
+    """(the native function, the dtype code) when it can take ``arrays``, else (None, None)."""
+    lib = _library()
+    code = _fits(*arrays) if lib is not None else None
+    return (lib[name], code) if code is not None else (None, None)
+
+
+def gelu_tanh_argument(x, out, a: float, c: float):
+    """``out = c x (1 + a x^2)``, computed as ((x x) a + 1) x c; returns ``out``."""
+    function, code = _native("hpcpar_gelu_inner", x, out)
+    if function is not None and function(_pointer(x), _pointer(out), x.size, code, a, c) == 0:
+        return out
+    get_array_module(x).multiply(x, x, out=out)
+    out *= a
+    out += 1
+    out *= x
+    out *= c
+    return out
+
+
+def gelu_from_tanh(x, t, out):
+    """``out = ((t + 1) x) 0.5`` (``out`` may be ``t``); returns ``out``."""
+    function, code = _native("hpcpar_gelu_outer", x, t, out)
+    if function is not None and function(_pointer(x), _pointer(t), _pointer(out), x.size, code) == 0:
+        return out
+    get_array_module(x).add(t, 1, out=out)
+    out *= x
+    out *= 0.5
+    return out
+
+
+def gelu_gradient(x, t, grad, a: float, c: float):
+    """grad (0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)), t = tanh(c (x + a x^3)): a new array."""
+    function, code = _native("hpcpar_gelu_backward", x, t, grad)
+    if function is not None:
+        out = np.empty_like(x)
+        if function(_pointer(x), _pointer(t), _pointer(grad), _pointer(out), x.size, code, 3 * a, c) == 0:
+            return out
+    xp = get_array_module(x)
+    g = x * x
+    g *= 3 * a
+    g += 1
+    g *= c
+    g *= x
+    one_minus_t2 = t * t
+    xp.subtract(1, one_minus_t2, out=one_minus_t2)
+    g *= one_minus_t2
+    g += t
+    g += 1
+    g *= 0.5
+    g *= grad
+    return g
+
+
+def adam_step(param, grad, m, v, tmp, decay: float | None, beta1: float, beta2: float, eps_hat: float,
+              step_size: float) -> None:
+    """One Adam(W) step in place: ``param *= decay`` (AdamW's 1 - lr wd; None: none), then
+    m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2, param -= step_size m / (sqrt(v) + eps_hat);
+    ``tmp``: a scratch array of the parameter's shape for the NumPy path."""
+    function, code = _native("hpcpar_adam", param, grad, m, v)
+    if function is not None and function(_pointer(param), _pointer(grad), _pointer(m), _pointer(v), param.size,
+                                         code, 1.0 if decay is None else decay, beta1, 1.0 - beta1, beta2,
+                                         1.0 - beta2, eps_hat, step_size, decay is not None) == 0:
+        return
+    xp = get_array_module(param)
+    if decay is not None:
+        param *= decay
+    m *= beta1
+    m += xp.multiply(grad, 1.0 - beta1, out=tmp)
+    v *= beta2
+    xp.multiply(grad, grad, out=tmp)
+    tmp *= 1.0 - beta2
+    v += tmp
+    xp.sqrt(v, out=tmp)
+    tmp += eps_hat
+    xp.divide(m, tmp, out=tmp)
+    tmp *= step_size
+    param -= tmp
+
+
+def disagreement(functions) -> str | None:
+    """Where the native loops' bits differ from the NumPy path's on a probe (float32 and float64,
+    magnitudes from 1e-4 to 1e4, an odd length for the vector loops' tails), or None."""
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        x = (rng.standard_normal(4099) * 10.0 ** rng.uniform(-4, 4, 4099)).astype(dtype)
+        t, grad = np.tanh(x), rng.standard_normal(4099).astype(dtype)
+        state = (x, grad, np.abs(grad) * 0.1, grad * grad * 1e-3)
+        results = []
+        for lib in (functions, None):
+            _state["lib"] = lib  # the path the functions below take
+            p, g, m, v = (a.copy() for a in state)
+            adam_step(p, g, m, v, np.empty_like(p), 1 - 1e-5, 0.9, 0.95, 5e-9, 1e-3)
+            results.append((gelu_tanh_argument(x, np.empty_like(x), 0.044715, 0.79788),
+                            gelu_from_tanh(x, t, np.empty_like(x)), gelu_gradient(x, t, grad, 0.044715, 0.79788),
+                            p, m, v))
+        for name, ours, theirs in zip(("gelu argument", "gelu", "gelu gradient", "adam p", "adam m", "adam v"),
+                                      *results):
+            if not np.array_equal(ours, theirs):
+                return f"{name}, {np.dtype(dtype).name}"
+    return None

@@ -1,0 +1,92 @@
+"""The fused elementwise passes (``native/fused.c`` through ``hpcpar.autograd.fused``) give the
+NumPy path's results bit for bit: GELU forward and backward, and Adam(W) steps through the
+optimizer, in float32 and float64; 16-bit and non-contiguous arrays take the NumPy path;
+``HPCPAR_FUSED=0`` turns the library off."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpcpar.autograd import Tensor, fused
+from hpcpar.autograd.ops import elementwise
+from hpcpar.optim import Adam, AdamW
+from hpcpar.optim.groups import DecayRuns
+
+BUILT = (fused.library_path().parent / fused.LIB_NAME).exists()
+needs_library = pytest.mark.skipif(not BUILT, reason="libhpcpar_fused.so is not built (make native)")
+
+
+def both_paths(function, monkeypatch):
+    """``function()`` on the native path, then on the NumPy one."""
+    native = function()
+    lib = fused._library()
+    monkeypatch.setitem(fused._state, "lib", None)
+    numpy = function()
+    monkeypatch.setitem(fused._state, "lib", lib)
+    return native, numpy
+
+
+@needs_library
+def test_the_built_library_is_the_one_that_runs():
+    assert fused.status().startswith("native (")
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(7,), (3, 5, 257), (2, 0, 4)])
+def test_gelu_forward_and_backward_are_numpy_s_bits(dtype, shape, monkeypatch):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(shape) * 3).astype(dtype)
+    seed = rng.standard_normal(shape).astype(dtype)
+
+    def run():
+        t = Tensor(x.copy(), requires_grad=True)
+        out = elementwise.gelu(t)
+        out.backward(seed)
+        return out.data, t.grad
+
+    (out, grad), (out_np, grad_np) = both_paths(run, monkeypatch)
+    assert np.array_equal(out, out_np) and np.array_equal(grad, grad_np)
+    assert out.dtype == dtype and grad.dtype == dtype
+
+
+def test_arrays_the_loops_do_not_take_go_the_numpy_way():
+    x = np.ones((4, 6), dtype=np.float32)
+    assert fused._fits(x[:, ::2], np.empty((4, 3), np.float32)) is None  # strided
+    assert fused._fits(x, x.astype(np.float64)) is None  # mixed dtypes
+    assert fused._fits(x.astype(np.float16)) is None
+    assert fused._fits(x, np.ones(5, np.float32)) is None  # lengths differ
+    t = np.tanh(x[:, ::2])
+    assert np.array_equal(fused.gelu_from_tanh(x[:, ::2], t, np.empty_like(t)), ((t + 1) * x[:, ::2]) * 0.5)
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("optimizer, decay", [(AdamW, 0.1), (AdamW, 0.0), (Adam, 0.01), (AdamW, "runs")])
+def test_adam_steps_are_numpy_s_bits(dtype, optimizer, decay, monkeypatch):
+    rng = np.random.default_rng(2)
+    start = rng.standard_normal(1031).astype(dtype)
+    grads = [rng.standard_normal(1031).astype(dtype) for _ in range(3)]
+
+    def run():
+        param = Tensor(start.copy(), requires_grad=True)
+        opt = optimizer([("w", param)], lr=1e-2, weight_decay=0.0 if decay == "runs" else decay)
+        if decay == "runs":  # a flat buffer with per-run rates (ZeRO's shards)
+            opt.weight_decay_of = lambda name: DecayRuns([(0, 500, 0.1), (500, 1031, 0.0)])
+        for grad in grads:
+            param.grad = grad.copy()
+            opt.step()
+        state = opt.state["w"]
+        return param.data, state["exp_avg"], state["exp_avg_sq"]
+
+    native, numpy = both_paths(run, monkeypatch)
+    assert all(np.array_equal(a, b) for a, b in zip(native, numpy))
+
+
+def test_hpcpar_fused_0_turns_the_library_off():
+    code = "from hpcpar.autograd import fused; print(fused.status())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "HPCPAR_FUSED": "0"})
+    assert proc.stdout.strip() == "off (HPCPAR_FUSED=0)", proc.stderr

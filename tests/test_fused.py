@@ -1,6 +1,6 @@
 """The fused elementwise passes (``native/fused.c`` through ``hpcpar.autograd.fused``) give the
-NumPy path's results bit for bit: GELU forward and backward, and Adam(W) steps through the
-optimizer, in float32 and float64; 16-bit and non-contiguous arrays take the NumPy path;
+NumPy path's results bit for bit: GELU and LayerNorm forward and backward, and Adam(W) steps
+through the optimizer, in float32 and float64; 16-bit and non-contiguous arrays take the NumPy path;
 ``HPCPAR_FUSED=0`` turns the library off."""
 import os
 import subprocess
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hpcpar.autograd import Tensor, fused
-from hpcpar.autograd.ops import elementwise
+from hpcpar.autograd.ops import elementwise, nn_functional
 from hpcpar.optim import Adam, AdamW
 from hpcpar.optim.groups import DecayRuns
 
@@ -50,6 +50,29 @@ def test_gelu_forward_and_backward_are_numpy_s_bits(dtype, shape, monkeypatch):
     (out, grad), (out_np, grad_np) = both_paths(run, monkeypatch)
     assert np.array_equal(out, out_np) and np.array_equal(grad, grad_np)
     assert out.dtype == dtype and grad.dtype == dtype
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(5,), (2, 3, 7), (4, 129), (2, 9, 256), (3, 300)])
+@pytest.mark.parametrize("affine", [(True, True), (True, False), (False, False)])
+def test_layer_norm_forward_and_backward_are_numpy_s_bits(dtype, shape, affine, monkeypatch):
+    """Rows below 8, up to 128 and above (NumPy's pairwise sums: a loop, eight accumulators, halves)."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(shape) * 5 + 2).astype(dtype)
+    params = [rng.standard_normal(shape[-1]).astype(dtype) for used in affine if used]
+    seed = rng.standard_normal(shape).astype(dtype)
+
+    def run():
+        tensors = [Tensor(a.copy(), requires_grad=True) for a in (x, *params)]
+        weight, bias = (tensors[1:] + [None, None])[:2]
+        out = nn_functional.layer_norm(tensors[0], weight, bias)
+        out.backward(seed)
+        return [out.data] + [t.grad for t in tensors]
+
+    native, numpy = both_paths(run, monkeypatch)
+    assert len(native) == 2 + len(params)
+    assert all(np.array_equal(a, b) and a.dtype == dtype for a, b in zip(native, numpy))
 
 
 def test_arrays_the_loops_do_not_take_go_the_numpy_way():

@@ -1,7 +1,8 @@
 """Fused elementwise passes of the step: ``build/libhpcpar_fused.so`` (``native/fused.c``), or None.
 
-GELU's two elementwise halves around NumPy's tanh and its gradient, and one Adam(W) step: each
-a single pass over memory where NumPy makes several, with NumPy's operations in NumPy's order, so
+GELU's two elementwise halves around NumPy's tanh and its gradient, LayerNorm forward and
+backward row by row (NumPy's pairwise sums), and one Adam(W) step: each a single pass over
+memory where NumPy makes several, with NumPy's operations in NumPy's order, so
 the results are the same bits. The library is loaded on first use (not on import) and checked
 against the NumPy sequences on a probe; where it is not built, disagrees, or the arrays are not
 contiguous float32/float64 NumPy arrays, each function returns False (nothing done) and the
@@ -28,6 +29,8 @@ _SIGNATURES = {
     "hpcpar_gelu_backward": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                              ctypes.c_int, ctypes.c_double, ctypes.c_double],
     "hpcpar_adam": [ctypes.c_void_p] * 4 + [ctypes.c_size_t, ctypes.c_int] + [ctypes.c_double] * 7 + [ctypes.c_int],
+    "hpcpar_layer_norm": [ctypes.c_void_p] * 7 + [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_double],
+    "hpcpar_layer_norm_backward": [ctypes.c_void_p] * 8 + [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int],
 }
 
 
@@ -76,7 +79,7 @@ def _fits(*arrays) -> int | None:
 
 
 def _pointer(array):
-    return array.ctypes.data
+    return None if array is None else array.ctypes.data
 
 
 def _native(name: str, *arrays) -> tuple:
@@ -100,7 +103,7 @@ def gelu_tanh_argument(x, out, a: float, c: float):
 
 
 def gelu_from_tanh(x, t, out):
-    """``out = ((t + 1) x) 0.5`` (``out`` may be ``t``); returns ``out``."""
+    """``out = ((t + 1) x) 0.5`` (``out`` another array); returns ``out``."""
     function, code = _native("hpcpar_gelu_outer", x, t, out)
     if function is not None and function(_pointer(x), _pointer(t), _pointer(out), x.size, code) == 0:
         return out
@@ -159,24 +162,96 @@ def adam_step(param, grad, m, v, tmp, decay: float | None, beta1: float, beta2: 
     param -= tmp
 
 
+def layer_norm(x, weight, bias, eps: float) -> tuple:
+    """``(out, xhat, mean, rstd)`` of LayerNorm over the last axis: mean and rstd = 1/sqrt(var + eps)
+    per row (keepdims), xhat = (x - mean) rstd, out = xhat weight + bias (either may be None)."""
+    params = [p for p in (weight, bias) if p is not None]
+    function, code = _native("hpcpar_layer_norm", x) if all(_same_kind(x, p) for p in params) else (None, None)
+    if function is not None:
+        dim = x.shape[-1]
+        out, xhat = np.empty_like(x), np.empty_like(x)
+        mean, rstd = np.empty(x.shape[:-1] + (1,), x.dtype), np.empty(x.shape[:-1] + (1,), x.dtype)
+        if function(_pointer(x), _pointer(weight), _pointer(bias), _pointer(out), _pointer(xhat), _pointer(mean),
+                    _pointer(rstd), x.size // max(dim, 1), dim, code, eps) == 0:
+            return out, xhat, mean, rstd
+    xp = get_array_module(x)
+    mean = x.mean(axis=-1, keepdims=True)
+    xhat = x - mean  # a new array
+    out = xhat * xhat
+    rstd = out.mean(axis=-1, keepdims=True)
+    rstd += eps
+    xp.sqrt(rstd, out=rstd)
+    xp.reciprocal(rstd, out=rstd)
+    xhat *= rstd
+    if weight is not None:
+        xp.multiply(xhat, weight, out=out)
+    else:
+        out[...] = xhat
+    if bias is not None:
+        out += bias
+    return out, xhat, mean, rstd
+
+
+def layer_norm_backward(grad, xhat, rstd, weight, weight_grad: bool, bias_grad: bool) -> tuple:
+    """``(dx, dweight or None, dbias or None)``: dx = rstd (gx - mean(gx) - xhat mean(gx xhat)),
+    gx = grad weight; dweight = sum over rows of grad xhat, dbias of grad. ``xhat`` may be
+    overwritten (the graph is single-use)."""
+    dim = xhat.shape[-1]
+    arrays = [a for a in (weight,) if a is not None]
+    function, code = (_native("hpcpar_layer_norm_backward", grad, xhat)
+                      if all(_same_kind(xhat, a) for a in arrays) else (None, None))
+    if function is not None:
+        dx = np.empty_like(xhat)
+        dw = np.zeros(dim, xhat.dtype) if weight_grad else None
+        db = np.zeros(dim, xhat.dtype) if bias_grad else None
+        rstd_rows, scratch = np.ascontiguousarray(rstd), np.empty(2 * dim, xhat.dtype)  # alive through the call
+        if function(_pointer(grad), _pointer(xhat), _pointer(rstd_rows), _pointer(weight), _pointer(dx), _pointer(dw),
+                    _pointer(db), _pointer(scratch), xhat.size // max(dim, 1), dim, code) == 0:
+            return dx, dw, db
+    g_xhat = grad * weight if weight is not None else grad.copy()  # a temporary updated in place
+    prod = grad * xhat
+    dweight = prod.reshape(-1, dim).sum(axis=0) if weight_grad else None
+    if weight is not None:
+        prod *= weight  # g_xhat * xhat
+    dbias = grad.reshape(-1, dim).sum(axis=0) if bias_grad else None
+    proj = prod.mean(axis=-1, keepdims=True)
+    g_xhat -= g_xhat.mean(axis=-1, keepdims=True)
+    xhat *= proj
+    g_xhat -= xhat
+    g_xhat *= rstd
+    return g_xhat, dweight, dbias
+
+
+def _same_kind(x, other) -> bool:
+    """Whether a LayerNorm parameter can go to the loop with ``x``: a contiguous vector of its dtype."""
+    return (type(other) is np.ndarray and other.dtype == x.dtype and other.flags.c_contiguous
+            and other.shape == (x.shape[-1],))
+
+
 def disagreement(functions) -> str | None:
     """Where the native loops' bits differ from the NumPy path's on a probe (float32 and float64,
-    magnitudes from 1e-4 to 1e4, an odd length for the vector loops' tails), or None."""
+    magnitudes from 1e-4 to 1e4, odd lengths for the vector loops' tails, LayerNorm rows of 260
+    (over 128: the pairwise sum's halves) of scales from 1e-3 to 1e3), or None."""
     rng = np.random.default_rng(0)
     for dtype in (np.float32, np.float64):
         x = (rng.standard_normal(4099) * 10.0 ** rng.uniform(-4, 4, 4099)).astype(dtype)
         t, grad = np.tanh(x), rng.standard_normal(4099).astype(dtype)
         state = (x, grad, np.abs(grad) * 0.1, grad * grad * 1e-3)
+        rows = (rng.standard_normal((3, 37, 260)) * 10.0 ** rng.uniform(-3, 3, (3, 37, 1))).astype(dtype)
+        seed, weight, bias = (rng.standard_normal(shape).astype(dtype) for shape in (rows.shape, 260, 260))
         results = []
         for lib in (functions, None):
             _state["lib"] = lib  # the path the functions below take
             p, g, m, v = (a.copy() for a in state)
             adam_step(p, g, m, v, np.empty_like(p), 1 - 1e-5, 0.9, 0.95, 5e-9, 1e-3)
+            forward = layer_norm(rows, weight, bias, 1e-5)
             results.append((gelu_tanh_argument(x, np.empty_like(x), 0.044715, 0.79788),
                             gelu_from_tanh(x, t, np.empty_like(x)), gelu_gradient(x, t, grad, 0.044715, 0.79788),
-                            p, m, v))
-        for name, ours, theirs in zip(("gelu argument", "gelu", "gelu gradient", "adam p", "adam m", "adam v"),
-                                      *results):
+                            p, m, v, *forward, *layer_norm_backward(seed, forward[1].copy(), forward[3], weight,
+                                                                    True, True)))
+        for name, ours, theirs in zip(("gelu argument", "gelu", "gelu gradient", "adam p", "adam m", "adam v",
+                                       "layer norm", "layer norm xhat", "layer norm mean", "layer norm rstd",
+                                       "layer norm dx", "layer norm dweight", "layer norm dbias"), *results):
             if not np.array_equal(ours, theirs):
                 return f"{name}, {np.dtype(dtype).name}"
     return None

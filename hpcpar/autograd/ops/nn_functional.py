@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from ...backend import get_array_module
-from .. import precision
+from .. import fused, precision
 from ..function import Function
 from ._common import check_host_range, integer_array, scatter_add_rows, wants_grad
 
@@ -148,24 +148,10 @@ class LayerNorm(Function):
     op = "layer_norm"
 
     def forward(self, x, *params, has_weight=True, has_bias=True, eps=1e-5):
-        xp = get_array_module(x)
         weight = params[0] if has_weight else None
         bias = params[-1] if has_bias else None
         inner = precision.upcast(x)
-        mean = inner.mean(axis=-1, keepdims=True)
-        xhat = inner - mean  # a new array (inner may be x itself)
-        out = xhat * xhat
-        rstd = out.mean(axis=-1, keepdims=True)
-        rstd += eps
-        xp.sqrt(rstd, out=rstd)
-        xp.reciprocal(rstd, out=rstd)  # (..., 1): 1 / sqrt(var + eps)
-        xhat *= rstd
-        if weight is not None:
-            xp.multiply(xhat, weight, out=out)
-        else:
-            out[...] = xhat
-        if bias is not None:
-            out += bias
+        out, xhat, mean, rstd = fused.layer_norm(inner, weight, bias, eps)
         self.low = inner is not x
         # 16 bits: keep x, mean and rstd and recompute xhat; otherwise keep xhat (one pass less)
         self.xhat, self.saved = (None, (x, mean)) if self.low else (xhat, None)
@@ -174,7 +160,6 @@ class LayerNorm(Function):
         return out
 
     def backward(self, grad):
-        # dx = rstd * (gx - mean(gx) - xhat * mean(gx * xhat)), with gx = grad * weight
         if self.low:
             x, mean = self.saved
             xhat = precision.upcast(x)
@@ -183,24 +168,10 @@ class LayerNorm(Function):
             grad = precision.upcast(grad)
         else:
             xhat = self.xhat
-        weight = self.weight
-        dim = xhat.shape[-1]
-        grads = []
-        g_xhat = grad * weight if weight is not None else grad.copy()  # a temporary updated in place
-        if self.has_weight:
-            prod = grad * xhat
-            grads.append(prod.reshape(-1, dim).sum(axis=0) if wants_grad(self, 1) else None)
-            prod *= weight  # g_xhat * xhat
-        else:
-            prod = g_xhat * xhat
-        if self.has_bias:
-            grads.append(grad.reshape(-1, dim).sum(axis=0) if wants_grad(self, len(grads) + 1) else None)
-        proj = prod.mean(axis=-1, keepdims=True)
-        g_xhat -= g_xhat.mean(axis=-1, keepdims=True)
-        xhat *= proj  # overwritten: the graph is single-use
-        g_xhat -= xhat
-        g_xhat *= self.rstd
-        return (g_xhat, *grads)
+        dx, dweight, dbias = fused.layer_norm_backward(grad, xhat, self.rstd, self.weight,
+                                                       self.has_weight and wants_grad(self, 1),
+                                                       self.has_bias and wants_grad(self, 1 + self.has_weight))
+        return (dx, *([dweight] if self.has_weight else []), *([dbias] if self.has_bias else []))
 
 
 def dropout_scale(rng, p: float, shape, dtype, xp):

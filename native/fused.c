@@ -171,6 +171,34 @@
         }                                                                                        \
     }
 
+/* Attention's softmax over rows of t scores, before the exp (the caller takes NumPy's exp in
+ * place): causal, row i of each (t, t) block keeps columns j <= i as x + 0 (NumPy adds a mask of
+ * 0 and -inf) and -inf above; then every row minus its maximum (a NaN anywhere stays NaN). */
+#define DEFINE_SOFTMAX_SHIFT(name, type)                                                         \
+    VECTOR_LOOP static void name(type *restrict x, size_t rows, size_t t, int causal) {          \
+        for (size_t r = 0; r < rows; r++) {                                                      \
+            type *restrict xr = x + r * t;                                                       \
+            const size_t keep = causal ? r % t + 1 : t;                                          \
+            type peak = -(type)INFINITY;                                                         \
+            for (size_t j = 0; j < keep; j++) {                                                  \
+                const type v = causal ? xr[j] + (type)0 : xr[j];                                 \
+                peak = (v > peak || v != v) && peak == peak ? v : peak;                          \
+            }                                                                                    \
+            for (size_t j = 0; j < keep; j++) xr[j] = (causal ? xr[j] + (type)0 : xr[j]) - peak; \
+            for (size_t j = keep; j < t; j++) xr[j] = -(type)INFINITY;                           \
+        }                                                                                        \
+    }
+
+/* After the exp: each row times 1 / (its pairwise sum), NumPy's reciprocal then multiply. */
+#define DEFINE_SOFTMAX_SCALE(name, type, SUM)                                                    \
+    VECTOR_LOOP static void name(type *restrict x, size_t rows, size_t t) {                      \
+        for (size_t r = 0; r < rows; r++) {                                                      \
+            type *restrict xr = x + r * t;                                                       \
+            const type inverse = (type)1 / SUM(xr, t);                                           \
+            for (size_t j = 0; j < t; j++) xr[j] = xr[j] * inverse;                              \
+        }                                                                                        \
+    }
+
 DEFINE_GELU_INNER(gelu_inner_f32, float)
 DEFINE_GELU_INNER(gelu_inner_f64, double)
 DEFINE_GELU_OUTER(gelu_outer_f32, float)
@@ -184,6 +212,10 @@ DEFINE_LAYER_NORM(layer_norm_f32, float, pairwise_f32, sqrtf)
 DEFINE_LAYER_NORM(layer_norm_f64, double, pairwise_f64, sqrt)
 DEFINE_LAYER_NORM_BACKWARD(layer_norm_backward_f32, float, pairwise_f32)
 DEFINE_LAYER_NORM_BACKWARD(layer_norm_backward_f64, double, pairwise_f64)
+DEFINE_SOFTMAX_SHIFT(softmax_shift_f32, float)
+DEFINE_SOFTMAX_SHIFT(softmax_shift_f64, double)
+DEFINE_SOFTMAX_SCALE(softmax_scale_f32, float, pairwise_f32)
+DEFINE_SOFTMAX_SCALE(softmax_scale_f64, double, pairwise_f64)
 DEFINE_ADAM(adam_f64, double, sqrt)
 
 /* The exported entry points: dtype 0 is float32, 1 float64; anything else returns -1. */
@@ -230,6 +262,20 @@ HPCPAR_API int hpcpar_layer_norm_backward(const void *g, const void *xhat, const
                                           void *dw, void *db, void *scratch, size_t rows, size_t dim, int dtype) {
     if (dtype == 0) layer_norm_backward_f32(g, xhat, rstd, w, dx, dw, db, scratch, rows, dim);
     else if (dtype == 1) layer_norm_backward_f64(g, xhat, rstd, w, dx, dw, db, scratch, rows, dim);
+    else return -1;
+    return 0;
+}
+
+HPCPAR_API int hpcpar_softmax_shift(void *x, size_t rows, size_t t, int causal, int dtype) {
+    if (dtype == 0) softmax_shift_f32(x, rows, t, causal);
+    else if (dtype == 1) softmax_shift_f64(x, rows, t, causal);
+    else return -1;
+    return 0;
+}
+
+HPCPAR_API int hpcpar_softmax_scale(void *x, size_t rows, size_t t, int dtype) {
+    if (dtype == 0) softmax_scale_f32(x, rows, t);
+    else if (dtype == 1) softmax_scale_f64(x, rows, t);
     else return -1;
     return 0;
 }

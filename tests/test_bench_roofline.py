@@ -13,6 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from conftest import venv_bin
+from hpcpar.autograd import fused
 from hpcpar.bench import roofline
 from hpcpar.bench.step import BENCH_CONFIG
 from hpcpar.bench.zero import make_strategy, one_step
@@ -51,6 +52,10 @@ def test_the_bench_prints_its_rows_at_two_ranks():
                           env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 ranks, one BLAS thread each (" in proc.stdout, proc.stdout
-    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith(("hpcpar fp32", "GEMM-only"))]
-    assert [r[0] for r in rows] == ["hpcpar", "GEMM-only"] and rows[1][1] == "(75", proc.stdout
-    assert rows[1][-2] == "1.00", proc.stdout  # GEMM-only against itself
+    rows = {line.strip().split("  ")[0]: line.split() for line in proc.stdout.splitlines()
+            if line.strip().startswith(("hpcpar fp32", "GEMM-only"))}
+    assert list(rows)[:2] == ["hpcpar fp32", "GEMM-only (75 products)"], proc.stdout
+    assert rows["GEMM-only (75 products)"][-3:-1] == ["1.00", "1.00"], proc.stdout  # against itself, wall and cpu
+    native = fused.status().startswith("native")
+    assert ("hpcpar fp32, NumPy passes" in rows) == native, proc.stdout  # the fused passes' baseline
+    assert f"elementwise passes: {fused.status()}" in proc.stdout

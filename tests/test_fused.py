@@ -1,6 +1,6 @@
 """The fused elementwise passes (``native/fused.c`` through ``hpcpar.autograd.fused``) give the
-NumPy path's results bit for bit: GELU and LayerNorm forward and backward, and Adam(W) steps
-through the optimizer, in float32 and float64; 16-bit and non-contiguous arrays take the NumPy path;
+NumPy path's results bit for bit: GELU, LayerNorm and attention (its masked softmax) forward
+and backward, and Adam(W) steps through the optimizer, in float32 and float64; 16-bit and non-contiguous arrays take the NumPy path;
 ``HPCPAR_FUSED=0`` turns the library off."""
 import os
 import subprocess
@@ -21,10 +21,9 @@ needs_library = pytest.mark.skipif(not BUILT, reason="libhpcpar_fused.so is not 
 def both_paths(function, monkeypatch):
     """``function()`` on the native path, then on the NumPy one."""
     native = function()
-    lib = fused._library()
-    monkeypatch.setitem(fused._state, "lib", None)
-    numpy = function()
-    monkeypatch.setitem(fused._state, "lib", lib)
+    with fused.numpy_path():
+        numpy = function()
+    assert fused.status().startswith("native")
     return native, numpy
 
 
@@ -73,6 +72,31 @@ def test_layer_norm_forward_and_backward_are_numpy_s_bits(dtype, shape, affine, 
     native, numpy = both_paths(run, monkeypatch)
     assert len(native) == 2 + len(params)
     assert all(np.array_equal(a, b) and a.dtype == dtype for a, b in zip(native, numpy))
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_is_numpy_s_bits_with_its_softmax_fused(dtype, causal, monkeypatch):
+    rng = np.random.default_rng(4)
+    q, k, v, seed = ((rng.standard_normal((2, 3, 37, 8)) * 3).astype(dtype) for _ in range(4))
+
+    def run():
+        tensors = [Tensor(a.copy(), requires_grad=True) for a in (q, k, v)]
+        out = nn_functional.attention(*tensors, causal=causal)
+        out.backward(seed)
+        return [out.data] + [t.grad for t in tensors]
+
+    native, numpy = both_paths(run, monkeypatch)
+    assert all(np.array_equal(a, b) for a, b in zip(native, numpy))
+
+
+def test_a_nan_score_stays_nan_through_the_fused_softmax():
+    scores = np.zeros((1, 1, 4, 4), np.float32)
+    scores[0, 0, 2, 1] = np.nan
+    out = fused.attention_softmax(scores, True)
+    assert np.isnan(out[0, 0, 2]).all() and np.isfinite(out[0, 0, [0, 1, 3]]).all()
+    assert out[0, 0, 0].tolist() == [1, 0, 0, 0]
 
 
 def test_arrays_the_loops_do_not_take_go_the_numpy_way():

@@ -1,7 +1,8 @@
 """Fused elementwise passes of the step: ``build/libhpcpar_fused.so`` (``native/fused.c``), or None.
 
 GELU's two elementwise halves around NumPy's tanh and its gradient, LayerNorm forward and
-backward row by row (NumPy's pairwise sums), and one Adam(W) step: each a single pass over
+backward row by row (NumPy's pairwise sums), attention's masked softmax around NumPy's exp,
+and one Adam(W) step: each a single pass over
 memory where NumPy makes several, with NumPy's operations in NumPy's order, so
 the results are the same bits. The library is loaded on first use (not on import) and checked
 against the NumPy sequences on a probe; where it is not built, disagrees, or the arrays are not
@@ -11,6 +12,7 @@ comparison); ``status()`` says which path runs and why.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 
@@ -31,6 +33,8 @@ _SIGNATURES = {
     "hpcpar_adam": [ctypes.c_void_p] * 4 + [ctypes.c_size_t, ctypes.c_int] + [ctypes.c_double] * 7 + [ctypes.c_int],
     "hpcpar_layer_norm": [ctypes.c_void_p] * 7 + [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_double],
     "hpcpar_layer_norm_backward": [ctypes.c_void_p] * 8 + [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int],
+    "hpcpar_softmax_shift": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_int],
+    "hpcpar_softmax_scale": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int],
 }
 
 
@@ -58,6 +62,17 @@ def _load():
     if problem:
         return None, f"{path} differs from NumPy ({problem}): NumPy runs"
     return functions, f"native ({path})"
+
+
+@contextlib.contextmanager
+def numpy_path():
+    """Inside: the NumPy sequences, the native loops set aside (what ``HPCPAR_FUSED=0`` runs)."""
+    lib = _library()
+    _state["lib"] = None
+    try:
+        yield
+    finally:
+        _state["lib"] = lib
 
 
 def status() -> str:
@@ -222,6 +237,34 @@ def layer_norm_backward(grad, xhat, rstd, weight, weight_grad: bool, bias_grad: 
     return g_xhat, dweight, dbias
 
 
+def softmax_rows(x, axis, in_place=False):
+    """Numerically stable softmax along ``axis`` (NumPy or CuPy); ``in_place`` overwrites ``x``."""
+    xp = get_array_module(x)
+    peak = x.max(axis=axis, keepdims=True)
+    if in_place:
+        x -= peak
+    else:
+        x = x - peak
+    xp.exp(x, out=x)
+    total = x.sum(axis=axis, keepdims=True)
+    x *= xp.reciprocal(total, out=total)  # one division per row, then multiplications
+    return x
+
+
+def attention_softmax(scores, causal: bool):
+    """Softmax in place over the last axis of (..., T, T) scores, with the causal mask (-inf above
+    the diagonal) when ``causal``: two native passes around NumPy's exp, or the NumPy sequence."""
+    xp, steps = get_array_module(scores), scores.shape[-1]
+    function, code = _native("hpcpar_softmax_shift", scores)
+    if function is not None and function(_pointer(scores), scores.size // steps, steps, causal, code) == 0:
+        xp.exp(scores, out=scores)
+        if _library()["hpcpar_softmax_scale"](_pointer(scores), scores.size // steps, steps, code) == 0:
+            return scores
+    if causal:  # -inf above the diagonal: a key after the query gets probability 0
+        scores += xp.where(xp.tri(steps, dtype=bool), scores.dtype.type(0), scores.dtype.type(-xp.inf))
+    return softmax_rows(scores, -1, in_place=True)
+
+
 def _same_kind(x, other) -> bool:
     """Whether a LayerNorm parameter can go to the loop with ``x``: a contiguous vector of its dtype."""
     return (type(other) is np.ndarray and other.dtype == x.dtype and other.flags.c_contiguous
@@ -239,6 +282,7 @@ def disagreement(functions) -> str | None:
         state = (x, grad, np.abs(grad) * 0.1, grad * grad * 1e-3)
         rows = (rng.standard_normal((3, 37, 260)) * 10.0 ** rng.uniform(-3, 3, (3, 37, 1))).astype(dtype)
         seed, weight, bias = (rng.standard_normal(shape).astype(dtype) for shape in (rows.shape, 260, 260))
+        scores = (rng.standard_normal((2, 3, 131, 131)) * 10.0 ** rng.uniform(-2, 2, (2, 3, 131, 1))).astype(dtype)
         results = []
         for lib in (functions, None):
             _state["lib"] = lib  # the path the functions below take
@@ -248,10 +292,12 @@ def disagreement(functions) -> str | None:
             results.append((gelu_tanh_argument(x, np.empty_like(x), 0.044715, 0.79788),
                             gelu_from_tanh(x, t, np.empty_like(x)), gelu_gradient(x, t, grad, 0.044715, 0.79788),
                             p, m, v, *forward, *layer_norm_backward(seed, forward[1].copy(), forward[3], weight,
-                                                                    True, True)))
+                                                                    True, True),
+                            attention_softmax(scores.copy(), True), attention_softmax(scores.copy(), False)))
         for name, ours, theirs in zip(("gelu argument", "gelu", "gelu gradient", "adam p", "adam m", "adam v",
                                        "layer norm", "layer norm xhat", "layer norm mean", "layer norm rstd",
-                                       "layer norm dx", "layer norm dweight", "layer norm dbias"), *results):
+                                       "layer norm dx", "layer norm dweight", "layer norm dbias",
+                                       "causal softmax", "softmax"), *results):
             if not np.array_equal(ours, theirs):
                 return f"{name}, {np.dtype(dtype).name}"
     return None

@@ -10,7 +10,8 @@ rank. *GEMM-only* is every product that step asks ``autograd.precision.matmul`` 
 backward: one step's calls are recorded with their operands and replayed on those same arrays
 (same shapes, strides and dtypes; 16-bit operands upcast, as matmul multiplies them), so it is
 the step's BLAS time and nothing else. *ratio* = step / GEMM-only (1.0: a step that is all
-products). PyTorch runs the same model in the same run when it is installed (one process, or DDP
+products), by wall-clock and by the process's CPU time. Where ``autograd.fused`` is built, the
+same step with its elementwise passes in NumPy is a variant too (their baseline). PyTorch runs the same model in the same run when it is installed (one process, or DDP
 over gloo at N ranks). Variants take turns step by step; medians; at N ranks the slowest rank
 decides each. One BLAS thread a rank; the header names the BLAS kernel (threadpoolctl): run
 under ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`` for the kernel OpenBLAS picks itself.
@@ -24,7 +25,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..autograd import precision
+from ..autograd import fused, precision
 from ..backend import get_array_module
 from ..cli import at_least
 from ..tables import format_table
@@ -87,21 +88,31 @@ def replay(calls):
     return gemms
 
 
-def variants(args, world) -> tuple[dict, float, list]:
-    """({name: step function}, GEMM flops of one hpcpar step, [(peer, why it did not run)])."""
-    size, found, missing = world.Get_size(), {}, []
-    strategy = make_strategy(roofline_job(args, size, args.precision), world)
+def hpcpar_step(args, world, numpy_passes: bool = False):
+    """One training step of a fresh strategy on a fresh batch of this rank's own; ``numpy_passes``:
+    with the elementwise passes in NumPy (``autograd.fused`` set aside), the fused passes' baseline."""
+    strategy = make_strategy(roofline_job(args, world.Get_size(), args.precision), world)
     rng = np.random.default_rng([world.Get_rank(), 0])
 
     def step():
         ids = rng.integers(0, BENCH_CONFIG.vocab_size, (args.batch, BENCH_CONFIG.block_size + 1))
-        one_step(strategy, ids[:, :-1], ids[:, 1:], 0.0)
+        with fused.numpy_path() if numpy_passes else contextlib.nullcontext():
+            one_step(strategy, ids[:, :-1], ids[:, 1:], 0.0)
 
+    return step
+
+
+def variants(args, world) -> tuple[dict, float, list]:
+    """({name: step function}, GEMM flops of one hpcpar step, [(peer, why it did not run)])."""
+    size, found, missing = world.Get_size(), {}, []
+    step = hpcpar_step(args, world)
     step()  # AdamW's state made, the buffers allocated: the recorded step is a steady one
     with recorded_products() as calls:
         step()
     found[f"hpcpar {args.precision}"] = step
     found[f"GEMM-only ({len(calls)} products)"] = replay(calls)
+    if fused.status().startswith("native"):
+        found[f"hpcpar {args.precision}, NumPy passes"] = hpcpar_step(args, world, numpy_passes=True)
     if not args.no_torch:
         from .torch_peers import ddp_step
 
@@ -115,28 +126,31 @@ def variants(args, world) -> tuple[dict, float, list]:
 
 
 def measure(args, world) -> dict:
-    """{name: median seconds of the slowest rank}: the variants taking turns, after ``WARMUP`` rounds."""
+    """{name: (wall, cpu)}: median seconds of the slowest rank, wall-clock and the process's CPU time
+    (steadier on a shared machine: a rank's own work), the variants taking turns after ``WARMUP`` rounds."""
     found, gemm_flops, missing = variants(args, world)
-    times = {name: [] for name in found}
+    times = {name: ([], []) for name in found}
     for round_ in range(WARMUP + args.steps):
         for name, step in found.items():
             world.Barrier()
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             step()
-            seconds = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             if round_ >= WARMUP:
-                times[name].append(seconds)
-    return {"times": {name: statistics.median(t) for name, t in times.items()}, "flops": gemm_flops,
-            "missing": missing}
+                times[name][0].append(world.allreduce(wall, op=MPI.MAX))
+                times[name][1].append(world.allreduce(cpu, op=MPI.MAX))
+    return {"times": {name: (statistics.median(w), statistics.median(c)) for name, (w, c) in times.items()},
+            "flops": gemm_flops, "missing": missing}
 
 
 def table_rows(result: dict, tokens: int) -> list:
-    """[variant, ms, GFLOP/s of the products, tokens/s, vs GEMM-only, vs hpcpar] per variant."""
+    """[variant, ms, cpu ms, GFLOP/s of the products, tokens/s, vs GEMM-only (wall, cpu), vs hpcpar] per variant."""
     times = result["times"]
     gemm = next(t for name, t in times.items() if name.startswith("GEMM-only"))
     ours = next(iter(times.values()))
-    return [[name, seconds * 1e3, f"{result['flops'] / seconds / 1e9:.0f}", f"{tokens / seconds:,.0f}",
-             f"{seconds / gemm:.2f}", f"{seconds / ours:.2f}"] for name, seconds in times.items()]
+    return [[name, wall * 1e3, cpu * 1e3, f"{result['flops'] / wall / 1e9:.0f}", f"{tokens / wall:,.0f}",
+             f"{wall / gemm[0]:.2f}", f"{cpu / gemm[1]:.2f}", f"{wall / ours[0]:.2f}"]
+            for name, (wall, cpu) in times.items()]
 
 
 def add_arguments(parser) -> None:
@@ -163,7 +177,9 @@ def print_table(args, ranks: int, result: dict) -> None:
     title = (f"GPT step n_layer {c.n_layer} n_head {c.n_head} n_embd {c.n_embd} block {c.block_size} vocab "
              f"{c.vocab_size}, {args.batch} sequences per rank, dp {ranks}, AdamW, no dropout; GEMM-only: the "
              f"hpcpar step's own products replayed alone; GFLOP/s: the products' flops / the row's time")
-    print(format_table(["variant", "ms/step", "GFLOP/s", "tokens/s", "vs GEMM-only", "vs hpcpar"],
+    print(format_table(["variant", "ms/step", "cpu ms/step", "GFLOP/s", "tokens/s", "vs GEMM-only", "cpu vs GEMM-only",
+                        "vs hpcpar"],
                        table_rows(result, args.batch * ranks * c.block_size), title=title))
+    print(f"elementwise passes: {fused.status()}")
     for name, why in result["missing"]:
         print(f"not run: {name}: {why}")

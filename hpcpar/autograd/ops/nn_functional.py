@@ -14,21 +14,8 @@ import numpy as np
 from ...backend import get_array_module
 from .. import fused, precision
 from ..function import Function
+from ..fused import softmax_rows as _softmax
 from ._common import check_host_range, integer_array, scatter_add_rows, wants_grad
-
-
-def _softmax(x, axis, in_place=False):
-    """Numerically stable softmax; ``in_place`` overwrites ``x`` (a temporary of the caller)."""
-    xp = get_array_module(x)
-    peak = x.max(axis=axis, keepdims=True)
-    if in_place:
-        x -= peak
-    else:
-        x = x - peak
-    xp.exp(x, out=x)
-    total = x.sum(axis=axis, keepdims=True)
-    x *= xp.reciprocal(total, out=total)  # one division per row, then multiplications
-    return x
 
 
 class Softmax(Function):
@@ -245,18 +232,14 @@ class Attention(Function):
         if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
             raise ValueError(f"attention: q, k, v must share one (B, H, T, hs) shape, "
                              f"got {q.shape}, {k.shape}, {v.shape}")
-        xp = get_array_module(q)
-        steps, head_size = q.shape[-2], q.shape[-1]
-        self.scale = 1.0 / math.sqrt(head_size)
+        self.scale = 1.0 / math.sqrt(q.shape[-1])
         # Scaling (T, hs) is cheaper than scaling (T, T). On NumPy a 16-bit q is upcast first: the
         # product upcasts its operands anyway, and ml_dtypes' promotion of a 16-bit array times a
         # Python float changed in 0.7 (float32 before, 16-bit since), so the dtype is not left to it.
         q_scaled = precision.gemm_operand(q) * self.scale
         # (B, H, T, hs) @ (B, H, hs, T) -> (B, H, T, T), float32 for 16-bit inputs
         scores = precision.matmul(q_scaled, k.swapaxes(-1, -2), keep_float32=True)
-        if causal:  # -inf above the diagonal: a key after the query gets probability 0
-            scores += xp.where(xp.tri(steps, dtype=bool), scores.dtype.type(0), scores.dtype.type(-xp.inf))
-        _softmax(scores, -1, in_place=True)
+        fused.attention_softmax(scores, causal)
         probs = scores.astype(q.dtype, copy=False)  # 16 bits: rounded once, what backward keeps
         if keep is not None and keep.shape != probs.shape:
             raise ValueError(f"attention: dropout scale of shape {keep.shape} does not fit probabilities {probs.shape}")

@@ -7,6 +7,7 @@ import warnings
 from mpi4py import MPI
 
 from . import backend
+from .autograd import fused
 from .runtime.device_transport import device_nonblocking_supported, library_version, query_cuda_aware
 from .runtime.context import init
 from .runtime.grid import GRID, LayoutError
@@ -86,6 +87,7 @@ def print_info(sizes: dict, device="auto", comm_backend="auto") -> None:
         f"affinity and cgroup quota; os.cpu_count() {os.cpu_count()})",
         f"BLAS threads  {facts['blas_threads']} per rank; hpcpar.init: {ctx.host['blas']}",
         f"allocator     {ctx.host['allocator']}",
+        f"elementwise   {fused.status()} (GELU, LayerNorm, attention softmax, AdamW; HPCPAR_FUSED=0: NumPy)",
         f"fail-fast     {ctx.host['fail_fast']}",
         f"shared memory {ctx.shm_description()}",
         "",

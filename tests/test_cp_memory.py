@@ -56,7 +56,7 @@ def formula_bytes(config, dtype, mode, dropout, n_layer, tp, cp, sequence_parall
     shape = dict(dtype=dtype, tp=tp, sequence_parallel=sequence_parallel, cp=cp)
     s, h = config.block_size, config.n_embd
     block = block_kept_bytes(ROWS, s, h, config.n_head, recompute=mode, dropout=dropout, **shape)
-    return (embedding_kept_bytes(ROWS, s, h, dropout=dropout, **shape) + n_layer * block
+    return (embedding_kept_bytes(ROWS, s, h, **shape) + n_layer * block
             + head_kept_bytes(ROWS, s, h, config.vocab_size, **shape))
 
 

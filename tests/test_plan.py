@@ -136,7 +136,7 @@ def test_the_activation_term_against_korthikanti():
     assert activation_ratio(gpt2) == pytest.approx(gpt_block(gpt2, 0).saved_bytes / korthikanti_bytes(gpt2))
     assert 0.5 < activation_ratio(gpt2) < 1.5
     fp32 = replace(gpt2, precision="fp32")
-    assert 2 * activation_ratio(gpt2) < activation_ratio(fp32) < 2.5 * activation_ratio(gpt2)  # 16-bit norms keep less
+    assert 1.8 * activation_ratio(gpt2) < activation_ratio(fp32) < 2.5 * activation_ratio(gpt2)  # 4-byte values
 
 
 def test_simulate_with_stage_times_is_the_uniform_case_when_equal_and_slower_when_not():

@@ -204,7 +204,7 @@ def formula_bytes(config, dtype, mode, rows, tp=1, sequence_parallel=False):
     shape = dict(dtype=dtype, tp=tp, sequence_parallel=sequence_parallel)
     block = block_kept_bytes(rows, config.block_size, config.n_embd, config.n_head, recompute=mode,
                              dropout=config.dropout, **shape)
-    return (embedding_kept_bytes(rows, config.block_size, config.n_embd, dropout=config.dropout, **shape)
+    return (embedding_kept_bytes(rows, config.block_size, config.n_embd, **shape)
             + config.n_layer * block + head_kept_bytes(rows, config.block_size, config.n_embd, config.vocab_size, **shape))
 
 
@@ -237,7 +237,7 @@ def test_a_pipeline_stage_keeps_its_received_input_and_its_layers_by_the_formula
 def test_recomputation_saves_what_the_formula_says():
     """Selective drops the (T, T) arrays; full keeps one activation per block."""
     none, selective, full = (block_kept_bytes(8, 128, 256, 4, recompute=m, dropout=0.1) for m in RECOMPUTE)
-    assert none - selective == 2 * 8 * 128 * 256 * 4 + 8 * 4 * 128 * 128 * 8  # q scaled, attention's output; (T, T)
+    assert none - selective == 2 * 8 * 128 * 256 * 4 + 8 * 4 * 128 * 128 * 4  # q scaled, attention's output; (T, T) probabilities
     assert full == 8 * 128 * 256 * 4
     assert selective < none and full < selective
 

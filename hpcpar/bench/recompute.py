@@ -5,15 +5,18 @@
 For each of none, selective and full, one process and one BLAS thread run forward and backward
 of the same GPT on the same batches, the modes taking turns step by step (medians). Beside the
 times: the bytes the graph keeps for backward after the forward (``autograd.memory``, parameters
-excluded), the same per block against ``nn.activation_memory.block_kept_bytes``, and the
+excluded), the same per block against ``nn.activation_memory.block_kept_bytes`` and against
+Korthikanti et al.'s formula (``korthikanti_block_bytes``: 1-byte masks, the model's value bytes), and the
 tracemalloc peak of one forward and backward (kept activations, gradients and temporaries).
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..cli import at_least
 from ..autograd.memory import kept_for_backward
 from ..runtime.failfast import UsageError
-from ..nn.activation_memory import block_kept_bytes
+from ..nn.activation_memory import block_kept_bytes, korthikanti_block_bytes
 from ..nn.gpt import GPT, RECOMPUTE, GPTConfig
 from ..optim import precision_dtype
 from ..tables import format_table
@@ -45,7 +48,7 @@ def kept_per_block(config: GPTConfig, dtype, mode: str, batch_size: int) -> tupl
 
 
 def measure(config: GPTConfig, batch_size: int, precision: str, steps: int, warmup: int) -> list[list]:
-    dtype = precision_dtype(precision)
+    dtype = np.dtype(precision_dtype(precision))
     models = {}
     for mode in RECOMPUTE:
         models[mode] = GPT(config, dtype=dtype)
@@ -58,10 +61,12 @@ def measure(config: GPTConfig, batch_size: int, precision: str, steps: int, warm
         total, block = kept_per_block(config, dtype, mode, batch_size)
         formula = block_kept_bytes(batch_size, config.block_size, config.n_embd, config.n_head, dtype=dtype,
                                    recompute=mode, dropout=config.dropout)
+        yardstick = korthikanti_block_bytes(batch_size, config.block_size, config.n_embd, config.n_head,
+                                            itemsize=dtype.itemsize, recompute=mode)
         wall, cpu = times[mode]
         rows.append([mode, wall * 1e3, cpu * 1e3, f"{wall / times['none'][0]:.2f}", f"{cpu / times['none'][1]:.2f}",
                      f"{total / 2**20:.2f}", f"{block / 2**20:.3f}", f"{formula / 2**20:.3f}",
-                     f"{peaks[mode] / 2**20:.1f}"])
+                     f"{yardstick / 2**20:.3f}", f"{block / yardstick:.2f}", f"{peaks[mode] / 2**20:.1f}"])
     return rows
 
 
@@ -90,4 +95,5 @@ def run(args) -> None:
              f"block={config.block_size} batch={args.batch} dropout={config.dropout} {args.precision}, 1 process, "
              f"1 BLAS thread, forward+backward, medians of {args.steps} (modes take turns)")
     print(format_table(["recompute", "ms", "cpu ms", "vs none", "cpu vs none", "kept MiB (counted)",
-                        "per block MiB", "per block (formula)", "tracemalloc peak MiB"], rows, title=title))
+                        "per block MiB", "per block (formula)", "Korthikanti MiB", "vs Korthikanti",
+                        "tracemalloc peak MiB"], rows, title=title))

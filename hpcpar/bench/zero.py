@@ -77,7 +77,7 @@ def kept_for_backward(job, rows: int, tokens: int) -> float:
     """What the GPT keeps for backward on ``rows`` x ``tokens`` (``nn.activation_memory``, float32)."""
     m = job.model
     block = activation_memory.block_kept_bytes(rows, tokens, m.n_embd, m.n_head, dropout=m.dropout)
-    return (m.n_layer * block + activation_memory.embedding_kept_bytes(rows, tokens, m.n_embd, dropout=m.dropout)
+    return (m.n_layer * block + activation_memory.embedding_kept_bytes(rows, tokens, m.n_embd)
             + activation_memory.head_kept_bytes(rows, tokens, m.n_embd, m.vocab_size))
 
 

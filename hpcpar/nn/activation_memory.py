@@ -36,17 +36,16 @@ def block_kept_bytes(batch: int, seq: int, n_embd: int, n_head: int, *, dtype=np
       - 2 sigma N h e: the LayerNorms' normalised inputs (32/64-bit), or at 16 bits their inputs,
         the block input and the residual sum (16-bit LayerNorm recomputes the normalised input);
       - LayerNorm statistics: 2 sigma N e (1/std twice), 16-bit: 4 sigma N f (mean and 1/std);
-      - (12 + [a > t] + 4 [32/64-bit]) N h e / t: qkv's output (3, which k and v view), attention's
-        output and its copy with the heads side by side (the proj input; a view with one head per
-        rank), fc's output (GELU's input), GELU's output (4 each), GELU's tanh (4, 32/64-bit only);
+      - (12 + [a > t]) N h e / t: qkv's output (3, which k and v view), attention's output and its
+        copy with the heads side by side (the proj input; a view with one head per rank), fc's
+        output (GELU's input), GELU's output (4 each; GELU's tanh is recomputed in backward);
         plus q scaled by 1/sqrt(hs), N h / t in e (NumPy 16-bit: float32, f);
-      - b (a / t) s^2 (e + [attention dropout] f): the probabilities and the dropout scales;
-        under cp > 1 ring attention keeps none of them but its log-sum-exp, N a / t f, and the
-        dropout scales of its rows against the whole sequence, N (a / t) s f; its output is
-        kept in f, and the proj input beside it (N h / t e) unless it is a view of that output
-        (one head per rank, 32/64-bit);
-      - with residual dropout: 2 sigma N h f, its two scales (float32 under 16 bits).
-      Not kept: the products of the two row-parallel projections (before and after their
+      - b (a / t) s^2 e: the probabilities; under cp > 1 ring attention keeps none of them but
+        its log-sum-exp, N a / t f, and the dropout scales of its rows against the whole
+        sequence, N (a / t) s f; its output is kept in f, and the proj input beside it
+        (N h / t e) unless it is a view of that output (one head per rank, 32/64-bit).
+      Not kept: dropout scales (residual, embedding and, at cp = 1, attention: drawn again from
+      their keys in backward, ``nn.Dropout.drawer``, ``nn.HeadDropout.drawer``), the products of the two row-parallel projections (before and after their
       all-reduce or reduce-scatter, and after the bias add), the dropout outputs, and (32/64-bit)
       the block input and the residual sum: no backward reads them.
     - ``selective``: ``none`` less the scaled q, the b (a/t) s^2 terms and attention's output (the
@@ -60,14 +59,11 @@ def block_kept_bytes(batch: int, seq: int, n_embd: int, n_head: int, *, dtype=np
     n, h = batch * local_length(seq, cp), n_embd
     if recompute == "full":
         return sigma * n * h * e
-    wide = 0 if low else 1
     kept = 2 * n * h * e + 2 * sigma * n * h * e
     kept += sigma * n * (4 * f if low else 2 * e)
-    if dropout > 0:
-        kept += 2 * sigma * n * h * f
     if recompute == "selective":  # the attention output is kept only as the proj input it is a view of
-        return kept + (12 + 4 * wide) * n * h * e / t
-    kept += (11 + 4 * wide) * n * h * e / t  # qkv's output, fc's, GELU's and its tanh
+        return kept + 12 * n * h * e / t
+    kept += 11 * n * h * e / t  # qkv's output, attention's, fc's (GELU's input) and GELU's output
     attn_dropout = dropout if attn_dropout is None else attn_dropout
     return kept + attention_kept_bytes(batch, seq, n_embd, n_head, dtype=dtype, tp=tp, cp=cp,
                                        dropout=attn_dropout > 0)
@@ -83,11 +79,29 @@ def attention_kept_bytes(batch: int, seq: int, n_embd: int, n_head: int, *, dtyp
     kept = n * h * f  # q scaled: float32 under 16 bits on NumPy (and e otherwise, where f = e)
     if cp == 1:  # its output, and the copy with the heads side by side unless one head per rank (a view)
         kept += n * h * e * (2 if n_head > tp else 1)
-        return kept + batch * heads * seq * seq * (e + (f if dropout else 0))  # probabilities, dropout scales
+        return kept + batch * heads * seq * seq * e  # the probabilities (dropout scales are drawn again in backward)
     view = not low and n_head <= tp  # the proj input is a view of the output the ring keeps (in f = e)
     kept += n * h * (f + (0 if view else e))
     kept += n * heads * f  # the log-sum-exp of each row, (B, H, T / C, 1)
     return kept + (n * heads * seq * f if dropout else 0)  # its rows' dropout scales against every key
+
+
+def korthikanti_block_bytes(batch: int, seq: int, n_embd: int, n_head: int, *, itemsize: int = 2,
+                            recompute: str = "none") -> float:
+    """Korthikanti et al. (2022)'s activation bytes per transformer layer without tensor parallelism,
+    the yardstick of hpcpar's count: with 16-bit values and 1-byte dropout masks s b h (34 + 5 a s / h)
+    without recomputation, 34 s b h selective (the 5 a s / h of the (T, T) arrays recomputed), 2 s b h
+    full (the layer's input). Of the 34, 2 are the two residual-branch masks; of the 5, 1 is the
+    attention-dropout mask. ``itemsize`` scales the values (4: float32 values, 1-byte masks still).
+    (``plan.model.korthikanti_bytes``: the 16-bit formula with tensor and sequence parallelism.)"""
+    s, b, h, a = seq, batch, n_embd, n_head
+    if recompute == "full":
+        return s * b * h * itemsize
+    values = itemsize / 2
+    per = 32 * values + 2
+    if recompute == "none":
+        per += (4 * values + 1) * a * s / h
+    return s * b * h * per
 
 
 def local_length(seq: int, cp: int = 1) -> int:
@@ -114,20 +128,19 @@ def _shares(dtype, tp: int, sequence_parallel: bool):
 
 
 def embedding_kept_bytes(batch: int, seq: int, n_embd: int, *, dtype=np.float32, tp: int = 1,
-                         sequence_parallel: bool = False, dropout: float = 0.0, cp: int = 1) -> float:
+                         sequence_parallel: bool = False, cp: int = 1) -> float:
     """Bytes the embedding stage keeps for backward per micro-batch and tp (and cp) rank (int64 ids, one array).
 
-    Its integer ids (and under tensor parallelism the mask of rows outside this rank's vocabulary)
-    and its dropout's scales; a cp rank holds seq / cp positions of each sequence.
+    Its integer ids (and under tensor parallelism the mask of rows outside this rank's vocabulary);
+    its dropout's scales are drawn again in backward, not kept; a cp rank holds seq / cp positions
+    of each sequence.
     """
-    e, f, _, sigma, _ = _shares(dtype, tp, sequence_parallel)
+    _, _, _, sigma, _ = _shares(dtype, tp, sequence_parallel)
     seq = local_length(seq, cp)
-    n, h = batch * seq, n_embd
+    n = batch * seq
     kept = n * 8 + sigma * seq * 8  # token ids (tp: their local rows) and position ids
     if tp > 1:
         kept += n  # the mask of rows outside this rank's vocabulary
-    if dropout > 0:
-        kept += sigma * n * h * f  # the dropout's scales
     return kept
 
 

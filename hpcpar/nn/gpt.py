@@ -125,10 +125,10 @@ class CausalSelfAttention(Module):
         (B, nh, T, T) arrays are most of a block's activation memory at long sequences
         (Korthikanti et al. 2022); the ring keeps none of them."""
         B, _, T, _ = q.shape
-        keep = self.attn_drop(B, T, q.dtype, q.xp)  # None unless training with attn_dropout > 0
-        if self.cp is not None:  # this rank's chunks against the whole sequence, around the cp ring
-            return ring_attention(q, k, v, self.cp, self.attn_drop.chunks, keep=keep)
-        return ops.attention(q, k, v, causal=True, keep=keep)
+        keep = self.attn_drop.drawer(B, T, q.dtype, q.xp)  # None unless training with attn_dropout > 0
+        if self.cp is not None:  # this rank's chunks against the whole sequence, around the cp ring (which keeps them)
+            return ring_attention(q, k, v, self.cp, self.attn_drop.chunks, keep=None if keep is None else keep())
+        return ops.attention(q, k, v, causal=True, draw_keep=keep)  # drawn in forward and again in backward
 
 
 class MLP(Module):

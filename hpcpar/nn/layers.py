@@ -99,15 +99,24 @@ class Dropout(Module):
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
+        return ops.dropout(x, self.p, mask=self.drawer(x.shape, x.dtype, x.xp))
+
+    def drawer(self, shape, dtype, xp):
+        """A function of no arguments that draws this call's scales (0 or 1/(1-p)) for an input of
+        ``shape``, from the active key as it is now: the op calls it in forward and again in
+        backward, so the scales are never kept (the same draws both times)."""
         key = _key_for(self)
-        batch, length = x.shape[0], (x.shape[1] if x.ndim > 1 else 1)  # axis 1: positions in the sample
-        per_sample = (self.place.total(length),) + tuple(x.shape[2:])
-        samples = range(key.first_sample, key.first_sample + batch)
-        runs = [keyed_uniform((self.seed, key.step, self.site), per_sample, samples, run, draw_dtype(x.dtype), x.xp)
-                for run in self.place.ranges(length)]
-        uniform = runs[0] if len(runs) == 1 else x.xp.concatenate(runs, axis=1)
-        scale = scale_from_uniform(uniform.reshape(x.shape), self.p, x.dtype)
-        return ops.dropout(x, self.p, scale=scale)
+        batch, length = shape[0], (shape[1] if len(shape) > 1 else 1)  # axis 1: positions in the sample
+        per_sample = (self.place.total(length),) + tuple(shape[2:])
+        samples, words = range(key.first_sample, key.first_sample + batch), (self.seed, key.step, self.site)
+        ranges = list(self.place.ranges(length))
+
+        def draw():
+            runs = [keyed_uniform(words, per_sample, samples, run, draw_dtype(dtype), xp) for run in ranges]
+            uniform = runs[0] if len(runs) == 1 else xp.concatenate(runs, axis=1)
+            return scale_from_uniform(uniform.reshape(shape), self.p, dtype)
+
+        return draw
 
     def extra_repr(self):
         return f"p={self.p}"
@@ -135,21 +144,31 @@ class HeadDropout(Module):
         """The (B, local heads, T', T) scales (0 or 1/(1-p)) for ``ops.attention`` (T' = T) or
         ``ops.ring_attention`` (T': this rank's query rows, its cp chunks), or None when off.
         ``steps``: the query rows held here."""
+        draw = self.drawer(batch, steps, dtype, xp)
+        return None if draw is None else draw()
+
+    def drawer(self, batch: int, steps: int, dtype, xp):
+        """``forward``'s scales as a function of no arguments (None when off), keyed by the active
+        key as it is now: ``ops.attention`` draws them in forward and again in backward."""
         if not self.training or self.p == 0.0:
             return None
         key = _key_for(self)
-        samples = range(key.first_sample, key.first_sample + batch)
-        total = steps * self.chunks.size
-        keep = xp.empty((batch, len(self.heads), steps, total), dtype=draw_dtype(dtype))
-        for local, head in enumerate(self.heads):
-            row = 0
-            for run in self.chunks.ranges(total):
-                keep[:, local, row:row + len(run)] = keyed_uniform((self.seed, key.step, self.site, head), (total, total),
-                                                                   samples, None if len(run) == total else run,
-                                                                   keep.dtype, xp)
-                row += len(run)
-        # 16-bit models: float32 scales, as dropout_scale gives them (1/(1-p) unrounded)
-        return scale_from_uniform(keep, self.p, dtype)
+        samples, step, total = range(key.first_sample, key.first_sample + batch), key.step, steps * self.chunks.size
+        ranges = list(self.chunks.ranges(total))
+
+        def draw():
+            keep = xp.empty((batch, len(self.heads), steps, total), dtype=draw_dtype(dtype))
+            for local, head in enumerate(self.heads):
+                row = 0
+                for run in ranges:
+                    keep[:, local, row:row + len(run)] = keyed_uniform((self.seed, step, self.site, head), (total, total),
+                                                                       samples, None if len(run) == total else run,
+                                                                       keep.dtype, xp)
+                    row += len(run)
+            # 16-bit models: float32 scales, as dropout_scale gives them (1/(1-p) unrounded)
+            return scale_from_uniform(keep, self.p, dtype)
+
+        return draw
 
     def extra_repr(self):
         return f"p={self.p}, heads={self.heads.start}..{self.heads.stop - 1}"

@@ -213,8 +213,7 @@ def gpt_embedding(shape: Shape) -> Layer:
     tp_f, tp_b = tp_leaving(shape, N * h)
     return Layer("embed", [("embed.wte.weight", V // t * h, False), ("embed.wpe.weight", shape.block_size * h, True)],
                  fwd, bwd, Work(), saved_bytes=embedding_kept_bytes(shape.rows, shape.block_size, h, dtype=shape.dtype, tp=t,
-                                                            sequence_parallel=shape.sequence_parallel,
-                                                            dropout=shape.attn_dropout, cp=shape.cp),
+                                                            sequence_parallel=shape.sequence_parallel, cp=shape.cp),
                  workspace_bytes=(V / t * h + 2 * N * h) * d,  # the table's gradient, the rows' gradients
                  output_elements=r * h,
                  tp_forward=tp_f, tp_backward=tp_b)

@@ -129,7 +129,7 @@ def ep_calls(shape: Shape, rows: float) -> tuple[list, list]:
 def kept_difference(shape: Shape, rows: float) -> float:
     """What an MoE block keeps beyond the dense block (recompute none or selective; under full both
     keep their input), exact for NumPy against ``autograd.memory`` under dropless routing: the MLP's
-    fc output, GELU's output (and its tanh at 32/64 bits) over A rows, not N; for fc's input, the
+    fc output and GELU's output over A rows, not N; for fc's input, the
     router's (its slice under sp; a float32 copy under 16 bits) and the A expert rows; the gated
     slots (N k h); the softmax, log-softmax and log-sum-exp of the (N, E) scores, the gates (and
     their sum for k = 2), the auxiliary loss's (b, E) products and six scalars (float32 at
@@ -139,7 +139,7 @@ def kept_difference(shape: Shape, rows: float) -> float:
     e, f = dtype.itemsize, precision.accumulation_dtype(dtype).itemsize
     low, k, E = precision.is_low(dtype), moe.top_k, moe.experts
     sigma = 1 / t if shape.sequence_parallel else 1
-    kept = (rows - N) * (8 + (0 if low else 4)) * h * e / t
+    kept = (rows - N) * 8 * h * e / t
     kept += sigma * N * h * f - N * h * e + rows * h * e
     kept += N * k * h * e
     kept += (3 * N * E + N * (k + (1 if k > 1 else 0)) + 2 * shape.rows * E + 6) * f

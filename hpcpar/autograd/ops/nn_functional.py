@@ -178,15 +178,21 @@ def scale_from_uniform(uniform, p: float, dtype):
 
 
 class Dropout(Function):
+    """``x * scale``: scales drawn from ``rng`` with probability ``p``, or the ``scale`` array given
+    (both kept for backward), or drawn by ``mask()`` (a keyed draw: called again in backward, so
+    nothing is kept)."""
+
     op = "dropout"
 
-    def forward(self, x, p=None, rng=None, scale=None):
-        """Scales drawn from ``rng`` with probability ``p``, or the ``scale`` array given."""
+    def forward(self, x, p=None, rng=None, scale=None, mask=None):
+        if mask is not None:
+            self.mask, self.scale = mask, None
+            return x * mask()
         self.scale = dropout_scale(rng, p, x.shape, x.dtype, get_array_module(x)) if scale is None else scale
         return x * self.scale
 
     def backward(self, grad):
-        return (grad * self.scale,)
+        return (grad * (self.scale if self.scale is not None else self.mask()),)
 
 
 class Linear(Function):
@@ -221,14 +227,15 @@ class Attention(Function):
     """softmax(q k^T / sqrt(hs) + causal mask) v over (B, H, T, hs), probabilities kept for backward.
 
     ``keep`` (B, H, T, T), optional: the attention-dropout scale (0 or 1/(1-p)) applied to the
-    probabilities before they weight ``v``. With 16-bit inputs the scores, the softmax and its
+    probabilities before they weight ``v``, kept for backward; or ``draw_keep()``, which draws it,
+    called in forward and again in backward (nothing kept). With 16-bit inputs the scores, the softmax and its
     backward are float32 and the two products take 16-bit operands (float32 accumulation), as in
     fused GPU attention; the probabilities are kept in the compute dtype.
     """
 
     op = "attention"
 
-    def forward(self, q, k, v, causal=True, keep=None):
+    def forward(self, q, k, v, causal=True, keep=None, draw_keep=None):
         if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
             raise ValueError(f"attention: q, k, v must share one (B, H, T, hs) shape, "
                              f"got {q.shape}, {k.shape}, {v.shape}")
@@ -241,15 +248,18 @@ class Attention(Function):
         scores = precision.matmul(q_scaled, k.swapaxes(-1, -2), keep_float32=True)
         fused.attention_softmax(scores, causal)
         probs = scores.astype(q.dtype, copy=False)  # 16 bits: rounded once, what backward keeps
+        self.draw_keep = draw_keep  # drawn again in backward, not kept
+        keep = draw_keep() if draw_keep is not None else keep
         if keep is not None and keep.shape != probs.shape:
             raise ValueError(f"attention: dropout scale of shape {keep.shape} does not fit probabilities {probs.shape}")
         weights = probs if keep is None else (scores * keep).astype(q.dtype, copy=False)
         out = precision.matmul(weights, v)  # (B, H, T, T) @ (B, H, T, hs) -> (B, H, T, hs)
-        self.q_scaled, self.k, self.v, self.probs, self.keep, self.out = q_scaled, k, v, probs, keep, out
+        self.keep = None if self.draw_keep is not None else keep
+        self.q_scaled, self.k, self.v, self.probs, self.out = q_scaled, k, v, probs, out
         return out
 
     def backward(self, grad):
-        probs, keep = self.probs, self.keep
+        probs, keep = self.probs, self.keep if self.draw_keep is None else self.draw_keep()
         grad = precision.gemm_operand(grad)  # used by two products and a sum
         weights = probs if keep is None else (precision.upcast(probs) * keep).astype(probs.dtype, copy=False)
         grad_v = precision.matmul(weights.swapaxes(-1, -2), grad)
@@ -307,17 +317,18 @@ def layer_norm(x, weight, bias, eps=1e-5):
     return LayerNorm.apply(x, *params, has_weight=weight is not None, has_bias=bias is not None, eps=eps)
 
 
-def dropout(x, p, rng=None, training=True, scale=None):
+def dropout(x, p, rng=None, training=True, scale=None, mask=None):
     """Zero each element with probability ``p`` and scale the rest by 1/(1-p); identity when not training.
 
     The mask is drawn from ``rng``, or given as ``scale`` (0 or 1/(1-p) per element, as
-    ``dropout_scale`` gives it): ``nn.Dropout`` draws keyed masks itself."""
+    ``dropout_scale`` gives it), or drawn by ``mask()`` in forward and again in backward
+    (``nn.Dropout``'s keyed masks: the same draws, never kept)."""
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout: p must be in [0, 1], got {p}")
     if not training or p == 0:
         return x
-    if scale is not None:
-        return Dropout.apply(x, scale=scale)
+    if scale is not None or mask is not None:
+        return Dropout.apply(x, scale=scale, mask=mask)
     if p == 1:
         return x * 0.0
     return Dropout.apply(x, p=p, rng=rng)
@@ -328,9 +339,11 @@ def linear(x, weight, bias=None):
     return Linear.apply(x, weight) if bias is None else Linear.apply(x, weight, bias)
 
 
-def attention(q, k, v, causal=True, keep=None):
+def attention(q, k, v, causal=True, keep=None, draw_keep=None):
     """Scaled dot-product attention over (B, H, T, hs) inputs, causal by default.
 
-    ``keep``: an optional (B, H, T, T) array of attention-dropout scales (``nn.HeadDropout``).
+    ``keep``: an optional (B, H, T, T) array of attention-dropout scales; ``draw_keep``: a function
+    of no arguments that draws them (``nn.HeadDropout.drawer``), called again in backward instead
+    of keeping them.
     """
-    return Attention.apply(q, k, v, causal=causal, keep=keep)
+    return Attention.apply(q, k, v, causal=causal, keep=keep, draw_keep=draw_keep)

@@ -197,7 +197,8 @@ def test_compare_measures_each_precision_beside_float32(tmp_path, token_file):
     results = json.load(open(tmp_path / "compare.json"))["results"]
     assert [(r["layout"], r["precision"]) for r in results] == [([1, 1, 1, 1], "fp32"), ([1, 1, 1, 1], "bf16")]
     fp32, bf16 = results
-    # tracemalloc, not timing; 0.61 at this width (the float32 loss weighs more), 0.52 for the bench GPT
-    assert bf16["activations_vs_fp32"] <= 0.7 and fp32["activations_vs_fp32"] == 1.0
+    # tracemalloc, not timing; 0.71 at this width (the float32 loss weighs more, and float32 too keeps
+    # GELU's input only), 0.65 for the bench GPT at batch 2
+    assert bf16["activations_vs_fp32"] <= 0.78 and fp32["activations_vs_fp32"] == 1.0
     assert bf16["param_state_mb_per_rank"] > fp32["param_state_mb_per_rank"]  # 16-bit weights + float32 masters
     assert "1x1x1 one rank bf16" in proc.stdout and "NumPy has no 16-bit GEMM" in proc.stdout

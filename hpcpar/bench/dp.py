@@ -4,11 +4,11 @@
 
 For groups of 1, 2, 4 ... ranks (sub-communicators of the world; ranks outside the group
 wait at a barrier) each rank trains the GPT of ``hpcpar bench step`` on its own batch
-(weak scaling: the global batch grows with the ranks), once with the buckets all-reduced
-by MPI and once with them in the node's shared-memory window (hpcpar.runtime.shm; path
-"shm"), and the run reports, as medians, the synchronisation without overlap next to a raw
+(weak scaling: the global batch grows with the ranks), with the buckets all-reduced by MPI
+and with them in the node's shared-memory window (hpcpar.runtime.shm; path "shm"), the two
+paths taking turns step by step in one process, and the run reports, as medians, the synchronisation without overlap next to a raw
 mpi4py all-reduce of the same bytes, the synchronisation overlap leaves exposed, and the step
-time (forward, backward, synchronisation with overlap, AdamW) per group size (``group_row``).
+time (forward, backward, synchronisation with overlap, AdamW) per group size (``group_rows``).
 """
 from __future__ import annotations
 
@@ -30,52 +30,60 @@ from .allreduce import polled
 BENCH_CONFIG = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
 
 
-def measure(ctx, batch: int, steps: int, bucket_mb: float, overlap: bool, seed: int = 0) -> dict:
-    """Median step and synchronisation times; without overlap, also a raw flat all-reduce in each step.
+class Runner:
+    """One DDP training setup (its own model, optimizer and batches) whose steps ``step`` times.
 
-    The raw all-reduce runs right after the synchronisation, in the same step, on a buffer of the
-    same bytes: both see the same machine state (caches, other ranks' progress), so their ratio
-    is not distorted by drift between separate loops.
+    Without overlap each step also times a raw flat all-reduce of the same bytes right after the
+    synchronisation: both see the same machine state (caches, other ranks' progress), so their
+    ratio is not distorted by drift between separate loops.
     """
-    model = GPT(BENCH_CONFIG, dtype=np.float32)
-    ddp = DistributedDataParallel(model, ctx, bucket_mb=bucket_mb, overlap=overlap)
-    optimizer = AdamW(model.named_parameters(), lr=1e-4)
-    rng = np.random.default_rng([seed, ctx.rank])
-    nbytes = sum(p.data.nbytes for p in model.parameters())
-    flat = np.ones(nbytes // 4, dtype=np.float32)
-    step_times, sync_times, raw_times = [], [], []
-    for step in range(steps + 2):  # two warm-up steps
-        ids = rng.integers(0, BENCH_CONFIG.vocab_size, (batch, BENCH_CONFIG.block_size + 1))
+
+    def __init__(self, ctx, batch: int, bucket_mb: float, overlap: bool, seed: int = 0):
+        self.ctx, self.batch, self.overlap = ctx, batch, overlap
+        self.model = GPT(BENCH_CONFIG, dtype=np.float32)
+        self.ddp = DistributedDataParallel(self.model, ctx, bucket_mb=bucket_mb, overlap=overlap)
+        self.optimizer = AdamW(self.model.named_parameters(), lr=1e-4)
+        self.rng = np.random.default_rng([seed, ctx.rank])
+        self.nbytes = sum(p.data.nbytes for p in self.model.parameters())
+        self.flat = np.ones(self.nbytes // 4, dtype=np.float32)
+        self.times: list[tuple] = []
+
+    def step(self, record: bool) -> None:
+        """One step: (step, sync, raw or None) seconds appended when ``record``."""
+        ctx = self.ctx
+        ids = self.rng.integers(0, BENCH_CONFIG.vocab_size, (self.batch, BENCH_CONFIG.block_size + 1))
         ctx.dp.barrier()  # nothing in flight here: the last step's buckets are complete
         start = time.perf_counter()
-        model.loss(ids[:, :-1], ids[:, 1:]).backward()
-        if not overlap:
+        self.model.loss(ids[:, :-1], ids[:, 1:]).backward()
+        if not self.overlap:
             # Nothing is in flight yet: a barrier keeps the slowest rank's backward out of the sync time.
             ctx.dp.barrier()
         backward_end = time.perf_counter()
-        ddp.finish_grad_sync()
+        self.ddp.finish_grad_sync()
         sync = time.perf_counter() - backward_end
-        optimizer.step()
-        optimizer.zero_grad()
-        elapsed = time.perf_counter() - start
-        if not overlap:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        elapsed, raw = time.perf_counter() - start, None
+        if not self.overlap:
             ctx.dp.barrier()
             raw_start = time.perf_counter()
-            polled(ctx.dp.mpi, flat, ctx.wait_policy == "yield")
+            polled(ctx.dp.mpi, self.flat, ctx.wait_policy == "yield")
             raw = time.perf_counter() - raw_start
-        if step >= 2:
-            step_times.append(elapsed)
-            sync_times.append(sync)
-            if not overlap:
-                raw_times.append(raw)
-    median = statistics.median
-    return {"step": median(step_times), "sync": median(sync_times), "raw": median(raw_times) if raw_times else None,
-            "bytes": nbytes, "buckets": len(ddp.buckets),
-            "shm": ctx.dp.shm is not None and ctx.dp.shm.stats.calls("iallreduce") > 0}
+        if record:
+            self.times.append((elapsed, sync, raw))
+
+    def medians(self) -> dict:
+        median = statistics.median
+        return {"step": median(t[0] for t in self.times), "sync": median(t[1] for t in self.times),
+                "raw": None if self.overlap else median(t[2] for t in self.times), "bytes": self.nbytes,
+                "buckets": len(self.ddp.buckets),
+                "shm": self.ctx.dp.shm is not None and self.ctx.dp.shm.stats.calls("iallreduce") > 0}
 
 
-def group_row(group: MPI.Comm, shm: bool, args) -> list:
-    """One table row (without the weak efficiency): this group of ranks, its buckets by MPI or in the window.
+def group_rows(group: MPI.Comm, paths: tuple, args) -> list:
+    """The table rows (without the weak efficiency) of this group of ranks, one per path (MPI,
+    the shared-memory window): every path's runs, without overlap and with it, take turns step
+    by step (two warm-up rounds), so the paths see the same machine and their rows compare.
 
     - **sync**: the gradient synchronisation without overlap (all buckets all-reduced after
       backward, timed from a barrier) next to **raw**: one all-reduce of a single flat buffer of
@@ -89,9 +97,19 @@ def group_row(group: MPI.Comm, shm: bool, args) -> list:
       synchronisation left on the critical path; the hidden share is ``1 - exposed / sync``;
     - the step time (forward, backward, synchronisation with overlap, AdamW).
     """
-    ctx = init(comm=group, shm=shm)
-    no_overlap = measure(ctx, args.batch, args.steps, args.bucket_mb, overlap=False)
-    overlap = measure(ctx, args.batch, args.steps, args.bucket_mb, overlap=True)
+    contexts = {shm: init(comm=group, shm=shm) for shm in paths}
+    runners = {(shm, overlap): Runner(contexts[shm], args.batch, args.bucket_mb, overlap)
+               for shm in paths for overlap in (False, True)}
+    for round_ in range(args.steps + 2):
+        for runner in runners.values():
+            runner.step(record=round_ >= 2)
+    rows = [path_row(group, runners[shm, False].medians(), runners[shm, True].medians(), args) for shm in paths]
+    for ctx in contexts.values():
+        ctx.close()
+    return rows
+
+
+def path_row(group: MPI.Comm, no_overlap: dict, overlap: dict, args) -> list:
     n = group.Get_size()
     worst = lambda value: group.allreduce(value, op=MPI.MAX)  # noqa: E731 - the slowest rank decides
     sync, raw, step = worst(no_overlap["sync"]), worst(no_overlap["raw"]), worst(overlap["step"])
@@ -122,10 +140,9 @@ def run(args) -> None:
     for n in sizes:
         member = world.Get_rank() < n
         group = world.Split(0 if member else MPI.UNDEFINED, world.Get_rank())
-        for shm in paths if n > 1 else paths[:1]:
-            if member:
-                rows.append(group_row(group, shm, args))
-            waiting.barrier()
+        if member:
+            rows += group_rows(group, paths if n > 1 else paths[:1], args)
+        waiting.barrier()
         if member:
             group.Free()
     if world.Get_rank() == 0:

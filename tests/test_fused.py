@@ -137,3 +137,13 @@ def test_hpcpar_fused_0_turns_the_library_off():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "HPCPAR_FUSED": "0"})
     assert proc.stdout.strip() == "off (HPCPAR_FUSED=0)", proc.stderr
+
+
+@needs_library
+def test_a_library_built_from_older_sources_is_left_aside(monkeypatch):
+    """A build without one of the loops (here: another of hpcpar's libraries) is named, and NumPy runs."""
+    monkeypatch.setattr(fused, "LIB_NAME", "libhpcpar_shm.so")
+    monkeypatch.setattr(fused, "_state", {})
+    assert "has no hpcpar_gelu_inner (built from older sources: make native)" in fused.status()
+    x = np.ones(3, np.float32)
+    assert np.array_equal(fused.gelu_from_tanh(x, x, np.empty_like(x)), np.ones(3, np.float32) * 1.0)

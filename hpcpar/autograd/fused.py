@@ -1,14 +1,14 @@
-"""Fused elementwise passes of the step: ``build/libhpcpar_fused.so`` (``native/fused.c``), or None.
+"""The elementwise passes that dominate a step outside its GEMMs, each in one place: a native loop
+(``build/libhpcpar_fused.so``, ``native/fused.c``) where it can run, else the NumPy sequence.
 
 GELU's two elementwise halves around NumPy's tanh and its gradient, LayerNorm forward and
-backward row by row (NumPy's pairwise sums), attention's masked softmax around NumPy's exp,
-and one Adam(W) step: each a single pass over
-memory where NumPy makes several, with NumPy's operations in NumPy's order, so
-the results are the same bits. The library is loaded on first use (not on import) and checked
-against the NumPy sequences on a probe; where it is not built, disagrees, or the arrays are not
-contiguous float32/float64 NumPy arrays, each function returns False (nothing done) and the
-caller runs its NumPy code. ``HPCPAR_FUSED=0`` turns the library off (the NumPy path, for
-comparison); ``status()`` says which path runs and why.
+backward row by row (NumPy's pairwise sums), attention's masked softmax around NumPy's exp, and
+one Adam(W) step: each native loop is a single pass over memory where NumPy makes several, with
+NumPy's operations in NumPy's order, so the results are the same bits. The library is loaded on
+first use (not on import) and checked against the NumPy sequences on a probe; where it is not
+built (or built without one of the loops: an old build), disagrees, or the arrays are not
+contiguous float32/float64 NumPy arrays, each function runs its NumPy sequence instead (CuPy
+arrays too). ``HPCPAR_FUSED=0`` turns the library off; ``status()`` says which path runs and why.
 """
 from __future__ import annotations
 
@@ -55,7 +55,10 @@ def _load():
         return None, f"{path} is not built (make native)"
     functions = {}
     for name, argtypes in _SIGNATURES.items():
-        function = getattr(lib, name)
+        try:
+            function = getattr(lib, name)
+        except AttributeError:
+            return None, f"{path} has no {name} (built from older sources: make native)"
         function.argtypes, function.restype = argtypes, ctypes.c_int
         functions[name] = function
     problem = disagreement(functions)

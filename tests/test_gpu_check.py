@@ -54,6 +54,8 @@ def test_step_times_on_the_guard_against_pytorch_cpu():
                                 config=TINY, batch_size=2)
     fp32, bf16, fp16 = rows
     assert fp32["hpcpar_ms"] > 0 and fp32["pytorch_ms"] > 0 and fp32["ratio"] == fp32["hpcpar_ms"] / fp32["pytorch_ms"]
+    layers = TINY.n_layer  # the step's own products, recorded on the guard's device arrays and replayed alone
+    assert fp32["products"] == 18 * layers + 3 and fp32["vs_gemm"] == fp32["hpcpar_ms"] / fp32["gemm_ms"]
     assert "needs bfloat16 arrays" in bf16["error"]  # the guard, like CuPy, has no bfloat16
     assert fp16["hpcpar_tokens_s"] > 0
 
@@ -91,8 +93,9 @@ def test_the_report_and_summary_of_a_full_run():
                "matrix": [{"backend": "nccl", "ranks": 1, "result": "4 passed in 1s", "seconds": 1.0, "log": ""},
                           {"backend": "nccl", "ranks": 2, "result": "FAILED (exit 1)", "seconds": 2.0, "log": "boom"}],
                "reference": "PyTorch CUDA",
-               "step": [{"precision": "fp32", "hpcpar_ms": 10.0, "hpcpar_tokens_s": 100.0, "pytorch_ms": 5.0,
-                         "pytorch_tokens_s": 200.0, "ratio": 2.0}, {"precision": "bf16", "error": "no bf16"}],
+               "step": [{"precision": "fp32", "hpcpar_ms": 10.0, "hpcpar_tokens_s": 100.0, "gemm_ms": 8.0, "vs_gemm": 1.25,
+                         "products": 75, "pytorch_ms": 5.0, "pytorch_tokens_s": 200.0, "ratio": 2.0},
+                        {"precision": "bf16", "error": "no bf16"}],
                "bandwidth": {"nccl": {"rows": [{"bytes": 8, "us": 10.0, "algbw_GBps": 0.0008, "busbw_GBps": 0.0008}],
                                       "comm": "NcclCommunicator", "result": "done"},
                              "mpi-cuda-aware": {"result": "skipped: not CUDA-aware"}},
@@ -101,10 +104,10 @@ def test_the_report_and_summary_of_a_full_run():
     for heading in ("## 1. GPU tests", "## 2. GPT training step", "## 3. All-reduce bandwidth",
                     "## 4. Checkpoint of device arrays"):
         assert heading in text
-    assert "| fp32 | 10.00 | 100 | 5.00 | 200 | 2.00 |" in text and "boom" in text
+    assert "| fp32 | 10.00 | 100 | 8.00 | 1.25 | 5.00 | 200 | 2.00 |" in text and "boom" in text
     summary = gpu_check.summarize(facts, results)
     assert "tests nccl at 2 rank(s): FAILED (exit 1)" in summary
-    assert "GPT step fp32: 10.0 ms/step, 2.00 x PyTorch CUDA" in summary
+    assert "GPT step fp32: 10.0 ms/step, 2.00 x PyTorch CUDA, 1.25 x its GEMMs alone (8.0 ms)" in summary
     assert "checkpoint of device arrays: equal after load" in summary
 
 

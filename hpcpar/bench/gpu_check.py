@@ -8,7 +8,7 @@ matrix) and NCCL; no network (without ``mpiexec`` it installs the MPICH and mpi4
 seconds (``make gpu-check`` kills it at 8 minutes): 1. probe (without a usable GPU it writes "no
 GPU: <reason>" and exits 0, 1 when CuPy is installed but fails to import); 2. matrix (the GPU
 tests at 1 and 2 ranks per backend); 3. step (a GPT training step in fp32, bf16 and fp16 against
-PyTorch CUDA); 4. bandwidth (all-reduce per backend, 8 B to 256 MiB); 5. checkpoint (device
+PyTorch CUDA and against its own matrix products replayed alone); 4. bandwidth (all-reduce per backend, 8 B to 256 MiB); 5. checkpoint (device
 arrays saved and loaded back, equal). Parts fail independently: a failing part is reported and
 the next one runs. docs/gpu.md ("make gpu-check") describes each part, the report and the summary.
 """
@@ -120,9 +120,12 @@ def allreduce_bandwidth(comm, xp, sizes=SIZES, synchronize=lambda: None, budget_
 def step_times(device: str, precisions=PRECISIONS, steps: int = 10, warmup: int = 3, torch_device: str | None = None,
                config=None, batch_size: int = 8) -> list[dict]:
     """ms/step and tokens/s of a GPT step in each precision, hpcpar on ``device`` and PyTorch on
-    ``torch_device`` (same model and batch), timed in turns; a precision the device lacks gets its reason."""
+    ``torch_device`` (same model and batch), and the step's own matrix products replayed alone
+    (``bench.roofline``: GEMM-only ms, the step over it), timed in turns; a precision the device
+    lacks gets its reason."""
     from .. import backend
     from ..optim import check_precision, precision_named
+    from .roofline import recorded_products, replay
     from .step import BENCH_CONFIG, _time_interleaved, hpcpar_step, torch_step
 
     config = config or BENCH_CONFIG
@@ -134,14 +137,19 @@ def step_times(device: str, precisions=PRECISIONS, steps: int = 10, warmup: int 
         except backend.DeviceError as error:
             rows.append({"precision": precision, "error": str(error)})
             continue
-        functions = {"hpcpar": _synced(hpcpar_step(config, batch_size, precision, device=device), sync)}
+        step = hpcpar_step(config, batch_size, precision, device=device)
+        step()  # AdamW's state and the pools' blocks made: the step recorded next is a steady one
+        with recorded_products() as calls:
+            step()
+        functions = {"hpcpar": _synced(step, sync), "gemm": _synced(replay(calls), sync)}
         reference = torch_step(config, batch_size, torch_device, precision) if torch_device else None
         if reference is not None:
             functions["pytorch"] = _synced(reference, _torch_synchronizer(torch_device))
         times = _time_interleaved(functions, steps, warmup)
         tokens = batch_size * config.block_size
         seconds = times["hpcpar"][0]
-        row = {"precision": precision, "hpcpar_ms": seconds * 1e3, "hpcpar_tokens_s": tokens / seconds}
+        row = {"precision": precision, "hpcpar_ms": seconds * 1e3, "hpcpar_tokens_s": tokens / seconds,
+               "gemm_ms": times["gemm"][0] * 1e3, "vs_gemm": seconds / times["gemm"][0], "products": len(calls)}
         if "pytorch" in times:
             row.update(pytorch_ms=times["pytorch"][0] * 1e3, pytorch_tokens_s=tokens / times["pytorch"][0],
                        ratio=times["hpcpar"][0] / times["pytorch"][0])
@@ -425,7 +433,8 @@ def summarize(facts: dict, results: dict) -> list[str]:
             lines.append(f"GPT step {row['precision']}: {row['error']}")
         else:
             ratio = f", {row['ratio']:.2f} x {results.get('reference', 'PyTorch')}" if "ratio" in row else ""
-            lines.append(f"GPT step {row['precision']}: {row['hpcpar_ms']:.1f} ms/step{ratio}")
+            lines.append(f"GPT step {row['precision']}: {row['hpcpar_ms']:.1f} ms/step{ratio}, "
+                         f"{row['vs_gemm']:.2f} x its GEMMs alone ({row['gemm_ms']:.1f} ms)")
     for name, result in results["bandwidth"].items():
         rows = result.get("rows")
         best = f"{max(r['busbw_GBps'] for r in rows):.1f} GB/s bus bandwidth at best" if rows else result["result"]

@@ -45,19 +45,22 @@ def _step(results: dict) -> list[str]:
     rows = []
     for r in results["step"]:
         if "error" in r:
-            rows.append([r["precision"], r["error"], "", "", "", ""])
+            rows.append([r["precision"], r["error"], "", "", "", "", "", ""])
         else:
             rows.append([r["precision"], f"{r['hpcpar_ms']:.2f}", f"{r['hpcpar_tokens_s']:.0f}",
+                         f"{r['gemm_ms']:.2f}", f"{r['vs_gemm']:.2f}",
                          f"{r['pytorch_ms']:.2f}" if "pytorch_ms" in r else "-",
                          f"{r['pytorch_tokens_s']:.0f}" if "pytorch_tokens_s" in r else "-",
                          f"{r['ratio']:.2f}" if "ratio" in r else "-"])
     return ["## 2. GPT training step on the GPU", "",
             "n_layer 4, n_head 4, n_embd 256, block 128, batch 8, vocab 256; forward, backward, AdamW; medians of 10 "
             "steps after 3 warm-ups, the two frameworks taking turns, each step ended by a device synchronize. "
-            "16 bits: float32 masters (hpcpar MixedPrecision, PyTorch autocast); fp16 with loss scale 1024.", "",
+            "16 bits: float32 masters (hpcpar MixedPrecision, PyTorch autocast); fp16 with loss scale 1024. "
+            "GEMM-only: the hpcpar step's own matrix products (recorded from one step) replayed alone, taking "
+            "turns with the steps (`hpcpar bench roofline` on the GPU).", "",
             f"`{results['commands'].get('step', '')}`", "",
-            _table(["precision", "hpcpar ms/step", "hpcpar tokens/s", "PyTorch ms/step", "PyTorch tokens/s",
-                    "hpcpar / PyTorch"], rows), ""]
+            _table(["precision", "hpcpar ms/step", "hpcpar tokens/s", "GEMM-only ms", "hpcpar / GEMM-only",
+                    "PyTorch ms/step", "PyTorch tokens/s", "hpcpar / PyTorch"], rows), ""]
 
 
 def _bandwidth(results: dict) -> list[str]:

@@ -3,18 +3,13 @@
     hpcpar bench roofline [--steps 10] [--batch 8] [--precision fp32] [--no-torch]
     mpiexec -n 2 hpcpar bench roofline      # dp 2: each rank its own batch, gradients all-reduced
 
-The step is ``hpcpar train``'s (the AllReduce strategy: forward, backward, the bucketed
-overlapped all-reduce at dp = the world, AdamW) on ``hpcpar bench step``'s GPT (n_layer 4,
-n_head 4, n_embd 256, block 128, vocab 256, no dropout, no clipping), ``--batch`` sequences per
-rank. *GEMM-only* is every product that step asks ``autograd.precision.matmul`` for, forward and
-backward: one step's calls are recorded with their operands and replayed on those same arrays
-(same shapes, strides and dtypes; 16-bit operands upcast, as matmul multiplies them), so it is
-the step's BLAS time and nothing else. *ratio* = step / GEMM-only (1.0: a step that is all
-products), by wall-clock and by the process's CPU time. Where ``autograd.fused`` is built, the
-same step with its elementwise passes in NumPy is a variant too (their baseline). PyTorch runs the same model in the same run when it is installed (one process, or DDP
-over gloo at N ranks). Variants take turns step by step; medians; at N ranks the slowest rank
-decides each. One BLAS thread a rank; the header names the BLAS kernel (threadpoolctl): run
-under ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`` for the kernel OpenBLAS picks itself.
+``hpcpar train``'s step (AllReduce strategy, AdamW, dp = the world) on ``hpcpar bench step``'s GPT,
+no dropout or clipping, ``--batch`` sequences per rank, against *GEMM-only*: that step's own
+``precision.matmul`` calls, recorded once and replayed alone on the same arrays (16-bit operands
+upcast as matmul does). Beside them: the step with NumPy's elementwise passes (where
+``autograd.fused`` is built) and PyTorch's (one process, or DDP over gloo). Variants take turns;
+medians by wall-clock and CPU time, the slowest rank deciding; one BLAS thread a rank, the header
+naming the kernel (``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`` for OpenBLAS's own choice).
 """
 from __future__ import annotations
 

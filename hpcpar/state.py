@@ -146,6 +146,28 @@ class Together(Checkpointable):
         return plan
 
 
+class SavedElsewhere(Checkpointable):
+    """``part`` without its pieces of the parameters ``names`` (``model/<name>``, ``optim/<name>/...``),
+    which another rank saves; it loads them as ``part`` does. A pipeline's tied embedding: each
+    holder's shards of it are cut by its own stage's flat layout, so only the lowest holder's
+    are saved (pieces must tile a tensor)."""
+
+    def __init__(self, part, names):
+        self.part, self.names = checkpointable(part), set(names)
+
+    def _kept(self, key: str) -> bool:
+        kind, _, rest = key.partition("/")
+        name = rest.rpartition("/")[0] if kind == "optim" else rest
+        return name not in self.names
+
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict]:
+        pieces, scalars = self.part.checkpoint_pieces()
+        return [piece for piece in pieces if self._kept(piece.key)], scalars
+
+    def load_plan(self, saved: Saved) -> LoadPlan:
+        return self.part.load_plan(saved)
+
+
 # ----------------------------------------------------------------------------------------
 # Slabs
 # ----------------------------------------------------------------------------------------

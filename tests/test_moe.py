@@ -34,6 +34,10 @@ LAYOUTS = {  # ranks, overrides
     "ep2-pp2": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2"]),
     "ep2-zero1": (4, ["parallel.ep=2", "parallel.zero=1"]),
     "ep2-zero2": (4, ["parallel.ep=2", "parallel.zero=2", "parallel.bucket_mb=0.01"]),
+    "ep2-zero3": (4, ["parallel.ep=2", "parallel.zero=3", "parallel.bucket_mb=0.01"]),  # experts a unit each, over edp
+    "ep2-tp2-sp-zero3-full": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=3",
+                                  'model.recompute="full"']),
+    "ep2-pp2-zero3": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=3"]),
     "ep2-pp2-zb1-full": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2", 'parallel.schedule="zb1"',
                              'model.recompute="full"']),  # weight gradients deferred; blocks rerun in backward
 }
@@ -82,6 +86,17 @@ def test_moe_equals_one_process_in_every_layout(tmp_path, token_file, one_proces
         assert any(d > 0 for r in records for d in r["dropped"])  # capacity 1.25 did drop tokens
 
 
+def test_zero_3_on_the_device_path_equals_one_process_there(tmp_path, token_file):
+    """ZeRO-3 with ep 2 on the CuPy path (the transfer guard's device: its units, the experts' over
+    edp too, rerun in backward instead of dropping pages) ends where one process on that path ends."""
+    device = ['train.device="guard"', "model.moe.capacity_factor=1.25", "checkpoint.interval=5"]
+    moe_run(tmp_path / "one", token_file, 1, *device)
+    proc = moe_run(tmp_path / "zero3", token_file, 4, *device, "parallel.ep=2", "parallel.zero=3")
+    assert "ZeRO-3: 2 unit(s) resharded after forward (recomputed)" in proc.stdout, proc.stdout  # the experts' store
+    assert largest_difference(final_parameters(str(tmp_path / "zero3" / "ckpt")),
+                              final_parameters(str(tmp_path / "one" / "ckpt"))) <= 1e-12
+
+
 def test_an_ep_4_checkpoint_continues_exactly_at_ep_1_and_ep_2(tmp_path, token_file, one_process):
     """Experts are saved as global (experts, ...) tensors: stopped after step 3 at ep 4, the run
     ends at ep 1 (one process) and at ep 2 (dp 2) as the uninterrupted one does; one process
@@ -98,6 +113,21 @@ def test_an_ep_4_checkpoint_continues_exactly_at_ep_1_and_ep_2(tmp_path, token_f
     sample = subprocess.run([sys.executable, "-m", "hpcpar", "generate", str(tmp_path / "straight" / "ckpt"), "--tokens", "8",
                              "--prompt", "def "], capture_output=True, text=True, timeout=120)
     assert sample.returncode == 0 and sample.stdout.startswith("def "), sample.stdout + sample.stderr  # all experts here
+
+
+def test_a_zero_3_ep_2_pipeline_resumes_bitwise_and_continues_at_ep_1(tmp_path, token_file):
+    """ZeRO-3 with ep 2 on a 2-stage pipeline (its tied embedding saved by the first stage alone,
+    the experts by their edp shards), stopped after step 3: resumed in its layout it ends bit for
+    bit as the uninterrupted run; resumed in one process, within float64's rounding of it."""
+    layout = ["parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=3"]
+    capacity = CAPACITIES["capacity-1.25"]
+    moe_run(tmp_path / "straight", token_file, 4, *capacity, *layout, "checkpoint.interval=3")
+    straight = final_parameters(str(tmp_path / "straight" / "ckpt"))
+    for ranks, overrides in ((4, layout), (1, [])):
+        folder = tmp_path / f"resumed-{ranks}"
+        resumed = resumed_from_step_3(tmp_path / "straight", folder, token_file, ranks, *MOE, *capacity, *overrides,
+                                      f'train.metrics="{folder}/m.jsonl"')
+        assert largest_difference(resumed, straight) <= (0.0 if ranks == 4 else 1e-12)
 
 
 def test_a_dense_checkpoint_upcycles_into_every_expert(tmp_path, token_file):
@@ -225,7 +255,8 @@ def test_top_1_gates_are_router_probabilities_and_top_2_sum_to_one():
     (["model.moe.experts=4", "parallel.ep=4"], 2, "parallel.ep", "ep = 4 does not divide dp = 2"),
     (["model.moe.experts=1", "model.moe.top_k=2"], 1, "model.moe.top_k", "2 is more than the 1 experts"),
     (["parallel.ep=2"], 2, "parallel.ep", "model.moe.experts = 0"),
-    (["model.moe.experts=4", "parallel.ep=2", "parallel.zero=3"], 2, "parallel.zero", "ZeRO-3 with expert parallelism"),
+    (["model.moe.experts=4", "parallel.ep=2", "parallel.zero=2", "parallel.shard_size=1"], 2, "parallel.shard_size",
+     "hybrid sharding with expert parallelism"),
     (["model.moe.experts=4", "parallel.cp=2"], 2, "parallel.cp", "routes and balances whole sequences"),
     (["model.moe.experts=4", 'parallel.mode="local_sgd"'], 2, "parallel.mode", "allreduce"),
 ])

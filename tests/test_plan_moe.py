@@ -98,24 +98,40 @@ def test_an_moe_gpt_s_kept_bytes_and_parameters_are_the_real_graph_s(precision, 
     assert listed == [(n, p.size) for n, p in model.named_parameters()]
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_memory_per_rank_falls_as_ep_grows(job_file, zero):
     """dp 8, 8 experts in each of 4 blocks: each ep holds 8 / ep experts per block (their gradients,
-    and Adam's state over the 8 / ep ranks that share them under ZeRO-1)."""
+    and Adam's state over the 8 / ep ranks that share them under ZeRO-1; ZeRO-3: their parameters too)."""
     overrides = ["model.n_layer=4", "model.moe.experts=8", "model.moe.every=1", "data.batch_size=32",
                  f"parallel.zero={zero}"]
     memory = [plan(job_file, 8, *overrides, f"parallel.ep={ep}").memory() for ep in (1, 2, 4, 8)]
     for less, more in zip(memory[1:], memory):
         assert less.total < more.total and less.params < more.params and less.optimizer <= more.optimizer
-    # uniform routing: the same rows at any ep (beside them the ep index rows, the graph's ops per local expert)
+    # uniform routing: the same rows at any ep (beside them the ep index rows, the graph's ops per local
+    # expert); under ZeRO-3 a backward's gradients go into their buckets as it makes them, so with few
+    # expert gradients (ep 8) the peak is backward's start, all activations kept: totals compare alone
     activations = [m.activations for m in memory]
-    assert max(activations) < 1.15 * min(activations)
+    assert zero == 3 or max(activations) < 1.15 * min(activations)
 
 
 def test_zero1_shards_the_experts_state_over_edp_and_the_rest_over_dp(job_file):
     """dp 4, ep 2, AdamW in fp32: 2 moments of ceil(25952 / 4) dense and 16704 / 2 expert elements."""
     memory = plan(job_file, 4, "parallel.ep=2", "parallel.zero=1").memory()
     assert memory.optimizer == 2 * 4 * (-(-25952 // 4) + 16704 // 2)
+
+
+def test_zero3_shards_the_experts_over_edp_and_gathers_them_as_a_unit_of_their_own(job_file):
+    """dp 4, ep 2, fp32: the state as ZeRO-1's; the parameters are the two shards (ceil(25952 / 4)
+    dense, 16704 / 2 expert elements) and the units gathered at the peak: of the dense ones the
+    kept embedding and head (8768) with both blocks (running and prefetched), and the MoE block's
+    experts (16704), a unit over edp gathered twice a micro-batch."""
+    job = plan(job_file, 4, "parallel.ep=2", "parallel.zero=3")
+    assert [(comm, elements) for comm, elements, _ in job.zero3_units(0)] == [
+        ("dp", 8768), ("dp", 12704), ("dp", 4480), ("edp", 16704)]
+    assert job.zero3_units(0)[-1][2] == 2
+    memory = job.memory()
+    assert memory.optimizer == 2 * 4 * (-(-25952 // 4) + 16704 // 2)
+    assert memory.params == 4 * (-(-25952 // 4) + 16704 // 2) + 4 * (25952 + 16704)
 
 
 def test_the_router_s_product_runs_at_the_float32_rate_under_16_bits():
@@ -133,7 +149,7 @@ def test_plan_lists_every_ep_that_divides_dp_and_the_experts(job_file):
     assert {"8x1x1", "8x1x1-ep2", "4x1x2-ep2", "4x2x1-ep2", "2x1x4-ep2"} <= grids
     assert not [g for g in grids if "-ep4" in g or "-ep8" in g or "-ep3" in g]  # 6 experts: ep 1, 2 (3 does not divide dp)
     assert not [g for g in grids if "-cp" in g]  # MoE routes whole sequences
-    assert "z3" not in " ".join(q.label for q in ranked.predictions if "-ep" in q.label)  # refused with ep > 1
+    assert "z3" in " ".join(q.label for q in ranked.predictions if "-ep" in q.label)  # ZeRO-3 with ep > 1 too
     assert "layout dp x pp x tp[-cp][-ep]" in table(job, 8, machines.load_machine("dgx-a100"), ranked, 3)
 
 

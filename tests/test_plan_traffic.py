@@ -98,8 +98,11 @@ def test_bytes_per_step_equal_the_counters(case, job_files):
 
 
 MOE = ["model.moe.experts=4"]  # dropless: the rows per step are known; where they go is the routing's
-MOE_LAYOUTS = {2: [["parallel.ep=2"], ["parallel.ep=2", "parallel.zero=2", "parallel.bucket_mb=0.01"]],
+MOE_LAYOUTS = {2: [["parallel.ep=2"], ["parallel.ep=2", "parallel.zero=2", "parallel.bucket_mb=0.01"],
+                   ["parallel.ep=2", "parallel.zero=3", "parallel.micro_batches=2"]],
                4: [["parallel.ep=4"], ["parallel.ep=2", "parallel.dp=4", "parallel.zero=1"],
+                   ["parallel.ep=2", "parallel.dp=4", "parallel.zero=3", "parallel.bucket_mb=0.01"],
+                   ["parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=3"],
                    ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
                    ["parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2"]]}
 

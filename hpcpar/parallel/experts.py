@@ -8,6 +8,10 @@ already divided by ep (``nn.moe``), so the mean over edp is the mean over dp of 
 
     dense, experts = split_experts(model)
     sync = ExpertSplitSync(dense_sync, make_expert_sync(experts, ctx, bucket_mb, overlap, zero=0))
+
+ZeRO-3 shards the two apart as well (``sharded_stores``): the dense parameters of each layer over
+dp, each MoE MLP's experts over edp as a unit of their own, gathered around the MoE MLP's call
+inside its block's (whose dense unit, the router with it, is gathered around the block's).
 """
 from __future__ import annotations
 
@@ -16,11 +20,13 @@ import math
 
 import numpy as np
 
+from ..nn.moe import MoE
 from ..state import Checkpointable, LoadPlan, ParameterList, Saved
 from ..optim.clip import scale_to_norm
 from .data import DistributedDataParallel
 from .grad_sync import BucketedAllReduce, GradientSync, LocalGradients, OptimizerReduces
 from .zero_grads import BucketedReduceScatter
+from .zero_params import ShardedParameters, ShardedParameterSync
 
 
 def split_experts(holder) -> tuple[ParameterList, ParameterList]:
@@ -30,11 +36,26 @@ def split_experts(holder) -> tuple[ParameterList, ParameterList]:
             ParameterList([(n, p) for n, p in named if p.expert_parallel]))
 
 
-def make_expert_sync(experts: ParameterList, ctx, *, bucket_mb: float, overlap: bool, zero: int,
-                     master_dtype) -> GradientSync:
-    """The experts' sync: ZeRO-1 reduces in its optimizer, ZeRO-2 reduce-scatters buckets over edp
-    into ``master_dtype``; else DDP over edp (several ranks hold them)."""
+def sharded_stores(layers, names: dict, ctx, **options) -> tuple[ShardedParameters, ShardedParameters]:
+    """ZeRO-3's (dense store over dp, experts' store over edp) for ``layers``; ``options`` as
+    ``ShardedParameters``'s (``comm`` for the dense one: dp, or its shard groups)."""
+    dense_comm = options.pop("comm")
     _, replicas = ctx.expert_groups(ctx.expert_group().size)
+    moes = [module for layer in layers for _, module in layer.named_modules() if isinstance(module, MoE)]
+    dense = ShardedParameters(layers, names, dense_comm, **options,
+                              params_of=lambda layer: [p for p in layer.parameters() if not p.expert_parallel])
+    experts = ShardedParameters(moes, names, replicas, **options,
+                                params_of=lambda layer: [p for p in layer.parameters() if p.expert_parallel])
+    return dense, experts
+
+
+def make_expert_sync(experts, ctx, *, bucket_mb: float, overlap: bool, zero: int, master_dtype) -> GradientSync:
+    """The experts' sync (``experts``: a ParameterList; ZeRO-3: their store of ``sharded_stores``):
+    ZeRO-1 reduces in its optimizer, ZeRO-2 and 3 reduce-scatter buckets over edp into
+    ``master_dtype`` (the store's); else DDP over edp (several ranks hold them)."""
+    _, replicas = ctx.expert_groups(ctx.expert_group().size)
+    if zero == 3:
+        return ShardedParameterSync(experts, ctx, bucket_mb=bucket_mb, overlap=overlap)
     if zero == 2:
         return BucketedReduceScatter(experts, ctx, bucket_mb=bucket_mb, overlap=overlap,
                                      dtype=master_dtype or experts.named[0][1].dtype, comm=replicas)
@@ -77,7 +98,7 @@ class ExpertSplitSync(GradientSync):
 
 
 class ExpertSplitZero(Checkpointable):
-    """ZeRO-1/2 of the dense parameters over dp and of the experts over edp, one optimizer to the update."""
+    """ZeRO-1/2/3 of the dense parameters over dp and of the experts over edp, one optimizer to the update."""
 
     def __init__(self, dense, experts, group):
         self.dense, self.experts, self.group = dense, experts, group  # ZeroRedundancyOptimizers, the ep group

@@ -94,13 +94,15 @@ class ShardedParameters(Checkpointable):
     Checkpointable it saves and loads ``model/<name>`` from the shard's slabs."""
 
     def __init__(self, layers, names: dict, comm, *, reshard_after_forward: bool, master_dtype=None,
-                 free_pages: bool | None = None):
+                 free_pages: bool | None = None, params_of=lambda layer: layer.parameters()):
         """``free_pages``: how a resharded unit is freed after its forward. True (the default for
         NumPy arrays): its buffer is an anonymous mapping whose pages are dropped, the graph
         keeping its views, refilled by a gather before the unit's backward (``autograd.hooks``).
-        False (the default for device arrays): the forward runs as a recomputed region."""
+        False (the default for device arrays): the forward runs as a recomputed region.
+        ``params_of``: which of a layer's parameters this store holds (expert parallelism's two
+        stores: the dense ones over dp, the experts over edp, ``parallel.experts``)."""
         self.comm, self.reshard_after_forward = comm, reshard_after_forward
-        groups = group_layers(layers)
+        groups = group_layers(layers, params_of)
         params = [p for _, group_params in groups for p in group_params]
         self.names, self.params = [names[id(p)] for p in params], params
         self.offsets, self.shard_size = flat_layout([p.size for p in params], comm.size)

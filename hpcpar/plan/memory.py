@@ -158,8 +158,10 @@ def rank_memory(plan, rank: int, held: int) -> Memory:
 def _zero3_parameters(plan, rank: int, shard: int) -> float:
     """ZeRO-3's parameter bytes at the peak: the shard (the masters, in their dtype) and the units
     gathered at once, in the compute dtype: those kept for the step, and with resharding the one
-    running and the one prefetched (``parallel.zero_params``)."""
-    gathered = gathered_at_peak([(e, gathers == 1) for e, gathers in plan.zero3_units(rank)])
+    running and the one prefetched (``parallel.zero_params``), in each store (experts apart under ep)."""
+    units = plan.zero3_units(rank)
+    gathered = sum(gathered_at_peak([(e, gathers == 1) for c, e, gathers in units if c == comm])
+                   for comm in {c for c, _, _ in units})
     return shard * plan.master_bytes + gathered * plan.dtype_bytes
 
 

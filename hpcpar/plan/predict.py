@@ -312,27 +312,34 @@ class StepPlan:
         if rank not in self._parameters:
             lay = self.layout
             if lay.zero == 3:
-                self._parameters[rank] = [p for _, params in self._units(rank) for p in params]
+                self._parameters[rank] = [p for _, params, _ in self._units(rank) for p in params]
             else:
                 self._parameters[rank] = stage_parameters([self.stage_layers[s]
                                                            for s in range(rank, lay.pp * lay.chunks, lay.pp)])
         return self._parameters[rank]
 
     def _units(self, rank: int) -> list:
+        """[(layers, params, the communicator gathering them)]: under expert parallelism the dense
+        units over dp, then each MoE block's experts, a unit of their own over edp (``parallel.experts``)."""
         if rank not in self._unit_cache:
             lay = self.layout
             layers = [layer for s in range(rank, lay.pp * lay.chunks, lay.pp) for layer in self.stage_layers[s]]
-            self._unit_cache[rank] = group_layers(layers, params_of=lambda layer: layer.params, key=lambda param: param[0])
+            experts = self.expert_names if lay.ep > 1 else frozenset()
+            self._unit_cache[rank] = [
+                (unit_layers, params, comm)
+                for comm, held in ((self.zero_comm, lambda name: name not in experts), ("edp", experts.__contains__))
+                for unit_layers, params in group_layers(layers, params_of=lambda layer: [p for p in layer.params if held(p[0])],
+                                                        key=lambda param: param[0])]
         return self._unit_cache[rank]
 
-    def zero3_units(self, rank: int) -> list[tuple[int, int]]:
-        """ZeRO-3's units on pipeline rank ``rank`` (``parallel.zero_params``): (elements, gathers a
-        step); kept once a step: layers sharing a weight, the embedding (its input is token ids)
-        and every unit without resharding; else twice each micro-batch."""
+    def zero3_units(self, rank: int) -> list[tuple[str, int, int]]:
+        """ZeRO-3's units on pipeline rank ``rank`` (``parallel.zero_params``): (communicator,
+        elements, gathers a step); kept once a step: layers sharing a weight, the embedding (its
+        input is token ids) and every unit without resharding; else twice each micro-batch."""
         units = []
-        for unit_layers, params in self._units(rank):
+        for unit_layers, params, comm in self._units(rank):
             kept = not self.reshards or len(unit_layers) > 1 or unit_layers[0] is self.layers[0]
-            units.append((sum(e for _, e, _ in params), 1 if kept else 2 * self.layout.micro_batches))
+            units.append((comm, sum(e for _, e, _ in params), 1 if kept else 2 * self.layout.micro_batches))
         return units
 
     def memory(self) -> Memory:
@@ -427,8 +434,8 @@ class StepPlan:
         block = next((layer for layer in self.layers if layer.kept_by_recompute), None)
         forward, backward, _ = self.layer_seconds(block) if block is not None else (0.0, 0.0, 0.0)
         seconds = 0.0
-        for elements, gathers in self.zero3_units(rank):
-            gather = self.collective_seconds(self.zero_comm, "iallgather", elements * self.dtype_bytes)
+        for comm, elements, gathers in self.zero3_units(rank):
+            gather = self.collective_seconds(comm, "iallgather", elements * self.dtype_bytes)
             if gathers == 1:
                 seconds += gather
             else:

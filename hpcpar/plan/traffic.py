@@ -175,8 +175,8 @@ def step_traffic(plan) -> Traffic:
         for sync in syncs:
             _backward_sync_messages(traffic, plan, sync, group)
         if plan.job.parallel.zero == 3:  # each unit's all-gathers, in the compute dtype
-            for elements, gathers in plan.zero3_units(rank):
-                traffic.add(plan.zero_comm, "iallgather", elements * d, group, calls=gathers)
+            for comm, elements, gathers in plan.zero3_units(rank):
+                traffic.add(comm, "iallgather", elements * d, group, calls=gathers)
         _sequence_parallel_messages(traffic, plan, syncs[0].params, group)  # sp parameters are all dense
         if pp > 1:
             traffic.add("pp", "allreduce", SCALAR, group)  # the last stage's loss, to every stage

@@ -165,9 +165,6 @@ def _check_expert_parallel(job: Job, dp: int | None) -> list:
     if dp is not None and dp % p.ep:
         problems.append(("parallel.ep", f"ep = {p.ep} does not divide dp = {dp}: expert groups are carved out of dp; "
                                         f"use ep in {_divisors(dp)}"))
-    if p.zero == 3:
-        problems.append(("parallel.zero", f"ZeRO-3 with expert parallelism (ep = {p.ep}) is not supported; "
-                                          f"use zero = 0, 1 or 2, or ep = 1"))
     if p.zero and p.shard_size is not None:
         problems.append(("parallel.shard_size", f"hybrid sharding with expert parallelism (ep = {p.ep}) is not "
                                                 f"supported; leave shard_size unset"))

@@ -77,6 +77,8 @@ class TiedWeights:
             if member:
                 params = sorted((mine[i] for i in groups[ranks]), key=lambda p: names[id(p)])
                 self.groups.append((comm, ranks, params))
+        self.saved_by_another = [names[id(p)] for _, ranks, params in self.groups for p in params
+                                 if ranks[0] != self.pp_rank]  # the lowest holder saves them (checkpoints)
 
     def params(self) -> list:
         return [p for _, _, params in self.groups for p in params]

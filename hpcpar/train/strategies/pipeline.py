@@ -10,6 +10,7 @@ import numpy as np
 from ...autograd import Tensor, no_grad
 from ...backend import to_host
 from ...parallel.pipeline import PipelineParallel, Stages
+from ...state import SavedElsewhere
 from .synchronous import SynchronousStrategy
 
 
@@ -38,6 +39,14 @@ class Pipeline(SynchronousStrategy):
 
     def derived_communicators(self) -> list:
         return super().derived_communicators() + [comm for comm, _, _ in self.pipe.stages.tied.groups]
+
+    def checkpoint_target(self) -> tuple:
+        """The synchronous target without the tied weights a lower pipeline rank saves."""
+        weights, optimizer, ctx = super().checkpoint_target()
+        names = self.pipe.stages.tied.saved_by_another
+        if not names:
+            return weights, optimizer, ctx
+        return SavedElsewhere(weights, names), SavedElsewhere(optimizer, names), ctx
 
     def train_step(self, inputs, targets):
         tp_before = self.ctx.layer_comm_seconds()

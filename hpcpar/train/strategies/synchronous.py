@@ -14,7 +14,7 @@ import time
 from ...optim.finite import StepHealth
 from ...nn.moe import auxiliary_loss_scale
 from ...parallel.compression_state import CompressionState
-from ...parallel.experts import ExpertSplitSync, ExpertSplitZero, make_expert_sync, split_experts
+from ...parallel.experts import ExpertSplitSync, ExpertSplitZero, make_expert_sync, sharded_stores, split_experts
 from ...parallel.grad_sync import make_gradient_sync
 from ...parallel.hybrid import default_shard_size, dp_ranks_per_node, shard_groups
 from ...parallel.zero import ZeroRedundancyOptimizer
@@ -27,6 +27,7 @@ from .update import ReplicatedUpdate, ShardedUpdate
 
 class SynchronousStrategy(Strategy):
     sharded_parameters = None  # ZeRO-3's parameter store (parallel.zero_params)
+    expert_parameters = None  # and, under expert parallelism, the experts' store (parallel.experts)
 
     def build_gradient_sync(self, holder, precision, overlap: bool, alone=(), layers=()) -> None:
         """The gradient sync of ``holder``'s parameters, by the rule of ``parallel.grad_sync``
@@ -37,13 +38,18 @@ class SynchronousStrategy(Strategy):
         if p.zero and self.ctx.expert_group() is None:  # hybrid sharding: ZeRO within groups of shard_size dp x cp ranks (parallel.hybrid)
             size = p.shard_size or default_shard_size(self.ctx.dp_cp.size, dp_ranks_per_node(self.ctx))
             self.shards, self.replicas = shard_groups(self.ctx, size)
+        experts = None
         if p.zero == 3:
             names = {id(param): name for name, param in holder.named_parameters()}
-            holder = self.sharded_parameters = ShardedParameters(
-                layers, names, self.shards, reshard_after_forward=reshards(p.reshard_after_forward, self.ctx.pp_size),
-                master_dtype=precision.master_dtype)
-        experts = None
-        if self.ctx.expert_group() is not None:  # experts split over ep: a sync of their own (parallel.experts)
+            options = dict(reshard_after_forward=reshards(p.reshard_after_forward, self.ctx.pp_size),
+                           master_dtype=precision.master_dtype)
+            if self.ctx.expert_group() is not None:
+                holder, experts = sharded_stores(layers, names, self.ctx, comm=self.shards, **options)
+                self.expert_parameters = experts
+            else:
+                holder = ShardedParameters(layers, names, self.shards, **options)
+            self.sharded_parameters = holder
+        elif self.ctx.expert_group() is not None:  # experts split over ep: a sync of their own (parallel.experts)
             holder, experts = split_experts(holder)
         self.grad_sync = make_gradient_sync(holder, self.ctx, sharded=p.zero, compression=make_gradient_compressor(p),
                                             bucket_mb=p.bucket_mb, overlap=overlap, alone=alone,
@@ -85,8 +91,9 @@ class SynchronousStrategy(Strategy):
 
     def build_update(self, owns_for_norm) -> None:
         """Optimizer and update over the precision's masters."""
-        store = self.sharded_parameters
-        masters = self.precision.named_master_parameters() if store is None else store.named_parameters()
+        stores = [s for s in (self.sharded_parameters, self.expert_parameters) if s is not None]
+        masters = ([named for store in stores for named in store.named_parameters()] if stores
+                   else self.precision.named_master_parameters())
         cls, options = optimizer_class(self.job)
         if self.job.parallel.zero:
             self._optimizer = self._zero(masters, cls, options)
@@ -105,9 +112,10 @@ class SynchronousStrategy(Strategy):
             return ZeroRedundancyOptimizer(masters, self.shards, cls, parameters=self.sharded_parameters,
                                            replicas=self.replicas, **options)
         dense, experts = split_experts(ParameterList(masters))
-        return ExpertSplitZero(ZeroRedundancyOptimizer(dense.named, self.shards, cls, **options),
+        return ExpertSplitZero(ZeroRedundancyOptimizer(dense.named, self.shards, cls, parameters=self.sharded_parameters,
+                                                       **options),
                                ZeroRedundancyOptimizer(experts.named, self.ctx.expert_groups(group.size)[1], cls,
-                                                       **options), group)
+                                                       parameters=self.expert_parameters, **options), group)
 
     @property
     def optimizer(self):
@@ -128,9 +136,9 @@ class SynchronousStrategy(Strategy):
         return health
 
     def parameter_bytes(self) -> int:
-        """ZeRO-3: its shard (the parameters are placeholders between steps)."""
+        """ZeRO-3: its shards (the parameters are placeholders between steps)."""
         if self.sharded_parameters is not None:
-            return self.sharded_parameters.shard.data.nbytes
+            return sum(s.shard.data.nbytes for s in (self.sharded_parameters, self.expert_parameters) if s is not None)
         return super().parameter_bytes()
 
     def optimizer_state_bytes(self) -> int:
@@ -154,6 +162,8 @@ class SynchronousStrategy(Strategy):
             optimizer = Together(optimizer, CompressionState(ddp.compression, self.ctx, ddp.buckets,
                                                              saved=self.job.checkpoint.compression_state))
         weights = self.sharded_parameters or self.precision.named_master_parameters()  # ZeRO-3: from its shard
+        if self.expert_parameters is not None:
+            weights = Together(weights, self.expert_parameters)
         return weights, optimizer, self.ctx
 
     def checkpoint_extra(self) -> dict:

@@ -288,25 +288,37 @@ def flat_state_pieces(slabs, state: dict) -> tuple[list[Piece], dict]:
     return pieces, scalars
 
 
-def flat_state_load_plan(saved: Saved, slabs: list, shard, commit: Callable[[dict], None]) -> LoadPlan:
+def flat_state_load_plan(saved: Saved, slabs: list, shard, commit: Callable[[dict], None],
+                         current: dict | None = None) -> LoadPlan:
     """Read the state of an optimizer over a flat range (ZeRO-1's shard, a parameter server's range)
-    from the per-parameter global tensors; ``commit(state)`` receives it once every read is in."""
+    from the per-parameter global tensors; ``commit(state)`` receives it once every read is in.
+    ``current``: the state now, whose host arrays of the shard's size and dtype are filled in
+    place (nothing is written before the load commits): no new memory to fault in."""
     if not slabs:
         return LoadPlan()
     first_name = slabs[0][0]
-    state, reads = {}, []
+    state, reads, reused = {}, [], []
     for key in saved.state_keys(first_name):
         first = f"optim/{first_name}/{key}"
         if first in saved.scalars:
             state[key] = int(saved.scalars[first])
             continue
-        flat = state[key] = np.zeros(shard.size, dtype=shard.dtype)
+        now = (current or {}).get(key)
+        if isinstance(now, np.ndarray) and now.shape == (shard.size,) and now.dtype == shard.dtype:
+            flat = state[key] = now
+            reused.append(now)
+        else:
+            flat = state[key] = np.zeros(shard.size, dtype=shard.dtype)
         for name, _, shape, glob, local_shape, offset in slabs:
             def assign(values, flat=flat, offset=offset):
                 flat[offset: offset + values.size] = values.reshape(-1)
             target = flat[offset: offset + math.prod(local_shape)].reshape(local_shape)  # what assign fills
             reads.append(Read(f"optim/{name}/{key}", shape, glob, assign, shard.dtype, target))
 
+    covered = slabs[-1][5] + math.prod(slabs[-1][4])  # the slabs lie end to end from 0; past them, padding
+
     def finish():
+        for flat in reused:
+            flat[covered:] = 0  # the padding, as a new array's
         commit({key: value if np.ndim(value) == 0 else to_device(value, shard.xp) for key, value in state.items()})
     return LoadPlan(reads, [finish])

@@ -223,7 +223,8 @@ class ZeroRedundancyOptimizer(Checkpointable):
         """The shard's state from the per-parameter tensors and the saved weight decays; then the shard
         is refreshed from the flat parameters (loaded by the model's own plan, which runs first)."""
         plan = flat_state_load_plan(saved, self.param_slabs(), self.shard,
-                                    lambda state: self.optimizer.state.__setitem__("shard", state))
+                                    lambda state: self.optimizer.state.__setitem__("shard", state),
+                                    current=self.optimizer.state.get("shard"))
         decays = saved.weight_decays()
         plan.finish += [lambda: self.load_weight_decays(decays), self.refresh_shard]
         return plan

@@ -303,7 +303,8 @@ class ParameterServer(ServerSide, Checkpointable):
             plan = LoadPlan([Read(f"model/{name}", shape, glob, self._into_shard(offset))
                              for name, _, shape, glob, _, offset in slabs])
             plan.extend(flat_state_load_plan(saved, slabs, self.shard,
-                                             lambda state: self.optimizer.state.__setitem__("shard", state)))
+                                             lambda state: self.optimizer.state.__setitem__("shard", state),
+                                             current=self.optimizer.state.get("shard")))
         decays = saved.weight_decays()
         plan.finish.append(lambda: self.load_weight_decays(decays))
         return plan

@@ -37,7 +37,7 @@ class Piece:
         return tuple(stop - start for start, stop in self.slab)
 
 
-@dataclass(frozen=True, slots=True)  # slots: a load makes one per tensor it reads, a quarter cheaper
+@dataclass(slots=True)  # slots, not frozen: a load makes one per tensor it reads (frozen costs 4x to build)
 class Read:
     """One slab a rank reads at load; ``assign(values)`` gets a host array of the slab's shape
     (the receiver may keep it: it is its own). ``dtype``, when given, is the destination's

@@ -107,10 +107,10 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
     ``model`` and ``optimizer`` are Checkpointables (``hpcpar.state``: a Module, a pipeline, an
     optimizer, ZeRO-1, a parameter server) or (name, parameter) pairs; ``optimizer`` may be None.
     Returns ``{"step", "step_dir", "layout", "extra"}`` (``extra``: the plain JSON values).
-    Collective over ``ctx.world`` (three all-gathers); every rank raises the same error, and then
-    nothing has changed: ``CheckpointDamaged`` for damaged files, ``CheckpointError`` for a
-    checkpoint that does not fit (names, shapes, dtypes, slabs). ``upcycle(key)``, for a weights-only
-    load into an MoE model: dense MLPs become its experts, and the tensors it accepts stay as
+    Collective over ``ctx.world`` (three all-gathers, none on one rank); every rank raises the
+    same error, and then nothing has changed: ``CheckpointDamaged`` for damaged files,
+    ``CheckpointError`` for a checkpoint that does not fit (names, shapes, dtypes, slabs).
+    ``upcycle(key)``, for a weights-only load into an MoE model: dense MLPs become its experts, and the tensors it accepts stay as
     initialised when the checkpoint lacks them (``upcycle.upcycled``; the counts in ``"upcycled"``).
     """
     with collector_paused():
@@ -155,7 +155,8 @@ def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: 
     comm = ctx.world.mpi
     what = f"loading {step_dir}"
     plan, source, found = plan_load(step_dir, model, optimizer, comm, upcycle)
-    everyone = comm.allgather(found)  # 1: what each rank found before reading a byte
+    alone = comm.Get_size() == 1  # one rank agrees with itself: no all-gathers (and no pickling)
+    everyone = [found] if alone else comm.allgather(found)  # 1: what each rank found before reading a byte
     for kind, error in (("damaged", CheckpointDamaged), ("mismatch", CheckpointError)):
         raise_if_any([mine[kind] for mine in everyone], what, error)
     manifest = source.manifest
@@ -173,7 +174,8 @@ def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: 
                 extras, restored = restore_extra(manifest, extra, ctx)
             except Exception as error:  # noqa: BLE001 - every rank raises below
                 refused.append(f"restoring the extra state: {type(error).__name__}: {error}")
-        everyone = comm.allgather((damaged, refused))  # 2: every rank has every value, or none goes in
+        # 2: every rank has every value, or none goes in
+        everyone = [(damaged, refused)] if alone else comm.allgather((damaged, refused))
         if any(d or r for d, r in everyone):
             for target, before in reversed(restored):
                 target.load_state_dict(before)
@@ -184,7 +186,7 @@ def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: 
         source.close()
     # 3: a file cut short since its check (another process writing it) is damage on every rank: a
     # rank that raised alone would try an older step, or stop, while the others went on without it
-    failed = comm.allgather(failed) if comm.Get_size() > 1 else [failed]
+    failed = [failed] if alone else comm.allgather(failed)
     raise_if_any([[f"{problem} (the model is partly loaded: load again)" for problem in mine] for mine in failed],
                  what, CheckpointDamaged)
     for read, value in zip(plan.reads, values):

@@ -57,10 +57,15 @@ class Read:
 class LoadPlan:
     reads: list = field(default_factory=list)  # [Read]
     finish: list = field(default_factory=list)  # callables run after every read is assigned
+    # (destination, source) arrays copied once every read is assigned, before ``finish``: a copy of
+    # loaded values into a second home (ZeRO-1's shard of its flat parameters), done by the
+    # loader's fast copy where both are host arrays alike
+    copies: list = field(default_factory=list)
 
     def extend(self, other: "LoadPlan") -> "LoadPlan":
         self.reads += other.reads
         self.finish += other.finish
+        self.copies += other.copies
         return self
 
 

@@ -54,3 +54,19 @@ def copy_pieces(pairs: list) -> None:
     copy_spans(np.array([address(d) for d, _ in pairs], dtype=np.uint64),
                np.array([s.ctypes.data for _, s in pairs], dtype=np.uint64),
                np.array([d.size for d, _ in pairs], dtype=np.uint64))
+
+
+def copy_arrays(pairs: list) -> None:
+    """``destination[...] = source`` for each (destination, source) pair of arrays of one shape:
+    host arrays of one dtype, contiguous (the destination writable), in one ``copy_pieces``;
+    any others by assignment (a cast, a device array)."""
+    fast, slow = [], []
+    for destination, source in pairs:
+        alike = (isinstance(destination, np.ndarray) and isinstance(source, np.ndarray)
+                 and destination.dtype == source.dtype and destination.shape == source.shape
+                 and destination.flags.c_contiguous and destination.flags.writeable and source.flags.c_contiguous)
+        (fast if alike else slow).append((destination, source))
+    if fast:
+        copy_pieces([(d.reshape(-1).view(np.uint8), s.reshape(-1).view(np.uint8)) for d, s in fast])
+    for destination, source in slow:
+        destination[...] = source

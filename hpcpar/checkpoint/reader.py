@@ -26,6 +26,7 @@ from .. import log
 from ..state import Saved, checkpointable
 from .manifest import (CheckpointDamaged, CheckpointError, latest_step, list_steps, read_manifest, resolve_step_dir,
                        step_dirname, verify_files)
+from .fastcopy import copy_arrays
 from .source import RawSource, verifier_chunks
 from .upcycle import upcycled
 
@@ -192,6 +193,7 @@ def load_step(step_dir: str, model, optimizer, ctx, extra: dict | None, strict: 
     for read, value in zip(plan.reads, values):
         if value is not None:
             read.assign(value)
+    copy_arrays(plan.copies)
     for finish in plan.finish:
         finish()
     restore_streams(manifest, extra, ctx)

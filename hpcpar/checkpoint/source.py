@@ -72,9 +72,10 @@ class RawSource:
                 pieces[begin] = (begin + nbytes, shape, dtype)
                 if same:
                     exactly = where
-                    if fits(read.target, dtype, shape):
+                    at = destination_address(read.target, dtype, shape)
+                    if at is not None:
                         exact[where] = read.target
-                        rows.append((name, begin, nbytes, address(read.target)))
+                        rows.append((name, begin, nbytes, at))
             self.parts.append(parts)
             self.exact.append(exactly)
         # Read straight into the destination once the load commits (no new memory, no copy): a
@@ -265,13 +266,16 @@ def dtype_named(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-def fits(target, dtype, shape: tuple) -> bool:
-    """Whether ``target`` can take a piece's bytes as they are: a writable contiguous host array of that
-    dtype and shape."""
-    if not isinstance(target, np.ndarray) or target.dtype != dtype or target.shape != shape or not target.size:
-        return False
-    flags = target.flags
-    return flags.c_contiguous and flags.writeable
+def destination_address(target, dtype, shape: tuple) -> int | None:
+    """The first byte of ``target`` when it can take a piece's bytes as they are (a writable
+    contiguous host array of that dtype and shape), else None."""
+    if not isinstance(target, np.ndarray) or target.dtype != dtype or target.shape != shape or not target.size \
+            or not target.flags.c_contiguous:
+        return None
+    try:
+        return address(target)  # a buffer export, which a read-only array refuses
+    except TypeError:
+        return None
 
 
 def read_segments(fd: int, segments: list) -> list | None:

@@ -28,7 +28,7 @@ def upcycled(plan: LoadPlan, tensors: dict, fresh) -> tuple[LoadPlan, dict]:
             counts["experts"] += 1
             continue
         reads.append(read)
-    return LoadPlan(reads, plan.finish), counts
+    return LoadPlan(reads, plan.finish, plan.copies), counts
 
 
 def copied_per_expert(read: Read):

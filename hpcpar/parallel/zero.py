@@ -113,13 +113,6 @@ class ZeroRedundancyOptimizer(Checkpointable):
         self.weight_decays.update({name: float(v) for name, v in decays.items() if name in self.weight_decays})
         self._set_shard_decay()
 
-    def refresh_shard(self) -> None:
-        """Copy this rank's part of the flat parameters into the shard (after loading a checkpoint)."""
-        if self.flat is None:  # ZeRO-3: the shard is what the load filled
-            return
-        start = self.comm.rank * self.shard_size
-        self.shard.data[...] = self.flat[start: start + self.shard_size]
-
     def reduce_gradients(self):
         """Reduce-scatter the flat gradient; the shard's ``grad`` holds the dp mean of this rank's part."""
         if self._flat_grad is None:
@@ -221,12 +214,16 @@ class ZeroRedundancyOptimizer(Checkpointable):
 
     def load_plan(self, saved: Saved) -> LoadPlan:
         """The shard's state from the per-parameter tensors and the saved weight decays; then the shard
-        is refreshed from the flat parameters (loaded by the model's own plan, which runs first)."""
+        is copied from this rank's part of the flat parameters (loaded by the model's own plan; ZeRO-3:
+        the shard is what the model's plan filled)."""
         plan = flat_state_load_plan(saved, self.param_slabs(), self.shard,
                                     lambda state: self.optimizer.state.__setitem__("shard", state),
                                     current=self.optimizer.state.get("shard"))
         decays = saved.weight_decays()
-        plan.finish += [lambda: self.load_weight_decays(decays), self.refresh_shard]
+        plan.finish.append(lambda: self.load_weight_decays(decays))
+        if self.flat is not None:
+            start = self.comm.rank * self.shard_size
+            plan.copies.append((self.shard.data, self.flat[start: start + self.shard_size]))
         return plan
 
     def state_dict(self) -> dict:

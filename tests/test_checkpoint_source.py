@@ -85,3 +85,19 @@ def test_the_copy_table_copies_each_span_and_nothing_else(monkeypatch):
         for d, s, n in spans:
             expected[d: d + n] = source[s: s + n]
         assert np.array_equal(destination, expected)
+
+
+def test_a_plans_copies_go_alike_arrays_in_one_native_call_and_the_rest_by_assignment(monkeypatch):
+    """``LoadPlan.copies`` (ZeRO-1's shard of its flat parameters): host arrays of one dtype through
+    ``copy_pieces``, a cast (float64 into float32 here) by assignment; each destination ends equal
+    to its source."""
+    calls = []
+    monkeypatch.setattr(fastcopy, "copy_pieces", lambda pairs: calls.append(len(pairs)) or
+                        [d.__setitem__(Ellipsis, s) for d, s in pairs])
+    rng = np.random.default_rng(4)
+    flat = rng.standard_normal(1000).astype(np.float32)
+    alike, cast = np.zeros(400, np.float32), np.zeros(300, np.float32)
+    wide = rng.standard_normal(300)
+    fastcopy.copy_arrays([(alike, flat[600:]), (cast, wide)])
+    assert calls == [1]
+    assert np.array_equal(alike, flat[600:]) and np.array_equal(cast, wide.astype(np.float32))

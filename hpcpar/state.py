@@ -83,14 +83,15 @@ class Saved:
                 self._state.setdefault(name, []).append(state)
         for states in self._state.values():
             states.sort()
+        self._decays = saved_weight_decays(self.scalars)  # asked for by every optimizer part of a load
 
-    def state_keys(self, name: str) -> list[str]:
+    def state_keys(self, name: str) -> tuple[str, ...]:
         """The optimizer state saved for parameter ``name`` (``exp_avg``, ``step`` ...)."""
-        return list(self._state.get(name, []))
+        return tuple(self._state.get(name, ()))
 
     def weight_decays(self) -> dict:
         """{parameter name: weight decay} saved (empty for checkpoints from before decay groups)."""
-        return saved_weight_decays(self.scalars)
+        return dict(self._decays)
 
 
 class Checkpointable(ABC):

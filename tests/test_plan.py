@@ -236,8 +236,18 @@ def test_plan_prints_the_ranked_table_and_explains_a_layout(job_file):
     table = run_hpcpar("plan", job_file, "--world", "4", "--machine", "dgx-a100", "--top", "3")
     assert table.returncode == 0, table.stderr
     assert "step ms" in table.stdout and "... " in table.stdout and "excluded" in table.stdout
-    explained = run_hpcpar("plan", job_file, "--world", "4", "--machine", "dgx-a100", "--explain", "2x2x1")
+    explained = run_hpcpar("plan", job_file, "--world", "4", "--machine", "dgx-a100", "--explain", "2x2x1 1f1b m4")
     assert explained.returncode == 0 and "per virtual stage" in explained.stdout and "pp-tied" in explained.stdout
+
+
+@pytest.mark.parametrize("label, message", [
+    ("2x2x1", "no layout '2x2x1' among the "),  # a grid alone is no layout: it answered for its best variant
+    ("2x2x1 1f1b m3", "did you mean '2x2x1 1f1b m"),  # the nearest spellings of its grid
+    ("9x9x9", "the table lists them"),
+])
+def test_explain_refuses_a_label_it_did_not_plan_and_names_the_nearest(job_file, label, message):
+    result = run_hpcpar("plan", job_file, "--world", "4", "--machine", "dgx-a100", "--explain", label)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
 
 
 def test_plan_lists_context_parallel_layouts_where_the_block_size_divides_by_2_cp(job_file):

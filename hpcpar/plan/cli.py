@@ -25,7 +25,8 @@ def add_arguments(parser) -> None:
                              f"(default: {DEFAULT_MACHINE}, written by hpcpar plan calibrate)")
     parser.add_argument("--top", type=int, default=None, help="layouts shown, best first (0: all) (default: 10)")
     parser.add_argument("--explain", metavar="LAYOUT", default=None,
-                        help="the breakdown of one layout, as labelled in the table (\"2x1x2\" picks its best variant) (default: none)")
+                        help="the breakdown of one layout, labelled exactly as in the table (another label: "
+                             "an error naming the nearest ones) (default: none)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a job key, TOML syntax (repeatable) (default: none)")
     parser.add_argument("--out", default=None, help=f"calibrate: the machine file written (default: {DEFAULT_MACHINE})")
@@ -95,13 +96,13 @@ def run(args) -> int:
     if not world or world < 1:
         raise _usage("--world N is needed (the job does not set parallel.dp)")
     machine = machine_from(args.machine)
-    from .layouts import find, plan_layouts
+    from .layouts import find, not_found, plan_layouts
 
     ranked = plan_layouts(job, world, machine)
     if args.explain:
         chosen = find(ranked, args.explain)
         if chosen is None:
-            raise _usage(f"no valid layout {args.explain!r} for {world} ranks; the table lists them")
+            raise _usage(not_found(ranked, args.explain, world))
         print(explain(chosen, machine))
         return 0
     print(table(job, world, machine, ranked, 10 if args.top is None else args.top))

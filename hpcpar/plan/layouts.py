@@ -12,6 +12,7 @@ a valid layout that fits in none is kept but marked as not fitting and ranked af
 """
 from __future__ import annotations
 
+import difflib
 import itertools
 import time
 from dataclasses import dataclass, replace
@@ -110,8 +111,21 @@ def _fitting(job, machine: Machine, world: int) -> tuple[Prediction, bool]:
 
 
 def find(ranked: Ranked, wanted: str) -> Prediction | None:
-    """The prediction whose label is ``wanted``, or the best one whose label starts with it ("2x1x2")."""
-    for q in ranked.predictions:
-        if q.label == wanted:
-            return q
-    return next((q for q in ranked.predictions if q.label.split()[0] == wanted.split()[0]), None)
+    """The prediction labelled ``wanted`` exactly (spaces between its words as in the table), or None."""
+    wanted = " ".join(wanted.split())
+    return next((q for q in ranked.predictions if q.label == wanted), None)
+
+
+def not_found(ranked: Ranked, wanted: str, world: int) -> str:
+    """Why ``wanted`` has no prediction: the reason it was excluded, or the labels it may have
+    meant (the closest spellings among those of its grid, else among all)."""
+    wanted = " ".join(wanted.split())
+    reason = next((why for label, why in ranked.excluded if label == wanted), None)
+    if reason is not None:
+        return f"layout {wanted!r} is excluded for {world} ranks: {reason}"
+    labels = [q.label for q in ranked.predictions]
+    grid = wanted.split()[0] if wanted else ""
+    same_grid = [label for label in labels if label.split()[0] == grid]
+    near = difflib.get_close_matches(wanted, same_grid or labels, n=3, cutoff=0.0 if same_grid else 0.5)
+    hint = f"; did you mean {' or '.join(repr(label) for label in near)}?" if near else "; the table lists them"
+    return f"no layout {wanted!r} among the {len(labels)} planned for {world} ranks{hint}"

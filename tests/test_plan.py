@@ -180,14 +180,18 @@ def test_a_20b_gpt_on_two_dgx_h100_nodes_keeps_tensor_parallelism_inside_a_node(
     ranked = plan_layouts(load_job(str(path)), 16, machines.load_machine("dgx-h100"))
     best = ranked.predictions[0]
     assert ranked.fits[id(best)] and best.layout.tp <= 8  # tensor parallelism stays inside a node
-    # 20 B parameters with their gradients and Adam do not fit one GPU even with recomputation, nor with
-    # ZeRO-3 sharding within each node (the default when dp spans nodes); over all 16 ranks ZeRO-3 fits
-    for shard_size, fitting in ((None, []), (16, [3])):
+    # 20 B parameters with their gradients and Adam fit one GPU as pure data parallelism only under
+    # ZeRO-3 with one micro-batch (accumulating four would hold the gradients whole), sharded within
+    # each node (the default when dp spans nodes) or, keeping less per rank, over all 16 ranks
+    memory = {}
+    for shard_size in (None, 16):
         job = load_job(str(path), [] if shard_size is None else [f"parallel.shard_size={shard_size}"])
         ranked = plan_layouts(job, 16, machines.load_machine("dgx-h100"))
-        pure_data = [q for q in ranked.predictions if q.label.startswith("16x1x1 m4")]
+        pure_data = [q for q in ranked.predictions if q.label.split()[0] == "16x1x1"]
         assert {q.layout.zero for q in pure_data} == {0, 1, 2, 3}
-        assert [q.layout.zero for q in pure_data if ranked.fits[id(q)]] == fitting, shard_size
+        assert [q.label for q in pure_data if ranked.fits[id(q)]] == ["16x1x1 z3"], shard_size
+        memory[shard_size] = next(q.memory.total for q in pure_data if q.layout.zero == 3)
+    assert memory[16] < memory[None]
 
 
 def run_hpcpar(*args):
@@ -411,3 +415,40 @@ def test_the_last_stage_s_predicted_peak_covers_its_input_s_gradient_and_the_cop
     del sent
     predicted = rank_memory(plan, 3, in_flight(plan)[3]).activation_peak
     assert peak <= predicted <= 1.25 * peak, (peak, predicted)
+
+
+def plan_of(tmp_path, text: str, world: int):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return plan_layouts(load_job(str(path)), world, machines.load_machine("dgx-a100"))
+
+
+def test_interleaving_takes_every_chunk_count_that_splits_the_layers_and_3_chunks_win_here(tmp_path):
+    """12 blocks at pp = 2: 2, 3 and 6 chunks of whole blocks (not 4: 8 stages do not split 12); on
+    16 ranks of dgx-a100 a 2x2x4 pipeline of 3 chunks is in the top ten, ahead of 2 and 6 chunks
+    and of 1F1B."""
+    ranked = plan_of(tmp_path, '[model]\nkind = "gpt"\nn_layer = 12\nn_embd = 8192\nn_head = 64\nblock_size = 1024\n'
+                               '[data]\nbatch_size = 16\nprepare_if_missing = true\n[train]\nprecision = "bf16"\n', 16)
+    at = {q.label: i for i, q in enumerate(ranked.predictions)}
+    chunks = {q.layout.chunks for q in ranked.predictions if q.layout.pp == 2 and q.layout.schedule == "interleaved"}
+    assert chunks == {2, 3, 6}
+    best = "2x2x4 interleaved m4 v3 sp z3"
+    assert at[best] < 10, [q.label for q in ranked.predictions[:10]]
+    assert at[best] < min(at["2x2x4 interleaved m4 v2 sp z3"], at["2x2x4 interleaved m4 v6 sp z3"],
+                          at["2x2x4 1f1b m4 sp z3"])
+
+
+def test_without_a_pipeline_micro_batches_buy_memory_and_never_exclude_data_parallelism(tmp_path):
+    """Accumulation is tried before recomputation where a layout does not fit (64 sequences of 2048
+    tokens per replica: 4x1x1 fits with 2 micro-batches, in the top ten); and a job's micro-batch
+    count that does not divide a replica's share (4 of 6 sequences) no longer excludes pure data
+    parallelism: it is planned with the fewest micro-batches that fit."""
+    big = plan_of(tmp_path, '[model]\nkind = "gpt"\nn_layer = 4\nn_embd = 2048\nn_head = 16\nblock_size = 2048\n'
+                            '[data]\nbatch_size = 256\nprepare_if_missing = true\n[train]\nprecision = "bf16"\n', 4)
+    pure = [q.label for q in big.predictions if q.label.split()[0] == "4x1x1" and " z3" not in q.label]
+    assert pure and all(" m2" in label and "rc=" not in label for label in pure), pure  # ZeRO-3 fits without
+    assert any(q.label.startswith("4x1x1 m2") for q in big.predictions[:10])
+    small = plan_of(tmp_path, '[model]\nkind = "gpt"\nn_layer = 2\nn_embd = 96\nn_head = 6\nblock_size = 48\n'
+                              '[data]\nbatch_size = 12\nprepare_if_missing = true\n[parallel]\nmicro_batches = 4\n', 2)
+    assert "2x1x1" in {q.label for q in small.predictions}
+    assert not [label for label, _ in small.excluded if label.startswith("2x1x1")]

@@ -2,13 +2,13 @@
 
 A candidate is a factorisation of the world into the grid's axes (cp included: valid where the
 block size divides by 2 cp) with, for pp > 1, each schedule hpcpar has (``gpipe``, ``1f1b``,
-``interleaved`` with 2 chunks, ``zb1``) and a few micro-batch counts (the job's, 2 pp and 4 pp),
-with and without sequence parallelism when tp > 1, each ZeRO stage 0-3 when dp x cp > 1
-(without compression), and for an MoE GPT each expert parallelism ep dividing dp and the
-experts. The job's own checks (``train.validate``) decide what is valid.
-Recomputation only buys memory, so a layout that does not fit with the job's ``model.recompute``
-is tried with ``selective`` and then ``full`` (the first that fits is kept, labelled ``rc=...``);
-a valid layout that fits in none is kept but marked as not fitting and ranked after every one.
+``interleaved`` with each chunk count that splits the layers evenly, ``zb1``) and a few micro-batch
+counts, with and without sequence parallelism when tp > 1, each ZeRO stage 0-3 when dp x cp > 1
+(without compression), and for an MoE GPT each ep dividing dp and the experts; the job's own
+checks (``train.validate``) decide what is valid. Recomputation and, without a pipeline,
+accumulation only buy memory: a layout is predicted with the first that fits of no
+recomputation, selective, full (GPT), each with 1, 2, 4 ... micro-batches (labelled ``rc=...``,
+``m...``); one that fits in none is kept, marked as not fitting, ranked last.
 """
 from __future__ import annotations
 
@@ -41,18 +41,43 @@ def candidates(job, world: int) -> list:
     out = []
     for mesh in GRID.factorisations(world):
         pp, tp = mesh.size("pp"), mesh.size("tp")
-        # the job's micro-batches (at least pp), and 2 pp and 4 pp: enough to see the bubble shrink
-        micro = sorted({max(p.micro_batches, pp), 2 * pp, 4 * pp}) if pp > 1 else [p.micro_batches]
-        schedules = SCHEDULES if pp > 1 else ("1f1b",)
         # ZeRO's stages where there are dp x cp ranks to shard over and no compressor (validation drops
         # the modes that have no ZeRO)
         zeros = (0, 1, 2, 3) if mesh.size("dp") * mesh.size("cp") > 1 and p.compression == "none" else (p.zero,)
-        for schedule, m, sp, zero, ep in itertools.product(schedules, micro, (False, True) if tp > 1 else (False,),
-                                                           zeros, expert_parallelisms(job, mesh)):
-            parallel = replace(p, **mesh.by_name(), schedule=schedule, micro_batches=m,
-                               chunks=2 if schedule == "interleaved" else 1, sequence_parallel=sp, zero=zero, ep=ep)
+        for (schedule, chunks), m, sp, zero, ep in itertools.product(
+                schedules_of(job, pp), micro_batch_counts(job, mesh), (False, True) if tp > 1 else (False,), zeros,
+                expert_parallelisms(job, mesh)):
+            parallel = replace(p, **mesh.by_name(), schedule=schedule, micro_batches=m, chunks=chunks,
+                               sequence_parallel=sp, zero=zero, ep=ep)
             out.append(replace(job, parallel=parallel))
     return out
+
+
+def schedules_of(job, pp: int) -> list[tuple[str, int]]:
+    """(schedule, chunks) tried at ``pp``: each schedule, the interleaved one with every chunk count
+    v >= 2 whose pp x v stages split the model's layers evenly (Megatron's virtual stages)."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    layers = getattr(job.model, "n_layer", 0)
+    chunks = [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0] or [2]
+    return [(schedule, v) for schedule in SCHEDULES for v in (chunks if schedule == "interleaved" else [1])]
+
+
+def micro_batch_counts(job, mesh) -> list[int]:
+    """Micro-batch counts tried on ``mesh``. With a pipeline: the job's (at least pp), 2 pp and 4 pp,
+    enough to see the bubble shrink, the last two where they divide a replica's share of the global
+    batch. Without one: 1, which ``_fitting`` raises where memory asks (there accumulation, like
+    recomputation, only trades time for activation memory)."""
+    pp = mesh.size("pp")
+    if pp == 1:
+        return [1]
+    share = share_of(job, mesh.size("dp"))
+    return sorted({max(job.parallel.micro_batches, pp)} | {m for m in (2 * pp, 4 * pp) if share % m == 0})
+
+
+def share_of(job, replicas: int) -> int:
+    """Sequences each of ``replicas`` gets of the global batch (0 when it does not split evenly)."""
+    return job.data.batch_size // replicas if job.data.batch_size % replicas == 0 else 0
 
 
 def expert_parallelisms(job, mesh) -> tuple:
@@ -96,18 +121,37 @@ def plan_layouts(job, world: int, machine: Machine) -> Ranked:
 
 
 def _fitting(job, machine: Machine, world: int) -> tuple[Prediction, bool]:
-    """The prediction with the job's recomputation, or the first of selective, full that fits."""
+    """The prediction of the first variant that fits of: no recomputation, then selective, then full
+    (a GPT: the job's own mode is one of them, not a floor; other models keep theirs), each without
+    a pipeline with 1, 2, 4 ... micro-batches dividing a replica's share of the batch (the fewest
+    first: accumulation costs time, and under ZeRO-2/3 holds the gradients whole). None fits: the
+    last one, marked so."""
     limit = machine.memory_per_rank(min(world, machine.ranks_per_node))
-    mode = job.model.recompute
-    modes = RECOMPUTE[RECOMPUTE.index(mode):] if job.model.kind == "gpt" else (mode,)  # none, selective, full
-    for mode in modes:  # memory first: it needs no simulation
-        variant = replace(job, model=replace(job.model, recompute=mode))
+    modes = RECOMPUTE if job.model.kind == "gpt" else (job.model.recompute,)
+    for variant in _memory_variants(job, modes, world):  # memory first: it needs no simulation
         plan = StepPlan(variant, machine)
         if plan.memory().total <= limit:
             break
     prediction = plan.predict()
     prediction.label = label_of(variant)
     return prediction, prediction.memory.total <= limit
+
+
+def _memory_variants(job, modes, world: int):
+    """``job`` with each recomputation mode and, without a pipeline, each valid accumulation count."""
+    p = job.parallel
+    share = share_of(job, p.dp) if p.pp == 1 else 0  # cp splits sequences, not the batch
+    counts = [m for m in range(1, share + 1) if share % m == 0 and m & (m - 1) == 0] if share else [p.micro_batches]
+    for mode in modes:
+        for m in counts:
+            variant = replace(job, model=replace(job.model, recompute=mode), parallel=replace(p, micro_batches=m))
+            if m == p.micro_batches:
+                yield variant
+                continue
+            try:
+                yield validate(variant, world)
+            except JobError:
+                continue
 
 
 def find(ranked: Ranked, wanted: str) -> Prediction | None:

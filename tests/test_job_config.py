@@ -226,6 +226,8 @@ def test_validate_fills_dp_and_describe_round_trips(tmp_path):
     (["parallel.partition=[1, 2]"], 2, "parallel.partition: per-stage counts [1, 2] add up to 3, but the model "
                                        "has 4 layers"),
     (["parallel.partition=[4]"], 2, "parallel.partition: 1 per-stage counts for pp x chunks = 2 stages"),
+    (["parallel.pp=4", 'parallel.partition="blocks"'], 4, 'parallel.partition: partition = "blocks" gives each of '
+                                                          "pp x chunks = 4 stages a block, but the model has 2"),
     (["parallel.mode=ps"], 4, 'parallel.mode: "ps" runs data parallel only, but pp = 2'),
     (["parallel.mode=ps", "parallel.pp=1", "parallel.servers=2", "parallel.micro_batches=1"], 2,
      "parallel.servers: 2 server(s) leave no worker among 2 ranks"),

@@ -50,7 +50,7 @@ CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1)]
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("schedule, chunks", CASES)
 @pytest.mark.parametrize("micro", ["fewer", "equal", "more"])
-@pytest.mark.parametrize("part", ["uniform", "uneven"])
+@pytest.mark.parametrize("part", ["uniform", "uneven", "blocks"])
 def test_loss_and_every_gradient_equal_one_process(world, schedule, chunks, micro, part):
     ref_loss, ref_grads = reference_gradients()
     for layout in layouts(world):
@@ -63,10 +63,10 @@ def test_loss_and_every_gradient_equal_one_process(world, schedule, chunks, micr
         if per_replica % m or m < 1:
             continue
         stages = p * chunks
-        counts = None
-        if part == "uneven":  # one stage gets one layer more than the others... and the first gets it all
-            counts = [1] * (stages - 1) + [8 - (stages - 1)]
-        pipe, loss = pipeline_step(ctx, schedule, m, counts or "uniform", chunks)
+        if part == "blocks" and stages > 6:  # Megatron's cut: a block per stage at least (6 of the 8 layers)
+            continue
+        cut = part if part != "uneven" else [1] * (stages - 1) + [8 - (stages - 1)]  # the last stage gets the rest
+        pipe, loss = pipeline_step(ctx, schedule, m, cut, chunks)
         assert abs(loss - ref_loss) <= 1e-12, (layout, loss, ref_loss)
         for name, param in pipe.named_parameters():
             assert np.max(np.abs(param.grad - ref_grads[name])) <= 1e-10, (layout, name)
@@ -321,6 +321,7 @@ def test_partition_methods():
     model = GPT(CONFIG, dtype=np.float64)
     layers = model.layers()
     assert partition(layers, 3, "uniform") == [0, 3, 6, 8]
+    assert partition(layers, 3, "blocks") == [0, 3, 5, 8]  # 2 blocks each, the embedding and the head at the ends
     assert partition(layers, 2, [3, 5]) == [0, 3, 8]
     bounds = partition(layers, 2, "parameters")
     assert bounds[0] == 0 and bounds[-1] == 8 and len(bounds) == 3

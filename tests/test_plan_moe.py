@@ -164,7 +164,7 @@ DENSE = {"4x1x1": (0.004016791713388485, 38240256, 20023344),  # memory: dropout
 
 def test_a_dense_job_s_predictions_are_what_they_were():
     ranked = plan_layouts(load_job(os.path.join(REPO, "jobs", "gpt-dp.toml")), 4, machines.load_machine("dgx-a100"))
-    assert len(ranked.predictions) == 159 and len(ranked.excluded) == 3
+    assert len(ranked.predictions) == 288 and len(ranked.excluded) == 6
     assert not [q for q in ranked.predictions if q.layout.ep != 1 or not ranked.fits[id(q)]]
     found = {q.label: q for q in ranked.predictions}
     for label, (step, memory, wire) in DENSE.items():

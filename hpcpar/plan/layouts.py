@@ -2,10 +2,11 @@
 
 A candidate is a factorisation of the world into the grid's axes (cp included: valid where the
 block size divides by 2 cp) with, for pp > 1, each schedule hpcpar has (``gpipe``, ``1f1b``,
-``interleaved`` with each chunk count that splits the layers evenly, ``zb1``) and a few micro-batch
-counts, with and without sequence parallelism when tp > 1, each ZeRO stage 0-3 when dp x cp > 1
-(without compression), and for an MoE GPT each ep dividing dp and the experts; the job's own
-checks (``train.validate``) decide what is valid. Recomputation and, without a pipeline,
+``interleaved`` with each chunk count that splits the layers evenly, ``zb1``), the job's stage
+cut and Megatron's (``blocks``, a GPT), a few micro-batch counts, with and without sequence
+parallelism when tp > 1, each ZeRO stage 0-3 when dp x cp > 1 (without compression), and for an
+MoE GPT each ep dividing dp and the experts; the job's own checks (``train.validate``) decide
+what is valid. Recomputation and, without a pipeline,
 accumulation only buy memory: a layout is predicted with the first that fits of no
 recomputation, selective, full (GPT), each with 1, 2, 4 ... micro-batches (labelled ``rc=...``,
 ``m...``); one that fits in none is kept, marked as not fitting, ranked last.
@@ -44,11 +45,12 @@ def candidates(job, world: int) -> list:
         # ZeRO's stages where there are dp x cp ranks to shard over and no compressor (validation drops
         # the modes that have no ZeRO)
         zeros = (0, 1, 2, 3) if mesh.size("dp") * mesh.size("cp") > 1 and p.compression == "none" else (p.zero,)
-        for (schedule, chunks), m, sp, zero, ep in itertools.product(
+        cuts = [p.partition] + (["blocks"] if pp > 1 and job.model.kind == "gpt" and p.partition != "blocks" else [])
+        for (schedule, chunks), m, sp, zero, ep, cut in itertools.product(
                 schedules_of(job, pp), micro_batch_counts(job, mesh), (False, True) if tp > 1 else (False,), zeros,
-                expert_parallelisms(job, mesh)):
+                expert_parallelisms(job, mesh), cuts):
             parallel = replace(p, **mesh.by_name(), schedule=schedule, micro_batches=m, chunks=chunks,
-                               sequence_parallel=sp, zero=zero, ep=ep)
+                               sequence_parallel=sp, zero=zero, ep=ep, partition=cut)
             out.append(replace(job, parallel=parallel))
     return out
 

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..runtime.grid import GRID
-from ..parallel.pipeline.partition import counts_to_bounds, min_max_bounds, uniform_bounds
+from ..parallel.pipeline.partition import blocks_bounds, counts_to_bounds, min_max_bounds, uniform_bounds
 from ..parallel.pipeline.schedules import simulate
 from ..parallel.hybrid import default_shard_size
 from ..parallel.zero_params import group_layers, reshards
@@ -65,12 +65,14 @@ class Layout:
     zero: int = 0  # the ZeRO stage over dp x cp
     cp: int = 1  # context parallelism: ranks splitting each sequence (ring attention)
     ep: int = 1  # expert parallelism: consecutive dp ranks splitting each MoE block's experts
+    cut: str = "uniform"  # a pipeline's partition method ("counts": per-stage counts given)
 
     @classmethod
     def of(cls, job) -> "Layout":
         p = job.parallel
+        cut = (p.partition if isinstance(p.partition, str) else "counts") if p.pp > 1 else "uniform"
         return cls(p.dp, p.pp, p.tp, p.schedule if p.pp > 1 else "-", p.micro_batches, p.chunks if p.pp > 1 else 1,
-                   bool(p.sequence_parallel and p.tp > 1), int(p.zero), p.cp, p.ep)
+                   bool(p.sequence_parallel and p.tp > 1), int(p.zero), p.cp, p.ep, cut)
 
     @property
     def world(self) -> int:
@@ -91,6 +93,7 @@ class Layout:
         text += f"-ep{self.ep}" if self.ep > 1 else ""
         if self.pp > 1:
             text += f" {self.schedule} m{self.micro_batches}" + (f" v{self.chunks}" if self.chunks > 1 else "")
+            text += f" cut={self.cut}" if self.cut != "uniform" else ""
         elif self.micro_batches > 1:
             text += f" m{self.micro_batches}"
         return text + (" sp" if self.sequence_parallel else "") + (f" z{self.zero}" if self.zero else "")
@@ -176,6 +179,8 @@ class StepPlan:
             return min_max_bounds([sum(e for _, e, _ in layer.params) for layer in self.layers], stages)
         if method == "balanced":  # the engine measures; its best cut is the one of the predicted times
             return min_max_bounds([sum(self.layer_seconds(layer)) for layer in self.layers], stages)
+        if method == "blocks":
+            return blocks_bounds(len(self.layers), stages)
         return uniform_bounds(len(self.layers), stages)
 
     # ----- pieces -------------------------------------------------------------------------

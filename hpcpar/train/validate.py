@@ -183,6 +183,9 @@ def _check_pipeline(job: Job) -> list:
                                         f"only {layers} layers to cut"
                                         + (f" (n_layer + 2 = {job.model.n_layer} + 2)" if job.model.kind == "gpt" else "")
                                         + "; lower pp or chunks or add layers"))
+    if p.partition == "blocks" and stages > layers - 2:
+        problems.append(("parallel.partition", f"partition = \"blocks\" gives each of pp x chunks = {stages} stages a "
+                                               f"block, but the model has {layers - 2}; lower pp or chunks"))
     if not isinstance(p.partition, str):
         if len(p.partition) != stages:
             problems.append(("parallel.partition", f"{len(p.partition)} per-stage counts for pp x chunks = "

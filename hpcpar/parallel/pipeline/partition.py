@@ -4,6 +4,9 @@ Every method returns stage boundaries ``[0, b1, ..., n]``: stage ``s`` holds lay
 ``bounds[s]:bounds[s+1]``, every layer exactly once, no stage empty.
 
 - ``uniform``: layer counts as equal as possible (earlier stages get the extra layer);
+- ``blocks``: Megatron-LM's cut: the layers between the first and the last (a GPT's blocks) as
+  equal as possible, the first layer (the embedding) joining the first stage, the last (the
+  head) the last stage;
 - ``parameters``: balance parameter counts;
 - ``balanced``: balance measured forward+backward time per layer (``measure_layer_costs``;
   in a job of several ranks, world rank 0's measurement, which every rank cuts by);
@@ -21,7 +24,7 @@ import numpy as np
 
 from ...nn.dropout_keys import DropoutKey, dropout_key
 
-PARTITION_METHODS = ("uniform", "parameters", "balanced")
+PARTITION_METHODS = ("uniform", "blocks", "parameters", "balanced")
 
 
 class PartitionError(ValueError):
@@ -32,6 +35,19 @@ def uniform_bounds(num_layers: int, num_stages: int) -> list[int]:
     _check(num_layers, num_stages)
     base, extra = divmod(num_layers, num_stages)
     counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    return counts_to_bounds(counts, num_layers)
+
+
+def blocks_bounds(num_layers: int, num_stages: int) -> list[int]:
+    """``blocks``: the ``num_layers - 2`` middle layers cut as ``uniform`` cuts, the first layer added
+    to the first stage and the last to the last."""
+    if num_layers - 2 < num_stages:
+        raise PartitionError(f"partition 'blocks' needs a block per stage: {num_layers - 2} blocks (the layers "
+                             f"between the first and the last) for {num_stages} stages")
+    middle = uniform_bounds(num_layers - 2, num_stages)
+    counts = [b - a for a, b in zip(middle, middle[1:])]
+    counts[0] += 1
+    counts[-1] += 1
     return counts_to_bounds(counts, num_layers)
 
 
@@ -107,6 +123,8 @@ def partition(layers, num_stages: int, method="uniform", sample_input=None, agre
         return counts_to_bounds(method, n)
     if method == "uniform":
         return uniform_bounds(n, num_stages)
+    if method == "blocks":
+        return blocks_bounds(n, num_stages)
     if method == "parameters":
         return min_max_bounds(parameter_counts(layers), num_stages)
     if method == "balanced":

@@ -68,7 +68,7 @@ def layout(rng: random.Random, world: int, gpt: bool, layers: int | None = None)
         if schedule == "interleaved":
             keys["parallel.chunks"] = 2
         if rng.random() < 0.5:
-            keys["parallel.partition"] = q(rng.choice(["uniform", "parameters", "balanced"]))
+            keys["parallel.partition"] = q(rng.choice(["uniform", "blocks", "parameters", "balanced"]))
     else:
         keys["parallel.micro_batches"] = rng.choice([1, 2])
     if tp > 1:

@@ -111,8 +111,9 @@ def load(path: str, model, optimizer, ctx, extra: dict | None = None, step: int 
     Collective over ``ctx.world`` (three all-gathers, none on one rank); every rank raises the
     same error, and then nothing has changed: ``CheckpointDamaged`` for damaged files,
     ``CheckpointError`` for a checkpoint that does not fit (names, shapes, dtypes, slabs).
-    ``upcycle(key)``, for a weights-only load into an MoE model: dense MLPs become its experts, and the tensors it accepts stay as
-    initialised when the checkpoint lacks them (``upcycle.upcycled``; the counts in ``"upcycled"``).
+    ``upcycle(key)``, for a weights-only load into an MoE model: dense MLPs become its experts,
+    and the tensors it accepts stay as initialised when the checkpoint lacks them
+    (``upcycle.upcycled``; the counts in ``"upcycled"``).
     """
     with collector_paused():
         return load_step(rank0_says(ctx, resolve_step_dir, path, step), model, optimizer, ctx, extra, strict, upcycle)

@@ -6,10 +6,10 @@ block size divides by 2 cp) with, for pp > 1, each schedule hpcpar has (``gpipe`
 cut and Megatron's (``blocks``, a GPT), a few micro-batch counts, with and without sequence
 parallelism when tp > 1, each ZeRO stage 0-3 when dp x cp > 1 (without compression), and for an
 MoE GPT each ep dividing dp and the experts; the job's own checks (``train.validate``) decide
-what is valid. Recomputation and, without a pipeline,
-accumulation only buy memory: a layout is predicted with the first that fits of no
-recomputation, selective, full (GPT), each with 1, 2, 4 ... micro-batches (labelled ``rc=...``,
-``m...``); one that fits in none is kept, marked as not fitting, ranked last.
+what is valid. Recomputation and, without a pipeline, accumulation only buy memory: a layout is
+predicted with the first that fits of no recomputation, selective, full (GPT), each with 1, 2,
+4 ... micro-batches (labelled ``rc=...``, ``m...``); one that fits in none is kept, marked as not
+fitting, ranked last.
 """
 from __future__ import annotations
 

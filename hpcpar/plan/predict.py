@@ -330,11 +330,13 @@ class StepPlan:
             lay = self.layout
             layers = [layer for s in range(rank, lay.pp * lay.chunks, lay.pp) for layer in self.stage_layers[s]]
             experts = self.expert_names if lay.ep > 1 else frozenset()
-            self._unit_cache[rank] = [
-                (unit_layers, params, comm)
-                for comm, held in ((self.zero_comm, lambda name: name not in experts), ("edp", experts.__contains__))
-                for unit_layers, params in group_layers(layers, params_of=lambda layer: [p for p in layer.params if held(p[0])],
-                                                        key=lambda param: param[0])]
+            units = []
+            for comm, in_store in ((self.zero_comm, False), ("edp", True)):
+                def held(layer, in_store=in_store):
+                    return [p for p in layer.params if (p[0] in experts) == in_store]
+                units += [(unit_layers, params, comm)
+                          for unit_layers, params in group_layers(layers, params_of=held, key=lambda param: param[0])]
+            self._unit_cache[rank] = units
         return self._unit_cache[rank]
 
     def zero3_units(self, rank: int) -> list[tuple[str, int, int]]:

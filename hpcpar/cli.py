@@ -160,8 +160,6 @@ def _unread_train_flags(args) -> str | None:
         return None
     if args.job is None:
         return "the following arguments are required: job (or --list-keys)"
-    if args.machine is not None and not args.dry_run:  # training never reads a machine file
-        return "--machine FILE is the machine of --dry-run's predicted step time; add --dry-run or leave --machine out"
     unread = [flag for flag, value in (("--resume", args.resume), ("--overwrite", args.overwrite),
                                        ("--load-weights-only", args.load_weights_only), ("--trace", args.trace))
               if value and args.dry_run]
@@ -188,15 +186,23 @@ def _train(args) -> int:
     from .train.resume import Request
     from .train.validate import check_machine, validate
 
+    layout = [f'parallel.layout="{args.layout}"'] if args.layout else []
     if args.dry_run:
         from .plan.cli import dry_run
 
-        return dry_run(args.job, args.set, MPI.COMM_WORLD.Get_size(), args.machine)
+        return dry_run(args.job, args.set + layout, MPI.COMM_WORLD.Get_size(), args.machine)
     stop = StopRequest()  # first: until the handlers are in, SLURM's USR1 would kill the rank
-    overrides = args.set + ([f"train.trace={json.dumps(args.trace)}"] if args.trace else [])
+    overrides = args.set + layout + ([f"train.trace={json.dumps(args.trace)}"] if args.trace else [])
     try:  # the same verdict on every rank (one all-gather of it), before any rank waits on another
         with agreed_verdict("hpcpar train", (JobError, DeviceError)):
             job = validate(load_job(args.job, overrides), MPI.COMM_WORLD.Get_size())
+            if job.parallel.layout == "auto":
+                from .plan.auto import planned_job
+
+                job = planned_job(job, MPI.COMM_WORLD.Get_size(), args.machine)
+            elif args.machine is not None:  # training never reads a machine file otherwise
+                raise JobError(job.source, [("--machine", "the machine file is read by --dry-run and by "
+                                                          "parallel.layout = \"auto\" only; leave it out")])
             check_machine(job)
         # JobErrors inside (a checkpoint that does not fit the job) come on every rank at once
         request = Request(args.resume, overwrite=args.overwrite, weights_only=args.load_weights_only)
@@ -247,9 +253,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the job, print the planner's step time and memory per rank for its layout "
                              "(hpcpar plan), and exit without training")
+    parser.add_argument("--layout", choices=("manual", "auto"), default=None,
+                        help="auto: the planner picks the layout (parallel.layout = \"auto\": the layout keys the "
+                             "job leaves out, for this world and --machine) (default: parallel.layout of the job)")
     parser.add_argument("--machine", default=None, metavar="FILE",
-                        help="--dry-run: the machine file for the step time (default: runs/plan/machine.toml when "
-                             "there is one; without one, memory and traffic only)")
+                        help="--dry-run and --layout auto: the machine file planned on (default: "
+                             "runs/plan/machine.toml; without one, --dry-run predicts memory and traffic only)")
     parser.add_argument("--list-keys", action="store_true",
                         help="print every job key with its type, default and meaning (docs/jobs.md), and exit")
     parser.set_defaults(func=_train)

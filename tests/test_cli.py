@@ -107,8 +107,9 @@ USAGE_ERRORS = [
                                       "no worker among 1 ranks"),  # no one-rank baseline to measure against
     (["plot", "CORRUPT"], "hpcpar plot: error: CORRUPT, line 2: not JSON"),
     (["compare", "jobs/gpt-dp.toml", "--steps", "0"], "hpcpar compare: error: --steps must be >= 1"),
-    (["train", "jobs/gpt-dp.toml", "--machine", "m.toml"], "hpcpar train: error: --machine FILE is the machine of "
-                                                           "--dry-run"),  # training never read it
+    (["train", "jobs/gpt-dp.toml", "--machine", "m.toml"], "hpcpar train: error: jobs/gpt-dp.toml: --machine: the "
+                                                           "machine file is read by --dry-run and by parallel.layout"),
+     # training in the job's own layout never reads it
     (["train", "jobs/gpt-dp.toml", "--dry-run", "--resume", "must", "--overwrite"],
      "hpcpar train: error: --resume, --overwrite do nothing with --dry-run"),  # they were ignored, exit 0
     (["train", "jobs/gpt-dp.toml", "--list-keys"], "hpcpar train: error: --list-keys prints every key and reads "

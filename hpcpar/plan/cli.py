@@ -12,9 +12,8 @@ import os
 from ..paths import output_problem
 from ..runtime.grid import GRID
 from ..tables import format_table
-from .machine import MACHINES_DIR, MachineError, load_machine
+from .machine import DEFAULT_MACHINE, MachineError, load_machine, shipped
 
-DEFAULT_MACHINE = os.path.join("runs", "plan", "machine.toml")
 
 
 def add_arguments(parser) -> None:
@@ -33,10 +32,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--inter", default=None, metavar="FILE",
                         help="calibrate on one node: take the inter-node link from this machine file (default: equal to intra-node)")
     parser.set_defaults(func=run)
-
-
-def shipped() -> list[str]:
-    return sorted(name[:-5] for name in os.listdir(MACHINES_DIR) if name.endswith(".toml"))
 
 
 def _usage(message: str):
@@ -220,6 +215,10 @@ def dry_run(job_path: str, overrides: list, mpi_world: int, machine_path: str | 
         p = job.parallel
         world = mpi_world if mpi_world > 1 or p.grid_ranks() is None else p.grid_ranks()
         job = validate(job, world)
+        if job.parallel.layout == "auto":
+            from .auto import planned_job
+
+            job = planned_job(job, world, machine_path)
     path = machine_path or (DEFAULT_MACHINE if os.path.exists(DEFAULT_MACHINE) else None)
     machine = machine_from(path) if path else None
     if log.world_rank() != 0:

@@ -100,12 +100,15 @@ def label_of(job) -> str:
     return text + (f" rc={recompute}" if recompute != "none" else "")
 
 
-def plan_layouts(job, world: int, machine: Machine) -> Ranked:
-    """Predict every valid candidate layout of ``world`` ranks; rank them."""
+def plan_layouts(job, world: int, machine: Machine, fixed=(), keep_recompute: bool = False) -> Ranked:
+    """Predict every valid candidate layout of ``world`` ranks; rank them. ``fixed``: ``parallel``
+    keys whose values the candidates keep from ``job``; ``keep_recompute``: ``model.recompute`` too."""
     start = time.perf_counter()
     predictions, excluded, fits = [], [], {}
     seen = set()
     for variant in candidates(job, world):
+        if any(getattr(variant.parallel, key) != getattr(job.parallel, key) for key in fixed):
+            continue
         name = label_of(variant)
         if name in seen:
             continue
@@ -115,21 +118,21 @@ def plan_layouts(job, world: int, machine: Machine) -> Ranked:
         except JobError as error:
             excluded.append((name, "; ".join(text for _, text in error.problems)))
             continue
-        prediction, fit = _fitting(valid, machine, world)
+        prediction, fit = _fitting(valid, machine, world, keep_recompute)
         fits[id(prediction)] = fit
         predictions.append(prediction)
     predictions.sort(key=lambda q: (not fits[id(q)], q.step_s))
     return Ranked(predictions, excluded, time.perf_counter() - start, fits)
 
 
-def _fitting(job, machine: Machine, world: int) -> tuple[Prediction, bool]:
+def _fitting(job, machine: Machine, world: int, keep_recompute: bool = False) -> tuple[Prediction, bool]:
     """The prediction of the first variant that fits of: no recomputation, then selective, then full
     (a GPT: the job's own mode is one of them, not a floor; other models keep theirs), each without
     a pipeline with 1, 2, 4 ... micro-batches dividing a replica's share of the batch (the fewest
     first: accumulation costs time, and under ZeRO-2/3 holds the gradients whole). None fits: the
     last one, marked so."""
     limit = machine.memory_per_rank(min(world, machine.ranks_per_node))
-    modes = RECOMPUTE if job.model.kind == "gpt" else (job.model.recompute,)
+    modes = RECOMPUTE if job.model.kind == "gpt" and not keep_recompute else (job.model.recompute,)
     for variant in _memory_variants(job, modes, world):  # memory first: it needs no simulation
         plan = StepPlan(variant, machine)
         if plan.memory().total <= limit:

@@ -22,6 +22,12 @@ from dataclasses import dataclass, field
 FAMILIES = ("layernorm", "gelu", "softmax", "copy", "embedding", "cross_entropy", "optimizer", "pool", "im2col",
             "strided_runs", "pool_rows")  # the last two in runs per second: what a short run costs beyond its bytes
 MACHINES_DIR = os.path.join(os.path.dirname(__file__), "machines")
+DEFAULT_MACHINE = os.path.join("runs", "plan", "machine.toml")  # what ``hpcpar plan calibrate`` writes
+
+
+def shipped() -> list[str]:
+    """The machine files that come with hpcpar, by name (``dgx-a100``)."""
+    return sorted(name[:-5] for name in os.listdir(MACHINES_DIR) if name.endswith(".toml"))
 
 
 class MachineError(ValueError):

@@ -192,6 +192,13 @@ class ParallelSection(GridSizes):
                                "expert gradients are averaged over the dp ranks that hold the same experts",
                    check=at_least(1))
     mode: str = _key("allreduce", STRING, "how dp replicas agree", choices=("allreduce", "ps", "local_sgd"))
+    layout: str = _key("manual", STRING, "auto: the planner (hpcpar plan, with hpcpar train's --machine or "
+                                         "runs/plan/machine.toml) picks dp, pp, tp, cp, ep, the schedule, "
+                                         "micro-batches, chunks, partition, sequence parallelism, the ZeRO stage "
+                                         "and model.recompute for the world and the memory per rank, keeping those "
+                                         "the job gives; it prints its choice and the runner-up, and the run's "
+                                         "job.toml records the choice; manual: the job's own",
+                       choices=("manual", "auto"))
     staleness: int = _key(0, INTEGER, "steps a worker may run ahead of the servers", check=at_least(0),
                           applies=("parallel.mode", ("ps",)))
     local_steps: int = _key(4, INTEGER, "local SGD: steps between parameter averages (H)", check=at_least(1),

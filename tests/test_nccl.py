@@ -238,6 +238,18 @@ def test_backend_choice():
         choose_backend("gloo", "cpu", cuda_aware=False)
 
 
+def test_ranks_sharing_a_gpu_take_mpi_under_auto_and_are_refused_nccl():
+    """NCCL refuses two ranks on one GPU (ncclCommInitRank fails): with more ranks on a node than
+    GPUs, auto takes MPI and an explicit nccl is one line naming the counts."""
+    shared = dict(cuda_aware=True, have_nccl=True, ranks_per_node=4, gpus=2)
+    assert choose_backend("auto", "cuda", **shared) == "mpi"
+    assert choose_backend("auto", "cuda", **{**shared, "ranks_per_node": 2}) == "nccl"
+    with pytest.raises(RuntimeError, match="needs a GPU per rank, but 4 ranks on this node share 2 GPUs; launch at "
+                                           "most 2 ranks per node"):
+        choose_backend("nccl", "cuda", **shared)
+    assert choose_backend("nccl", "guard", **shared) == "nccl"  # the guard's pretend GPUs are not counted
+
+
 def pair_orders(schedule, p):
     """{(sender rank, receiver rank): (what the sender sends in order, what the receiver receives in order)}."""
     orders = {}

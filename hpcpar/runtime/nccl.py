@@ -89,27 +89,41 @@ def cupy_runtime() -> DeviceRuntime:
     )
 
 
-def choose_backend(requested: str, device: str, cuda_aware: bool, have_nccl: bool | None = None) -> str:
+def choose_backend(requested: str, device: str, cuda_aware: bool, have_nccl: bool | None = None,
+                   ranks_per_node: int | None = None, gpus: int | None = None) -> str:
     """``nccl`` or ``mpi`` for ``parallel.backend = requested`` on ``device``.
 
-    ``auto``: NCCL on GPUs when CuPy has it, else MPI (CUDA-aware when the library is, else
-    with host staging; ``describe_backend`` says which). ``nccl`` without a GPU or without
-    CuPy's NCCL is an error naming the fix.
+    ``auto``: NCCL on GPUs when CuPy has it and each of the node's ``ranks_per_node`` ranks has
+    a GPU of its own among its ``gpus`` (NCCL refuses two ranks on one GPU), else MPI (CUDA-aware
+    when the library is, else with host staging; ``describe_backend`` says which;
+    ``shared_gpus`` why). ``nccl`` without a GPU, without CuPy's NCCL or on shared GPUs is an
+    error naming the fix.
     """
     if requested not in BACKENDS:
         raise ValueError(f"parallel.backend must be one of {BACKENDS}, got {requested!r}")
     have_nccl = nccl_available() if have_nccl is None else have_nccl
     on_device = device in ("cuda", "guard")  # guard: the CuPy path on CPUs (hpcpar.guard), with an NCCL double
+    sharing = shared_gpus(ranks_per_node, gpus) if device == "cuda" else None
     if requested == "nccl":
         if not on_device:
             raise backend.DeviceError("parallel.backend = \"nccl\" needs train.device = \"cuda\" (NCCL moves GPU "
                                       "buffers only); use parallel.backend = \"auto\" or \"mpi\" on CPUs")
+        if sharing:
+            raise backend.DeviceError(f"parallel.backend = \"nccl\" needs a GPU per rank, but {sharing}; launch at "
+                                      f"most {gpus} ranks per node, or use parallel.backend = \"auto\" or \"mpi\"")
         if not have_nccl:
             cupy_runtime()  # raises the message naming the fix
         return "nccl"
-    if requested == "auto" and on_device and have_nccl:
+    if requested == "auto" and on_device and have_nccl and not sharing:
         return "nccl"
     return "mpi"
+
+
+def shared_gpus(ranks_per_node: int | None, gpus: int | None) -> str | None:
+    """Why a node's ranks share GPUs ("4 ranks on this node share 2 GPUs"), or None when each has its own."""
+    if not ranks_per_node or not gpus or ranks_per_node <= gpus:
+        return None
+    return f"{ranks_per_node} ranks on this node share {gpus} GPU{'s' if gpus > 1 else ''}"
 
 
 def describe_backend(comm: Communicator, device: str) -> str:

@@ -56,11 +56,13 @@ def agreed_device(comm: MPI.Comm, requested: str) -> str:
                   "alike on every node")
 
 
-def agreed_backend(comm: MPI.Comm, requested: str, device: str, cuda_aware: bool, runtime) -> str:
+def agreed_backend(comm: MPI.Comm, requested: str, device: str, cuda_aware: bool, runtime,
+                   ranks_per_node: int | None = None, gpus: int | None = None) -> str:
     """``nccl.choose_backend``'s answer, the same on every rank of ``comm`` (``agreed``)."""
     have_nccl = True if runtime is not None else None  # a runtime given (a test's double) stands for NCCL
     return agreed(comm, f"parallel.backend = {requested!r}",
-                  lambda: nccl.choose_backend(requested, device, cuda_aware, have_nccl=have_nccl),
+                  lambda: nccl.choose_backend(requested, device, cuda_aware, have_nccl=have_nccl,
+                                              ranks_per_node=ranks_per_node, gpus=gpus),
                   "every rank must move device buffers the same way: give every node NCCL or none, or set the "
                   "backend (parallel.backend)")
 
@@ -147,7 +149,11 @@ def setup(world: MPI.Comm, device: str = "auto", wait_policy: str | None = None,
         arrays.select_gpu(node.Get_rank())
     settings = process_settings(world, node.Get_size(), tune_allocator, device, fail_fast)
     cuda_aware = query_cuda_aware()
-    chosen = agreed_backend(world, backend, device, cuda_aware, runtime)
+    gpus = arrays.gpu_count() if device == "cuda" else None
+    chosen = agreed_backend(world, backend, device, cuda_aware, runtime, node.Get_size(), gpus)
+    sharing = nccl.shared_gpus(node.Get_size(), gpus)
+    if backend == "auto" and sharing and nccl.nccl_available() and world.Get_rank() == 0:
+        logger.info(f"communication: MPI, not NCCL: {sharing}, and NCCL needs a GPU per rank")
     if requested_device == "auto" and world.Get_rank() == 0:  # say what "auto" chose
         logger.info(arrays.device_choice(requested_device, device) + f"; communication: {chosen}")
     return Process(world=world, node=node, node_cpus=node_cpus, topology=topology, device=device,

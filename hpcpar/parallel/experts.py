@@ -36,13 +36,12 @@ def split_experts(holder) -> tuple[ParameterList, ParameterList]:
             ParameterList([(n, p) for n, p in named if p.expert_parallel]))
 
 
-def sharded_stores(layers, names: dict, ctx, **options) -> tuple[ShardedParameters, ShardedParameters]:
-    """ZeRO-3's (dense store over dp, experts' store over edp) for ``layers``; ``options`` as
-    ``ShardedParameters``'s (``comm`` for the dense one: dp, or its shard groups)."""
-    dense_comm = options.pop("comm")
+def sharded_stores(layers, names: dict, ctx, comm, **options) -> tuple[ShardedParameters, ShardedParameters]:
+    """ZeRO-3's (dense store over ``comm``, dp's shards, and the experts' store over edp) for
+    ``layers``; ``options`` as ``ShardedParameters``'s."""
     _, replicas = ctx.expert_groups(ctx.expert_group().size)
     moes = [module for layer in layers for _, module in layer.named_modules() if isinstance(module, MoE)]
-    dense = ShardedParameters(layers, names, dense_comm, **options,
+    dense = ShardedParameters(layers, names, comm, **options,
                               params_of=lambda layer: [p for p in layer.parameters() if not p.expert_parallel])
     experts = ShardedParameters(moes, names, replicas, **options,
                                 params_of=lambda layer: [p for p in layer.parameters() if p.expert_parallel])

@@ -4,17 +4,13 @@ Every method returns stage boundaries ``[0, b1, ..., n]``: stage ``s`` holds lay
 ``bounds[s]:bounds[s+1]``, every layer exactly once, no stage empty.
 
 - ``uniform``: layer counts as equal as possible (earlier stages get the extra layer);
-- ``blocks``: Megatron-LM's cut: the layers between the first and the last (a GPT's blocks) as
-  equal as possible, the first layer (the embedding) joining the first stage, the last (the
-  head) the last stage;
+- ``blocks``: Megatron-LM's cut: the middle layers (a GPT's blocks) as ``uniform``, the first
+  (the embedding) with the first stage, the last (the head) with the last;
 - ``parameters``: balance parameter counts;
 - ``balanced``: balance measured forward+backward time per layer (``measure_layer_costs``;
   in a job of several ranks, world rank 0's measurement, which every rank cuts by);
 - an explicit list of per-stage layer counts.
-
-``parameters`` and ``balanced`` split a sequence of costs into k contiguous parts so that the
-most expensive part is as cheap as possible (the linear partition problem), by dynamic
-programming over prefix sums: exact, O(k n^2), instant for the few hundred layers of any real model.
+The balancing methods solve the linear partition problem exactly (``min_max_bounds``).
 """
 from __future__ import annotations
 
@@ -61,7 +57,8 @@ def counts_to_bounds(counts, num_layers: int) -> list[int]:
 
 
 def min_max_bounds(costs, num_stages: int) -> list[int]:
-    """Contiguous split of ``costs`` into ``num_stages`` parts minimising the largest part's sum."""
+    """Contiguous split of ``costs`` into ``num_stages`` parts minimising the largest part's sum: dynamic
+    programming over prefix sums, exact, O(k n^2), instant for the few hundred layers of any real model."""
     n = len(costs)
     _check(n, num_stages)
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
